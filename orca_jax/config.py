@@ -1,0 +1,147 @@
+"""Frozen configuration dataclasses; each checks itself in __post_init__ and is never mutated."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class ModelFamily(enum.Enum):
+    """Which decoder variant the config switches select."""
+
+    GPT = "gpt"  # learned positions, LayerNorm, GeLU MLP, MHA
+    LLAMA = "llama"  # RoPE, RMSNorm, SwiGLU, GQA
+
+
+class AttentionBackend(enum.Enum):
+    """Which ragged attention implementation the runner uses."""
+
+    AUTO = "auto"  # the Pallas kernel on GPU, the jnp path elsewhere
+    JNP = "jnp"
+    PALLAS = "pallas"
+
+
+class SchedulingPolicy(enum.Enum):
+    """How the scheduler orders requests (ORCA Algorithm 1 is FCFS)."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"  # higher priority first, arrival order within one priority
+    DEADLINE = "deadline"  # TCB's deadline-aware scheduling: earliest deadline first
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shapes and switches of one decoder-only transformer."""
+
+    family: ModelFamily
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # LLAMA only
+    tie_embeddings: bool = True
+    dtype: str = "float32"  # activations and weights: "float32" or "bfloat16"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "ffn_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.family is ModelFamily.GPT and self.num_kv_heads != self.num_heads:
+            raise ValueError("GPT models use multi-head attention: num_kv_heads must equal num_heads")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings included once when tied)."""
+        h, f, d = self.hidden_size, self.ffn_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = h * f * (3 if self.family is ModelFamily.LLAMA else 2)
+        embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        pos = self.max_seq_len * h if self.family is ModelFamily.GPT else 0
+        return self.num_layers * (attn + mlp) + embed + pos
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache. page_size=1 is FineInfer's token-granular manager."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # None: size the pool from kv_memory_gib
+    kv_memory_gib: float | None = None  # None: a fraction of free device memory (runner decides)
+
+    def __post_init__(self):
+        if self.page_size <= 0:
+            raise ValueError(f"CacheConfig.page_size must be positive, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"CacheConfig.num_pages must be at least 2, got {self.num_pages}")
+        if self.kv_memory_gib is not None and self.kv_memory_gib <= 0:
+            raise ValueError(f"CacheConfig.kv_memory_gib must be positive, got {self.kv_memory_gib}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """ORCA Algorithm 1's knobs plus the per-iteration token budget."""
+
+    max_batch_size: int = 64  # requests per iteration (vLLM's max_num_seqs)
+    max_tokens_per_iteration: int = 512  # longer prompts are fed over several iterations
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this
+
+    def __post_init__(self):
+        if self.max_batch_size <= 0:
+            raise ValueError(f"SchedulerConfig.max_batch_size must be positive, got {self.max_batch_size}")
+        if self.max_tokens_per_iteration < self.max_batch_size:
+            raise ValueError("SchedulerConfig.max_tokens_per_iteration must be at least max_batch_size "
+                             "so every running request can get its one increment token")
+        if self.max_waiting <= 0:
+            raise ValueError(f"SchedulerConfig.max_waiting must be positive, got {self.max_waiting}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Mesh shape: inter-layer (pipeline stages) x intra-layer (tensor) parallelism."""
+
+    num_stages: int = 1
+    tensor_parallel: int = 1
+
+    def __post_init__(self):
+        if self.num_stages <= 0 or self.tensor_parallel <= 0:
+            raise ValueError("ParallelConfig sizes must be positive")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine needs; built once by the entry point."""
+
+    model: str = "smollm2-135m"
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    attention: AttentionBackend = AttentionBackend.AUTO
+    dtype: str | None = None  # overrides the preset's dtype when set
+    max_model_len: int | None = None  # caps the preset's max_seq_len when set
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")

@@ -1,0 +1,110 @@
+"""Host-side request state and the user-facing SamplingParams (no jax)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    seed: int | None = None  # None: drawn from the engine's seed and the request id
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the top N
+    include_stop_str_in_output: bool = False
+
+    MAX_TOP_LOGPROBS = 20
+
+    def __post_init__(self):
+        # Lists given by callers become tuples so the object stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = (
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an int >= 1"),
+            ("temperature", self.temperature >= 0.0, ">= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0 (0 disables)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "an int >= 0"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("logprobs", self.logprobs is None
+             or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.MAX_TOP_LOGPROBS),
+             f"between 0 and {self.MAX_TOP_LOGPROBS}"),
+        )
+        for field, ok, must in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{field} must be {must}, got {getattr(self, field)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the pool, never scheduled, no KV reserved
+    RUNNING = "running"  # KV reserved; initiation or increment phase
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens reached
+    FINISHED_ABORTED = "abort"  # client gone, shutdown, or error
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Request:
+    """One generation request as the scheduler and engine see it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0  # larger runs first under SchedulingPolicy.PRIORITY
+    deadline: float | None = None  # monotonic seconds; SchedulingPolicy.DEADLINE
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_iterations: int = 0  # iterations this request took part in
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold in the KV cache (its reservation)."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet fed to the model: the rest of the prompt, or the last sampled token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_initiation(self) -> bool:
+        """True while prompt tokens remain to be fed (ORCA's initiation phase)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,29 @@
+"""What the engine hands back to its callers after each iteration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token, with the top alternatives when asked for."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> logprob
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    """The news of one request from one iteration: the delta, and the totals so far."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens produced this iteration (usually one)
+    new_text: str  # detokenized delta; held back while a stop string may still be forming
+    output_token_ids: list[int]  # all generated tokens so far
+    text: str  # all generated text so far
+    num_prompt_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    new_logprobs: list[TokenLogprob] | None = None  # when SamplingParams.logprobs is set

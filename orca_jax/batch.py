@@ -1,0 +1,129 @@
+"""SchedulerOutput -> RaggedBatch: all requests' new tokens flattened into one batch (numpy, host).
+
+No padding between requests (ORCA's selective batching, TCB's concatenation): request s owns rows
+cu_q_lens[s]:cu_q_lens[s+1]. Only the totals are padded, up to a small set of buckets, so XLA compiles
+a bounded number of programs: T (tokens), S (sequences) and P (page-table width) each round up to a
+power of two. Padding tokens write their K/V to scratch page 0; padding sequences have no tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from orca_jax.request import Request
+from orca_jax.scheduler import SchedulerOutput
+
+_MIN_TOKENS = 8
+_MIN_SEQS = 4
+_MIN_PAGES = 4
+
+
+def _round_up_pow2(n: int, minimum: int, maximum: int) -> int:
+    bucket = max(minimum, 1 << max(n - 1, 0).bit_length())
+    return min(bucket, maximum) if n <= maximum else bucket
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BucketPolicy:
+    """Upper limits of the three padded dimensions; the bucket of n is the next power of two."""
+
+    max_tokens: int  # the scheduler's per-iteration token budget
+    max_seqs: int  # max batch size
+    max_pages: int  # pages of the longest allowed sequence
+
+    def bucket(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
+        return (_round_up_pow2(num_tokens, _MIN_TOKENS, self.max_tokens),
+                _round_up_pow2(num_seqs, _MIN_SEQS, self.max_seqs),
+                _round_up_pow2(num_pages, _MIN_PAGES, self.max_pages))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RaggedBatch:
+    """One iteration's inputs, padded to a bucket; every array is numpy."""
+
+    token_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T]: page * page_size + offset where each token's K/V goes
+    cu_q_lens: np.ndarray  # i32[S + 1]
+    kv_lens: np.ndarray  # i32[S]
+    page_table: np.ndarray  # i32[S, P]
+    num_seqs: np.ndarray  # i32[1]
+    logits_indices: np.ndarray  # i32[S]: row of each request's last new token
+    temperature: np.ndarray  # f32[S]
+    top_k: np.ndarray  # i32[S]
+    top_p: np.ndarray  # f32[S]
+    seed: np.ndarray  # u32[S]
+    step: np.ndarray  # i32[S]: tokens generated so far, so each draw gets a fresh key
+    num_top_logprobs: int  # static: 0, or SamplingParams.MAX_TOP_LOGPROBS when any request asks
+    num_real_tokens: int
+    num_real_seqs: int
+
+    @property
+    def shape_key(self) -> tuple[int, int, int, int]:
+        """What decides the compiled program: (T, S, P, top logprobs)."""
+        return (self.token_ids.shape[0], self.kv_lens.shape[0], self.page_table.shape[1],
+                self.num_top_logprobs)
+
+
+def new_token_ids(request: Request, start: int, count: int) -> list[int]:
+    """The token ids at positions [start, start + count) of a request's prompt + output."""
+    num_prompt = request.num_prompt_tokens
+    if start + count <= num_prompt:
+        return request.prompt_token_ids[start:start + count]
+    if start >= num_prompt:
+        return request.output_token_ids[start - num_prompt:start - num_prompt + count]
+    return (request.prompt_token_ids + request.output_token_ids)[start:start + count]
+
+
+def build_batch(output: SchedulerOutput, page_ids_of, page_size: int, buckets: BucketPolicy,
+                seed_of, max_top_logprobs: int) -> RaggedBatch:
+    """Flatten the scheduled requests' new tokens; page_ids_of(request_id) -> list[int]."""
+    scheduled = output.scheduled
+    num_tokens = output.num_tokens
+    num_seqs = len(scheduled)
+    max_kv = max(s.request.num_computed_tokens + s.num_new_tokens for s in scheduled)
+    t_pad, s_pad, p_pad = buckets.bucket(num_tokens, num_seqs, -(-max_kv // page_size))
+
+    token_ids = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slot_mapping = np.zeros(t_pad, np.int32)  # padding rows write into scratch page 0
+    cu_q_lens = np.full(s_pad + 1, num_tokens, np.int32)
+    kv_lens = np.zeros(s_pad, np.int32)
+    page_table = np.zeros((s_pad, p_pad), np.int32)
+    logits_indices = np.zeros(s_pad, np.int32)
+    temperature = np.zeros(s_pad, np.float32)
+    top_k = np.zeros(s_pad, np.int32)
+    top_p = np.ones(s_pad, np.float32)
+    seed = np.zeros(s_pad, np.uint32)
+    step = np.zeros(s_pad, np.int32)
+    wants_top_logprobs = False
+
+    row = 0
+    for i, item in enumerate(scheduled):
+        request, count = item.request, item.num_new_tokens
+        start = request.num_computed_tokens
+        pages = np.asarray(page_ids_of(request.request_id), np.int32)
+        pos = np.arange(start, start + count, dtype=np.int32)
+        token_ids[row:row + count] = new_token_ids(request, start, count)
+        positions[row:row + count] = pos
+        slot_mapping[row:row + count] = pages[pos // page_size] * page_size + pos % page_size
+        cu_q_lens[i] = row
+        row += count
+        kv_lens[i] = start + count
+        num_pages = -(-(start + count) // page_size)
+        page_table[i, :num_pages] = pages[:num_pages]
+        logits_indices[i] = row - 1
+        sp = request.sampling
+        temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
+        seed[i] = seed_of(request)
+        step[i] = len(request.output_token_ids)
+        wants_top_logprobs |= bool(sp.logprobs)
+
+    return RaggedBatch(
+        token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, cu_q_lens=cu_q_lens,
+        kv_lens=kv_lens, page_table=page_table, num_seqs=np.array([num_seqs], np.int32),
+        logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+        step=step, num_top_logprobs=max_top_logprobs if wants_top_logprobs else 0,
+        num_real_tokens=num_tokens, num_real_seqs=num_seqs)

@@ -1,0 +1,53 @@
+"""Incremental detokenization and stop strings for one request's output stream."""
+
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas; finds stop strings in the new text."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str: bool = False):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.include_stop_str = include_stop_str
+        self.text = ""  # all decoded text so far (cut at a stop string once one is seen)
+        self.num_emitted_chars = 0
+        self._prefix_offset = 0
+        self._read_offset = 0
+        # Hold back what could be the start of a stop string until it is known not to be one.
+        self._hold_back = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Account for token_ids (the whole output so far); returns (new text to emit, stopped)."""
+        # Decoding from the previous read point keeps byte-level merges at the boundary right.
+        prefix = self.tokenizer.decode(token_ids[self._prefix_offset:self._read_offset])
+        full = self.tokenizer.decode(token_ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self.text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+        stopped = self._cut_at_stop_string()
+        return self._emit(final=stopped), stopped
+
+    def flush(self) -> str:
+        """Everything not yet emitted (call once the request has finished)."""
+        return self._emit(final=True)
+
+    def _cut_at_stop_string(self) -> bool:
+        if not self.stop:
+            return False
+        # A stop string can only end inside the text not yet emitted (plus its own length before).
+        search_from = max(0, self.num_emitted_chars - self._hold_back)
+        hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        self.text = self.text[:index + (len(stop) if self.include_stop_str else 0)]
+        return True
+
+    def _emit(self, final: bool) -> str:
+        end = len(self.text) if final else max(self.num_emitted_chars, len(self.text) - self._hold_back)
+        delta = self.text[self.num_emitted_chars:end]
+        self.num_emitted_chars = end
+        return delta

@@ -1,0 +1,233 @@
+"""The host-side iteration loop: scheduler -> ragged batch -> runner -> scheduler, one iteration a step.
+
+Up to num_stages batches can be in flight (ORCA Algorithm 1, lines 8-10). With a single device and
+num_stages=2 the host builds and dispatches batch k+1 while the device still runs batch k.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+import zlib
+
+from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
+from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.kv_cache import KVCacheManager
+from orca_jax.models.loader import LoadedModel, load_model
+from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.request import Request, RequestStatus, SamplingParams
+from orca_jax.runner import ModelRunner, StepResult
+from orca_jax.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started, plus the last iteration's shape."""
+
+    iterations: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_reserved: int = 0
+    kv_pages_total: int = 0
+    last_batch_size: int = 0
+    last_num_tokens: int = 0
+    last_iteration_seconds: float = 0.0
+    num_compiled_buckets: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    batch_size_total: int = 0  # sum over iterations, for the mean
+    scheduled_tokens_total: int = 0
+    host_seconds_total: float = 0.0  # scheduling + batch building + output handling
+    device_wait_seconds_total: float = 0.0  # blocked on the device's tokens
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_size_total / max(self.iterations, 1)
+
+    @property
+    def mean_tokens_per_iteration(self) -> float:
+        return self.scheduled_tokens_total / max(self.iterations, 1)
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    output: SchedulerOutput
+    batch: RaggedBatch
+    packed: object  # the device array the runner returned
+    num_outputs_before: list[int]
+
+
+def model_config_for(config: EngineConfig, loaded: LoadedModel) -> ModelConfig:
+    """The loaded model's config with the engine's length cap applied."""
+    model_config = loaded.config
+    if config.max_model_len is not None and config.max_model_len < model_config.max_seq_len:
+        model_config = dataclasses.replace(model_config, max_seq_len=config.max_model_len)
+    return model_config
+
+
+class Engine:
+    """ORCA's engine: add requests at any time, call step() to run one iteration."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        loaded = loaded or load_model(config.model, dtype=config.dtype)
+        self.tokenizer = loaded.tokenizer
+        self.model_config = model_config_for(config, loaded)
+        self.max_model_len = self.model_config.max_seq_len
+        self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
+                                  seed=config.seed)
+        self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
+                                   num_stages=config.parallel.num_stages)
+        self.buckets = BucketPolicy(max_tokens=config.scheduler.max_tokens_per_iteration,
+                                    max_seqs=config.scheduler.max_batch_size,
+                                    max_pages=-(-self.max_model_len // self.runner.page_size))
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._seeds: dict[str, int] = {}
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+        self._ids = itertools.count()
+        self._stats = EngineStats(kv_pages_total=self.kv.num_usable_pages)
+        log.info("engine ready: %s, %d KV pages of %d tokens", config.model, self.runner.num_pages,
+                 self.runner.page_size)
+
+    # ---- requests in and out ----
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams, *,
+                    request_id: str | None = None, priority: int = 0,
+                    deadline: float | None = None) -> str:
+        """Queue a request; raises ValueError if it can never run, QueueFullError if the pool is full."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
+                          priority=priority, deadline=deadline,
+                          eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+        self.scheduler.add_request(request)
+        self._requests[request_id] = request
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
+        # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
+        self._seeds[request_id] = (sampling.seed if sampling.seed is not None
+                                   else zlib.crc32(f"{self.config.seed}:{request_id}".encode()))
+        self._stats.prompt_tokens_total += len(token_ids)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now and free its KV; nothing more is emitted for it."""
+        aborted = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._in_flight)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    # ---- one iteration ----
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: fill the pipeline, then take the oldest batch's tokens."""
+        start = time.perf_counter()
+        while self.scheduler.can_schedule:
+            output = self.scheduler.schedule()
+            if not output.scheduled:
+                break
+            batch = build_batch(output, self.kv.page_ids, self.runner.page_size, self.buckets,
+                                lambda r: self._seeds[r.request_id], SamplingParams.MAX_TOP_LOGPROBS)
+            before = [len(s.request.output_token_ids) for s in output.scheduled]
+            self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch), before))
+        if not self._in_flight:
+            return []
+        flight = self._in_flight.popleft()
+        wait_start = time.perf_counter()
+        result = self.runner.fetch(flight.packed, flight.batch)
+        wait_end = time.perf_counter()
+        outputs = self._process(flight, result)
+        end = time.perf_counter()
+        self._record(flight.output, end - start, wait_end - wait_start)
+        return outputs
+
+    def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
+        scheduled = flight.output.scheduled
+        logprobs = [
+            (float(result.logprobs[i]),
+             dict(zip(result.top_ids[i].tolist(), result.top_logprobs[i].tolist()))
+             if s.request.sampling.logprobs else {})
+            if s.request.sampling.logprobs is not None else None
+            for i, s in enumerate(scheduled)]
+        self.scheduler.update(flight.output, result.token_ids.tolist(), logprobs)
+        outputs = []
+        for item, before in zip(scheduled, flight.num_outputs_before):
+            request = item.request
+            if request.request_id not in self._requests:
+                continue  # aborted while in flight
+            num_new = len(request.output_token_ids) - before
+            if num_new == 0 and not request.status.finished:
+                continue  # a prompt chunk that did not reach the end of the prompt
+            outputs.append(self._output_for(request, num_new))
+        return outputs
+
+    def _output_for(self, request: Request, num_new: int) -> RequestOutput:
+        detok = self._detokenizers[request.request_id]
+        ids = request.output_token_ids
+        stop_ids = set(request.sampling.stop_token_ids)
+        if not request.sampling.ignore_eos:
+            stop_ids.update(request.eos_token_ids)
+        hit_stop_token = request.status is RequestStatus.FINISHED_STOPPED and ids and ids[-1] in stop_ids
+        new_text, stopped = detok.add(ids[:-1] if hit_stop_token else ids)
+        if stopped and not request.status.finished:
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+        if request.status.finished:
+            new_text += detok.flush()
+        new_logprobs = None
+        if request.sampling.logprobs is not None and num_new:
+            new_logprobs = [TokenLogprob(t, lp, top) for t, lp, top in zip(
+                ids[-num_new:], request.output_logprobs[-num_new:],
+                request.output_top_logprobs[-num_new:])]
+        self._stats.generated_tokens_total += num_new
+        output = RequestOutput(
+            request_id=request.request_id, new_token_ids=ids[len(ids) - num_new:], new_text=new_text,
+            output_token_ids=list(ids), text=detok.text, num_prompt_tokens=request.num_prompt_tokens,
+            finished=request.status.finished,
+            finish_reason=request.status.value if request.status.finished else None,
+            new_logprobs=new_logprobs)
+        if request.status.finished:
+            self._forget(request.request_id)
+        return output
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+        self._seeds.pop(request_id, None)
+
+    def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:
+        stats = self._stats
+        stats.iterations += 1
+        stats.last_batch_size = output.num_requests
+        stats.last_num_tokens = output.num_tokens
+        stats.last_iteration_seconds = seconds
+        stats.batch_size_total += output.num_requests
+        stats.scheduled_tokens_total += output.num_tokens
+        stats.host_seconds_total += seconds - wait_seconds
+        stats.device_wait_seconds_total += wait_seconds
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters, with the pool's current state filled in."""
+        stats = dataclasses.replace(self._stats)
+        stats.num_running = self.scheduler.num_running
+        stats.num_waiting = self.scheduler.num_waiting
+        stats.kv_pages_used = self.kv.num_used_pages
+        stats.kv_pages_reserved = self.kv.num_reserved_pages
+        stats.num_compiled_buckets = len(self.runner.compiled_shapes)
+        return stats

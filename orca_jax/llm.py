@@ -1,0 +1,145 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)`, for scripts and notebooks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, ParallelConfig,
+                             SchedulerConfig, SchedulingPolicy)
+from orca_jax.engine import Engine, EngineStats
+from orca_jax.models.loader import LoadedModel
+from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.request import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+@dataclasses.dataclass(slots=True)
+class CompletionOutput:
+    """One generated continuation (vLLM's name, so `out.outputs[0].text` reads the same)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class GenerationOutput:
+    """A finished request: its prompt and its one completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with iteration-level batching."""
+
+    def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, page_size: int = 16, num_kv_pages: int | None = None,
+                 kv_cache_memory_gib: float | None = None, max_model_len: int | None = None,
+                 dtype: str | None = None, attention_backend: str = "auto",
+                 scheduling_policy: str = "fcfs", num_stages: int = 1, seed: int = 0,
+                 engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        config = engine_config or EngineConfig(
+            model=model,
+            cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib),
+            scheduler=SchedulerConfig(max_batch_size=max_num_seqs,
+                                      max_tokens_per_iteration=max_num_batched_tokens,
+                                      policy=SchedulingPolicy(scheduling_policy)),
+            parallel=ParallelConfig(num_stages=num_stages),
+            attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
+            seed=seed)
+        self.engine = Engine(config, loaded)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[GenerationOutput]:
+        """Generate for every prompt (a string or a token-id list); results come in input order."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        finished = self._run_to_completion(set(ids), use_tqdm)
+        return [_to_generation_output(finished[i], p, self.engine) for i, p in zip(ids, prompts)]
+
+    def chat(self, messages: list[Message] | Sequence[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True) -> list[GenerationOutput]:
+        """Generate replies to one conversation or several, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after each iteration that produced tokens."""
+        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(request_id)  # a consumer that stops early frees the KV
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _run_to_completion(self, pending: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(pending), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while len(finished) < len(pending):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in pending - finished.keys():
+                self.engine.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        return finished
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def _to_generation_output(out: RequestOutput, prompt: Prompt, engine: Engine) -> GenerationOutput:
+    prompt_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    completion = CompletionOutput(index=0, text=out.text, token_ids=out.output_token_ids,
+                                  finish_reason=out.finish_reason)
+    return GenerationOutput(request_id=out.request_id, prompt=prompt if isinstance(prompt, str) else None,
+                            prompt_token_ids=prompt_ids, outputs=[completion])

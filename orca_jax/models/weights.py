@@ -1,0 +1,363 @@
+"""Weights from files into our params pytree: GGUF (Llama), GPT-2 safetensors, and our own orbax checkpoints.
+
+Every loader returns numpy arrays in the config's dtype, laid out as `decoder.param_shapes` says
+(per-layer weights stacked on a leading [L] axis, einsum layouts), and checks every shape on the way.
+Anything missing, truncated or mismatched raises WeightsError naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+
+from orca_jax.config import ModelConfig, ModelFamily
+from orca_jax.kernels.ragged_attention import ragged_attention_reference
+from orca_jax.models import decoder
+
+Params = dict  # nested dict of np.ndarray, the Decoder's "params" collection
+
+
+class WeightsError(ValueError):
+    """A weights file is missing, truncated, of the wrong kind, or does not fit the config."""
+
+
+# --- shared helpers ------------------------------------------------------------------------------
+
+def expected_shapes(config: ModelConfig) -> dict:
+    """The params pytree as nested dicts of shape tuples."""
+    shapes = decoder.param_shapes(config, ragged_attention_reference)
+    return jax.tree_util.tree_map(lambda s: tuple(s.shape), shapes)
+
+
+def check_params(params: Params, config: ModelConfig, source: str) -> None:
+    """Raise WeightsError unless `params` has exactly the tree and shapes `config` implies."""
+    want = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(
+        expected_shapes(config), is_leaf=lambda x: isinstance(x, tuple))}
+    got = {jax.tree_util.keystr(k): tuple(np.shape(v))
+           for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    if want.keys() != got.keys():
+        missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+        raise WeightsError(f"{source}: params do not fit the model config "
+                           f"(missing {missing or 'none'}, unexpected {extra or 'none'})")
+    for name, shape in want.items():
+        if got[name] != shape:
+            raise WeightsError(f"{source}: {name} has shape {got[name]}, the config needs {shape}")
+
+
+def cast_params(params: Params, dtype: str) -> Params:
+    """Every leaf as a numpy array of `dtype` ("float32" or "bfloat16")."""
+    target = np.dtype(jax.numpy.dtype(dtype))
+    return jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=target), params)
+
+
+def config_to_json(config: ModelConfig) -> str:
+    fields = dataclasses.asdict(config)
+    fields["family"] = config.family.value
+    return json.dumps(fields, indent=2)
+
+
+def config_from_json(text: str, source: str) -> ModelConfig:
+    try:
+        fields = json.loads(text)
+        fields["family"] = ModelFamily(fields["family"])
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        return ModelConfig(**fields)
+    except (ValueError, KeyError, TypeError) as err:
+        raise WeightsError(f"{source}: not a valid model config ({err})") from err
+
+
+def _require_file(path: str) -> None:
+    if not os.path.exists(path):
+        raise WeightsError(f"{path}: no such file")
+    if not os.path.isfile(path):
+        raise WeightsError(f"{path}: not a regular file")
+
+
+def _float32_value(value: float) -> float:
+    # GGUF stores floats as float32: 1e-5 comes back as 9.99999974e-06. Take float32's shortest repr.
+    return float(str(np.float32(value)))
+
+
+# --- GGUF (llama.cpp) ----------------------------------------------------------------------------
+
+def open_gguf(path: str):
+    """A `gguf.GGUFReader` over `path`, with truncation and wrong file types reported clearly."""
+    from gguf import GGUFReader  # local: only GGUF users pay for the import
+
+    _require_file(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise WeightsError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        reader = GGUFReader(path)
+    except Exception as err:  # the reader raises whatever numpy/struct raise on a short file
+        raise WeightsError(f"{path}: cannot parse GGUF, the file is truncated or corrupt ({err})") from err
+    size = os.path.getsize(path)
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size or tensor.data.nbytes != tensor.n_bytes:
+            raise WeightsError(f"{path}: tensor {tensor.name} runs past the end of the file "
+                               f"({size} bytes): the file is truncated")
+    return reader
+
+
+def _gguf_field(reader, key: str, path: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise WeightsError(f"{path}: GGUF metadata has no {key}")
+        return default
+    return field.contents()
+
+
+def config_from_gguf(reader, path: str, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig a Llama-architecture GGUF describes."""
+    arch = _gguf_field(reader, "general.architecture", path)
+    if arch != "llama":
+        raise WeightsError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+
+    def meta(key, default=None):
+        return _gguf_field(reader, f"llama.{key}", path, default)
+
+    hidden, num_heads = meta("embedding_length"), meta("attention.head_count")
+    tensor_names = {t.name for t in reader.tensors}
+    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
+    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return ModelConfig(
+        family=ModelFamily.LLAMA,
+        vocab_size=meta("vocab_size", len(tokens.data) if tokens is not None else None),
+        hidden_size=hidden, num_layers=meta("block_count"), num_heads=num_heads,
+        num_kv_heads=meta("attention.head_count_kv", num_heads),
+        head_dim=meta("attention.key_length", hidden // num_heads), ffn_size=meta("feed_forward_length"),
+        max_seq_len=meta("context_length"),
+        norm_eps=_float32_value(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=_float32_value(meta("rope.freq_base", 10000.0)),
+        tie_embeddings="output.weight" not in tensor_names, dtype=dtype,
+        bos_token_id=None if bos is None else bos.contents(),
+        eos_token_ids=() if eos is None else (eos.contents(),))
+
+
+def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation ([out, in]), back to HF's rotate-half layout.
+
+    llama.cpp interleaves the two halves of each head's rows for its rotate-pairs RoPE; this is the
+    inverse transformers applies (`_reverse_permute_weights`).
+    """
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def load_gguf_params(path: str, config: ModelConfig, reader=None) -> Params:
+    """Dequantize a Llama GGUF's tensors into our pytree (numpy, config.dtype)."""
+    from gguf import dequantize
+
+    reader = reader if reader is not None else open_gguf(path)
+    shapes = expected_shapes(config)
+    dtype = np.dtype(jax.numpy.dtype(config.dtype))
+    h, n, k, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    num_layers = config.num_layers
+    params = jax.tree_util.tree_map(lambda s: np.empty(s, dtype), shapes,
+                                    is_leaf=lambda x: isinstance(x, tuple))
+    layers = params["layers"]
+    # GGUF name -> (destination setter, converter from the [out, in] matrix to our layout).
+    per_layer = {
+        "attn_norm.weight": (layers["attn_norm"], "scale", lambda w: w),
+        "ffn_norm.weight": (layers["mlp_norm"], "scale", lambda w: w),
+        "attn_q.weight": (layers["attn"]["q"], "kernel", lambda w: _unpermute_rows(w, n).T.reshape(h, n, d)),
+        "attn_k.weight": (layers["attn"]["k"], "kernel", lambda w: _unpermute_rows(w, k).T.reshape(h, k, d)),
+        "attn_v.weight": (layers["attn"]["v"], "kernel", lambda w: w.T.reshape(h, k, d)),
+        "attn_output.weight": (layers["attn"]["o"], "kernel", lambda w: w.T.reshape(n, d, h)),
+        "ffn_gate.weight": (layers["mlp"]["gate"], "kernel", lambda w: w.T),
+        "ffn_up.weight": (layers["mlp"]["up"], "kernel", lambda w: w.T),
+        "ffn_down.weight": (layers["mlp"]["down"], "kernel", lambda w: w.T),
+    }
+    seen = set()
+    for tensor in reader.tensors:
+        name = tensor.name
+        try:
+            weight = dequantize(tensor.data, tensor.tensor_type)  # [out, in] (ggml's shape reversed)
+        except Exception as err:
+            raise WeightsError(f"{path}: cannot dequantize {name} ({tensor.tensor_type.name}): {err}") from err
+        if name == "token_embd.weight":
+            dest, key, value = params, "embed", weight  # [V, H]
+        elif name == "output_norm.weight":
+            dest, key, value = params["final_norm"], "scale", weight
+        elif name == "output.weight" and not config.tie_embeddings:
+            dest, key, value = params, "lm_head", weight.T  # [H, V]
+        elif name.startswith("blk.") and name.split(".", 2)[2] in per_layer:
+            layer, suffix = int(name.split(".")[1]), name.split(".", 2)[2]
+            if layer >= num_layers:
+                raise WeightsError(f"{path}: {name} but the model has {num_layers} layers")
+            holder, key, convert = per_layer[suffix]
+            _store(path, name, holder[key], layer, convert(weight))
+            seen.add(name)
+            continue
+        else:
+            raise WeightsError(f"{path}: unexpected tensor {name}; this loader knows plain Llama GGUFs")
+        if dest[key].shape != value.shape:
+            raise WeightsError(f"{path}: {name} has shape {value.shape}, the config needs {dest[key].shape}")
+        dest[key][...] = value
+        seen.add(name)
+    names = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{suffix}" for i in range(num_layers) for suffix in per_layer}
+    if not config.tie_embeddings:
+        names.add("output.weight")
+    if missing := sorted(names - seen):
+        raise WeightsError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return params
+
+
+def _store(path: str, name: str, stacked: np.ndarray, layer: int, value: np.ndarray) -> None:
+    if stacked.shape[1:] != value.shape:
+        raise WeightsError(f"{path}: {name} gives shape {value.shape}, the config needs {stacked.shape[1:]}")
+    stacked[layer] = value
+
+
+# --- GPT-2 safetensors (a Hugging Face directory) -------------------------------------------------
+
+def config_from_gpt2_json(path: str, dtype: str | None = None) -> ModelConfig:
+    """ModelConfig from a GPT-2 config.json; unsupported variants are refused, not approximated."""
+    _require_file(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise WeightsError(f"{path}: cannot read JSON ({err})") from err
+    if hf.get("model_type") != "gpt2":
+        raise WeightsError(f"{path}: model_type {hf.get('model_type')!r} is not supported (only 'gpt2')")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise WeightsError(f"{path}: activation {hf['activation_function']!r} is not supported (tanh GeLU only)")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(flag):
+            raise WeightsError(f"{path}: {flag}=true is not supported")
+    if not hf.get("scale_attn_weights", True):
+        raise WeightsError(f"{path}: scale_attn_weights=false is not supported")
+    try:
+        hidden, heads = hf["n_embd"], hf["n_head"]
+        eos = hf.get("eos_token_id")
+        return ModelConfig(
+            family=ModelFamily.GPT, vocab_size=hf["vocab_size"], hidden_size=hidden,
+            num_layers=hf["n_layer"], num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+            ffn_size=hf.get("n_inner") or 4 * hidden, max_seq_len=hf["n_positions"],
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=hf.get("tie_word_embeddings", True), dtype=dtype or "float32",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
+    except (KeyError, TypeError, ValueError) as err:
+        raise WeightsError(f"{path}: not a usable GPT-2 config ({err!r})") from err
+
+
+def _read_safetensors(directory: str) -> tuple[dict[str, np.ndarray], str]:
+    """All tensors of model.safetensors (or its sharded index), with 'transformer.' stripped."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(directory, name) for name in files]
+    else:
+        files = [single]
+    tensors = {}
+    for file in files:
+        _require_file(file)
+        try:
+            loaded = load_file(file)
+        except (SafetensorError, OSError, ValueError) as err:
+            raise WeightsError(f"{file}: cannot read safetensors, truncated or corrupt ({err})") from err
+        tensors.update({name.removeprefix("transformer."): value for name, value in loaded.items()})
+    return tensors, (files[0] if len(files) == 1 else index)
+
+
+def load_gpt2_params(directory: str, config: ModelConfig) -> Params:
+    """GPT-2 weights from safetensors; Conv1D weights are already [in, out], i.e. x @ W."""
+    tensors, source = _read_safetensors(directory)
+    h, n, d, num_layers = config.hidden_size, config.num_heads, config.head_dim, config.num_layers
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise WeightsError(f"{source}: missing tensor {name}")
+        value = tensors[name]
+        if value.shape != shape:
+            raise WeightsError(f"{source}: {name} has shape {value.shape}, config.json implies {shape}")
+        return value.astype(np.float32)
+
+    def stack(fn):
+        return np.stack([fn(i) for i in range(num_layers)])
+
+    def qkv(i: int, part: int, bias: bool):
+        prefix = f"h.{i}.attn.c_attn"
+        if bias:
+            return take(f"{prefix}.bias", (3 * h,)).reshape(3, n, d)[part]  # [N, D]
+        return take(f"{prefix}.weight", (h, 3 * h)).reshape(h, 3, n, d)[:, part]  # [H, N, D]
+
+    def norm(prefix: str) -> dict:
+        return {"scale": take(f"{prefix}.weight", (h,)), "bias": take(f"{prefix}.bias", (h,))}
+
+    def layer_norm(which: str) -> dict:
+        return {key: stack(lambda i: norm(f"h.{i}.{which}")[key]) for key in ("scale", "bias")}
+
+    f = config.ffn_size
+    params = {
+        "embed": take("wte.weight", (config.vocab_size, h)),
+        "pos_embed": take("wpe.weight", (config.max_seq_len, h)),
+        "final_norm": norm("ln_f"),
+        "layers": {
+            "attn_norm": layer_norm("ln_1"),
+            "mlp_norm": layer_norm("ln_2"),
+            "attn": {
+                name: {"kernel": stack(lambda i, p=part: qkv(i, p, False)),
+                       "bias": stack(lambda i, p=part: qkv(i, p, True))}
+                for part, name in enumerate(("q", "k", "v"))} | {
+                "o": {"kernel": stack(lambda i: take(f"h.{i}.attn.c_proj.weight", (h, h)).reshape(n, d, h)),
+                      "bias": stack(lambda i: take(f"h.{i}.attn.c_proj.bias", (h,)))}},
+            "mlp": {
+                "up": {"kernel": stack(lambda i: take(f"h.{i}.mlp.c_fc.weight", (h, f))),
+                       "bias": stack(lambda i: take(f"h.{i}.mlp.c_fc.bias", (f,)))},
+                "down": {"kernel": stack(lambda i: take(f"h.{i}.mlp.c_proj.weight", (f, h))),
+                         "bias": stack(lambda i: take(f"h.{i}.mlp.c_proj.bias", (h,)))}},
+        },
+    }
+    if not config.tie_embeddings:
+        params["lm_head"] = take("lm_head.weight", (config.vocab_size, h)).T  # [H, V]
+    check_params(params, config, source)
+    return cast_params(params, config.dtype)
+
+
+# --- our own checkpoints (orbax) ------------------------------------------------------------------
+
+def save_params(path: str, params: Params) -> None:
+    """Write a params pytree with orbax (path must not exist yet)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    if os.path.exists(path):
+        raise WeightsError(f"{path}: already exists; refusing to overwrite a checkpoint")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path, jax.tree_util.tree_map(np.asarray, params))
+    checkpointer.wait_until_finished()
+
+
+def restore_params(path: str, config: ModelConfig) -> Params:
+    """Read a params pytree saved by save_params, checked against the config's shapes."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise WeightsError(f"{path}: no such checkpoint directory")
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        # Restore what was saved (orbax restores the saved shapes whatever the target says), then check.
+        restored = checkpointer.restore(path)
+    except Exception as err:  # orbax raises many types for a broken directory
+        raise WeightsError(f"{path}: cannot restore the orbax checkpoint ({err})") from err
+    restored = jax.tree_util.tree_map(np.asarray, restored)
+    check_params(restored, config, path)
+    return cast_params(restored, config.dtype)

@@ -1,0 +1,103 @@
+"""create_app(engine): the FastAPI application. Everything it needs hangs off the app; no globals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from orca_jax.server.async_engine import AsyncEngine
+from orca_jax.server.errors import install_error_handlers
+from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics
+from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from orca_jax.server.protocol import (
+    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
+    ModelCard, ModelList, unix_now,
+)
+from orca_jax.server.serving import OpenAIServing
+
+if TYPE_CHECKING:
+    from orca_jax.engine import Engine
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # a full 8k-token context as JSON token ids fits many times
+SHUTDOWN_JOIN_SECONDS = 30.0
+
+_ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+
+
+def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
+               served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               metrics_require_auth: bool = False, default_max_tokens: int | None = None) -> FastAPI:
+    """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
+
+    A bare Engine is wrapped in an AsyncEngine. Only one app at a time may drive one engine.
+    """
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    served_model_name = served_model_name or async_engine.engine.config.model
+    metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: async_engine.num_in_flight)
+    async_engine.add_iteration_listener(metrics.observe_iteration)
+    serving = OpenAIServing(async_engine, metrics, served_model_name=served_model_name,
+                            default_max_tokens=default_max_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            # Joining can wait for one iteration; keep the event loop free meanwhile.
+            await asyncio.to_thread(async_engine.shutdown, SHUTDOWN_JOIN_SECONDS)
+
+    app = FastAPI(title="orca_jax", summary="OpenAI-compatible ORCA serving", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    v1 = APIRouter(prefix="/v1", responses=_ERROR_RESPONSES)
+
+    @v1.post("/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=served_model_name, created=unix_now(), max_model_len=serving.max_model_len)
+
+    @v1.get("/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @v1.get("/models/{model:path}", response_model=ModelCard)
+    async def get_model(model: str) -> ModelCard:
+        serving.check_model(model)
+        return model_card()
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 once the model is loaded and the engine loop is alive and accepting; else 503."""
+        if async_engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        reason = ("engine loop failed" if async_engine.error is not None
+                  else "shutting down or not started")
+        return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # Added last = outermost: the key is checked before the body is even read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key:
+        protected = ("/v1", "/metrics") if metrics_require_auth else ("/v1",)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)
+    return app
+

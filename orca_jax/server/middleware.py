@@ -1,0 +1,96 @@
+"""Plain ASGI middleware: API-key check and request-body size limit.
+
+Plain ASGI (not Starlette's BaseHTTPMiddleware) so that streaming responses and the handlers'
+disconnect detection pass through untouched. Both answer before the body is parsed: an
+unauthenticated client never gets its body read, an oversized one never gets it buffered.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from orca_jax.server.errors import error_body
+
+
+async def _send_error(send: Send, status: int, message: str, *, code: str,
+                      extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <key>` on paths under the protected prefixes."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str, protected_prefixes: tuple[str, ...]):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+        self._protected_prefixes = protected_prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self._protected_prefixes):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # compare_digest takes time independent of where the strings differ.
+            if not hmac.compare_digest(given, self._expected):
+                await _send_error(send, 401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key",
+                                  extra_headers=((b"www-authenticate", b"Bearer"),))
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answers 413 to bodies over `max_body_bytes`; buffers smaller ones and replays them."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await _send_error(send, 400, "invalid Content-Length header", code="invalid_request")
+                return
+            if int(declared) > self.max_body_bytes:
+                await self._too_large(send)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # client left before sending its body: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    async def _too_large(self, send: Send) -> None:
+        await _send_error(send, 413, f"request body larger than {self.max_body_bytes} bytes",
+                          code="request_too_large")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that yields the buffered body once, then the real channel (for disconnects)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replayed

@@ -1,0 +1,257 @@
+"""Helpers for the server tests: a fake engine you can check by hand, and ways to run an app.
+
+FakeEngine follows JetStream's mock engine: no model, just arithmetic. Each generated token is the
+letter after the previous token ('a'..'z', wrapping), so a prompt ending in "e" continues "fghij...".
+It keeps the real Engine's contract (add_request/abort/step/has_unfinished/stats, ValueError and
+QueueFullError, ORCA's KV reservation of all max_tokens on first scheduling, priority order), so the
+server's orchestration can be tested exactly and fast. Real-engine tests live in
+test_server_engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import uvicorn
+
+from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, SchedulerConfig
+from orca_jax.engine import EngineStats
+from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.request import SamplingParams
+from orca_jax.scheduler import QueueFullError
+from orca_jax.tokenizer import ByteTokenizer
+
+FIRST_LETTER, NUM_LETTERS = ord("a"), 26
+EOS = 2
+
+
+def next_letter(token: int) -> int:
+    return FIRST_LETTER + (token - FIRST_LETTER + 1) % NUM_LETTERS
+
+
+def expected_text(prompt: str, num_tokens: int) -> str:
+    """What FakeEngine generates for `prompt` (byte tokens) in `num_tokens` steps."""
+    token, letters = prompt.encode()[-1], []
+    for _ in range(num_tokens):
+        token = next_letter(token)
+        letters.append(chr(token))
+    return "".join(letters)
+
+
+@dataclasses.dataclass(slots=True)
+class _FakeRequest:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    priority: int
+    arrival: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+    pages: int = 0
+
+
+class FakeEngine:
+    """Deterministic stand-in for orca_jax.engine.Engine (see the module docstring)."""
+
+    def __init__(self, *, max_batch_size: int = 8, max_waiting: int = 64, num_pages: int = 256,
+                 page_size: int = 4, max_model_len: int = 128, step_seconds: float = 0.0,
+                 fail_at_iteration: int | None = None):
+        self.config = EngineConfig(
+            model="fake", cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+            scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting,
+                                      max_tokens_per_iteration=max(512, max_batch_size)))
+        self.model_config = ModelConfig(
+            family=ModelFamily.LLAMA, vocab_size=256, hidden_size=8, num_layers=1, num_heads=1,
+            num_kv_heads=1, head_dim=8, ffn_size=8, max_seq_len=max_model_len, eos_token_ids=(EOS,))
+        self.tokenizer = ByteTokenizer(eos_token_ids=(EOS,), bos_token_id=1)
+        self.max_model_len = max_model_len
+        self.step_seconds = step_seconds
+        self.fail_at_iteration = fail_at_iteration
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.waiting: list[_FakeRequest] = []
+        self.running: dict[str, _FakeRequest] = {}
+        self.aborted: list[str] = []
+        self.thread_ids: set[int] = set()  # which threads called in; must be exactly one
+        self._stats = EngineStats(kv_pages_total=num_pages)
+        self._arrivals = 0
+
+    def _enter(self) -> None:
+        self.thread_ids.add(threading.get_ident())
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams, *, request_id: str | None = None,
+                    priority: int = 0, deadline: float | None = None) -> str:
+        self._enter()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids or not all(0 <= t < 256 for t in ids):
+            raise ValueError("prompt must be non-empty ids in [0, 256)")
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt + max_tokens > max_model_len ({self.max_model_len})")
+        if self._pages_for(len(ids) + sampling.max_tokens) > self.num_pages:
+            raise ValueError("request is bigger than the KV pool")
+        if len(self.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError("fake pool full")
+        request_id = request_id or f"fake-{self._arrivals}"
+        self._arrivals += 1
+        self.waiting.append(_FakeRequest(request_id, ids, sampling, priority, self._arrivals))
+        self._stats.prompt_tokens_total += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        self._enter()
+        self.aborted.append(request_id)
+        if self.running.pop(request_id, None) is not None:
+            return True
+        before = len(self.waiting)
+        self.waiting = [r for r in self.waiting if r.request_id != request_id]
+        return len(self.waiting) < before
+
+    def has_unfinished(self) -> bool:
+        self._enter()
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[RequestOutput]:
+        self._enter()
+        self._admit()
+        if not self.running:
+            return []
+        if self.fail_at_iteration is not None and self._stats.iterations >= self.fail_at_iteration:
+            raise RuntimeError("fake engine failure")
+        start = time.perf_counter()
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        outputs = [self._advance(r) for r in list(self.running.values())]
+        stats = self._stats
+        stats.iterations += 1
+        stats.last_batch_size = len(outputs)
+        stats.last_num_tokens = len(outputs)
+        stats.last_iteration_seconds = time.perf_counter() - start
+        return outputs
+
+    def stats(self) -> EngineStats:
+        self._enter()
+        stats = dataclasses.replace(self._stats)
+        stats.num_running = len(self.running)
+        stats.num_waiting = len(self.waiting)
+        stats.kv_pages_used = sum(r.pages for r in self.running.values())
+        return stats
+
+    # ---- internals ----
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _admit(self) -> None:
+        self.waiting.sort(key=lambda r: (-r.priority, r.arrival))
+        free = self.num_pages - sum(r.pages for r in self.running.values())
+        while self.waiting and len(self.running) < self.config.scheduler.max_batch_size:
+            request = self.waiting[0]
+            pages = self._pages_for(len(request.prompt) + request.sampling.max_tokens)
+            if pages > free:
+                break
+            self.waiting.pop(0)
+            request.pages, free = pages, free - pages
+            self.running[request.request_id] = request
+
+    def _advance(self, request: _FakeRequest) -> RequestOutput:
+        last = request.output[-1] if request.output else request.prompt[-1]
+        token = next_letter(last)
+        request.output.append(token)
+        self._stats.generated_tokens_total += 1
+        new_text = chr(token)
+        finish_reason = None
+        text = request.text + new_text
+        for stop in request.sampling.stop:
+            if stop in text:
+                cut = text.index(stop)
+                new_text = text[len(request.text):cut] if cut >= len(request.text) else ""
+                text, finish_reason = text[:cut], "stop"
+                break
+        if finish_reason is None and len(request.output) >= request.sampling.max_tokens:
+            finish_reason = "length"
+        request.text = text
+        logprobs = None
+        if request.sampling.logprobs is not None:
+            top = {next_letter(token + k - 1): -0.5 - k for k in range(request.sampling.logprobs)}
+            logprobs = [TokenLogprob(token, -0.5, top)]
+        if finish_reason is not None:
+            del self.running[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=[token], new_text=new_text,
+            output_token_ids=list(request.output), text=text, num_prompt_tokens=len(request.prompt),
+            finished=finish_reason is not None, finish_reason=finish_reason, new_logprobs=logprobs)
+
+
+# ---- running an app -----------------------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def asgi_client(app, **client_kwargs) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client wired straight to `app`, with its lifespan (the engine thread) running.
+
+    httpx's ASGI transport buffers whole responses: use live_server() for streaming timing and
+    real disconnects.
+    """
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver",
+                                     **client_kwargs) as client:
+            yield client
+
+
+@dataclasses.dataclass
+class LiveServer:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+
+
+@contextlib.contextmanager
+def live_server(app, *, graceful_seconds: float = 5.0) -> Iterator[LiveServer]:
+    """Serve `app` with uvicorn on a free loopback port, in a background thread."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_seconds,
+                            limit_concurrency=None, backlog=2048)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", server, thread)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def parse_sse(text: str) -> list[dict | str]:
+    """The data payloads of an SSE body: dicts for JSON events, the string "[DONE]" as is."""
+    events = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def wait_until(predicate, timeout: float = 5.0, interval: float = 0.01) -> None:
+    """Polls `predicate` (a test helper; the server itself never polls)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(interval)

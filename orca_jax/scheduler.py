@@ -1,0 +1,300 @@
+"""ORCA's iteration-level scheduler (Algorithm 1) with pluggable ordering policies (no jax).
+
+Two calls per iteration: schedule() picks the batch and says how many tokens each request feeds;
+update() takes the sampled token ids back, applies stop conditions and frees finished requests.
+There is no prefill or decode path: a request in its initiation phase feeds a prompt chunk, one in
+its increment phase feeds its last sampled token, and both ride in the same batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+from typing import Callable, Sequence
+
+from orca_jax.config import SchedulerConfig, SchedulingPolicy
+from orca_jax.kv_cache import KVCacheManager
+from orca_jax.request import Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The request pool holds SchedulerConfig.max_waiting requests already; try again later."""
+
+
+# ---- ordering policies: a sort key per policy; ties keep insertion order (the sort is stable) ----
+SortKey = Callable[[Request], tuple]
+
+
+def fcfs_key(request: Request) -> tuple:
+    """ORCA's order: earliest arrival first."""
+    return (request.arrival_time,)
+
+
+def priority_key(request: Request) -> tuple:
+    """Higher priority first, arrival order within one priority."""
+    return (-request.priority, request.arrival_time)
+
+
+def deadline_key(request: Request) -> tuple:
+    """TCB's deadline-aware order: earliest deadline first, no deadline last, then arrival."""
+    no_deadline = request.deadline is None
+    return (no_deadline, 0.0 if no_deadline else request.deadline, request.arrival_time)
+
+
+POLICY_SORT_KEYS: types.MappingProxyType[SchedulingPolicy, SortKey] = types.MappingProxyType({
+    SchedulingPolicy.FCFS: fcfs_key,
+    SchedulingPolicy.PRIORITY: priority_key,
+    SchedulingPolicy.DEADLINE: deadline_key,
+})
+
+
+# ---- the plan handed to the batch builder ---------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of an iteration."""
+
+    request: Request
+    # Tokens fed this iteration: a prompt chunk (initiation) or 1 (increment). The first one sits at
+    # position request.num_computed_tokens, which stays unchanged until update().
+    num_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """The batch of one iteration, in the policy's order."""
+
+    scheduled: tuple[ScheduledRequest, ...]
+    iteration: int  # counts non-empty batches; an empty output does not use up a number
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens fed this iteration, all requests together."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in this iteration's batch."""
+        return len(self.scheduled)
+
+
+class Scheduler:
+    """ORCA Algorithm 1: select a batch each iteration; up to num_stages batches in flight.
+
+    Not thread-safe: one engine loop owns it.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 num_stages: int = 1, clock: Callable[[], float] = time.monotonic):
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if num_stages <= 0:
+            raise ValueError(f"num_stages must be positive, got {num_stages}")
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.num_stages = num_stages
+        self._clock = clock
+        self._sort_key = POLICY_SORT_KEYS[config.policy]
+        # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
+        self._requests: dict[str, Request] = {}
+        self._num_waiting = 0
+        # Request objects (not ids: an id may be reused once finished) inside an unreturned batch.
+        self._in_flight_requests: set[Request] = set()
+        self._in_flight_iterations: set[int] = set()
+        self._next_iteration = 0
+
+    # ---- queries --------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests never scheduled (no KV reserved)."""
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        """Unfinished requests holding a KV reservation."""
+        return len(self._requests) - self._num_waiting
+
+    @property
+    def num_in_flight(self) -> int:
+        """Scheduled batches whose update() has not come back yet."""
+        return len(self._in_flight_iterations)
+
+    @property
+    def can_schedule(self) -> bool:
+        """Whether another batch may be put in flight (one per pipeline stage)."""
+        return self.num_in_flight < self.num_stages
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        """A snapshot of the unfinished requests, in insertion order."""
+        return tuple(self._requests.values())
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._requests)
+
+    # ---- admission ------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Put a request in the pool; refuse at once one that could never run (ValueError)."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"duplicate request_id {rid!r}")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens \
+                or request.output_token_ids:
+            raise ValueError(f"request {rid!r} is not fresh (status {request.status.value})")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid!r} has an empty prompt")
+        if request.max_total_tokens > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens "
+                             f"({request.sampling.max_tokens}) = {request.max_total_tokens} tokens "
+                             f"exceeds max_model_len {self.max_model_len}")
+        num_pages = self.kv.num_pages_for(request.max_total_tokens)
+        if num_pages > self.kv.num_usable_pages:
+            raise ValueError(f"request {rid!r} needs {num_pages} KV pages ({request.max_total_tokens} "
+                             f"tokens) but the whole pool has {self.kv.num_usable_pages}")
+        if self._num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"request pool full: {self._num_waiting} requests waiting "
+                                 f"(max_waiting={self.config.max_waiting})")
+        self._requests[rid] = request
+        self._num_waiting += 1
+
+    # ---- Algorithm 1: Select --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this iteration's batch; an empty output means nothing can run now.
+
+        Walk the requests not finished and not in flight in the policy's order, up to max_batch_size.
+        A request's first selection reserves KV for prompt + max_tokens; when that does not fit, no
+        later request is admitted either (strict order: a small late request must not overtake a big
+        early one), but requests already holding a reservation still run, so a priority or deadline
+        order can never starve the requests that would free the pool.
+        Token budget: every increment-phase request gets its 1 token first; what remains of
+        max_tokens_per_iteration goes to initiation-phase requests as prompt chunks in batch order.
+        A request whose chunk comes out as 0 sits this iteration out but keeps its reservation.
+        """
+        if not self.can_schedule:
+            raise RuntimeError(f"{self.num_in_flight} batches already in flight "
+                               f"(num_stages={self.num_stages}); call update() first")
+        batch: list[Request] = []
+        can_admit = True
+        pool = [r for r in self._requests.values() if r not in self._in_flight_requests]
+        for request in sorted(pool, key=self._sort_key):
+            if len(batch) >= self.config.max_batch_size:
+                break
+            if request.status is RequestStatus.WAITING:
+                if not can_admit:
+                    continue
+                if not self.kv.can_reserve(request.max_total_tokens):
+                    can_admit = False
+                    continue
+                self.kv.reserve(request.request_id, request.max_total_tokens)
+                request.status = RequestStatus.RUNNING
+                self._num_waiting -= 1
+            batch.append(request)
+
+        # Increments first: SchedulerConfig guarantees max_tokens_per_iteration >= max_batch_size.
+        budget = self.config.max_tokens_per_iteration
+        budget -= sum(1 for r in batch if not r.in_initiation)
+        scheduled: list[ScheduledRequest] = []
+        for request in batch:
+            if request.in_initiation:
+                num_new = min(request.num_pending_tokens, budget)
+                budget -= num_new
+                if num_new == 0:
+                    continue
+            else:
+                num_new = 1
+            self.kv.allocate_up_to(request.request_id, request.num_computed_tokens + num_new)
+            scheduled.append(ScheduledRequest(request, num_new))
+
+        if not scheduled:
+            return SchedulerOutput((), self._next_iteration)
+        output = SchedulerOutput(tuple(scheduled), self._next_iteration)
+        self._next_iteration += 1
+        self._in_flight_iterations.add(output.iteration)
+        self._in_flight_requests.update(s.request for s in scheduled)
+        return output
+
+    # ---- Algorithm 1: after the engine ran a batch ---------------------------------------------
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
+               logprobs: Sequence[tuple[float, dict[int, float]] | None] | None = None
+               ) -> list[Request]:
+        """Take a batch's sampled tokens (aligned with output.scheduled); return requests it finished.
+
+        A mid-prompt chunk's token is discarded. logprobs, when given, is aligned the same way: each
+        item is (logprob of the sampled token, {token id: logprob} of the top alternatives) or None.
+        Finished requests free their KV here, so they leave in the iteration they finish.
+        """
+        if not output.scheduled:
+            return []
+        if output.iteration not in self._in_flight_iterations:
+            raise ValueError(f"iteration {output.iteration} is not in flight")
+        if len(sampled_token_ids) != output.num_requests or \
+                (logprobs is not None and len(logprobs) != output.num_requests):
+            raise ValueError(f"expected {output.num_requests} sampled tokens (and logprobs, if given), "
+                             f"got {len(sampled_token_ids)}")
+        self._in_flight_iterations.remove(output.iteration)
+        now = self._clock()
+        finished: list[Request] = []
+        for i, s in enumerate(output.scheduled):
+            request = s.request
+            self._in_flight_requests.discard(request)
+            if request.status.finished:
+                continue  # aborted or finished from outside while in flight: drop its token
+            request.num_computed_tokens += s.num_new_tokens
+            request.num_iterations += 1
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # mid-prompt chunk: the model sampled from a prefix, not the prompt's end
+            token = int(sampled_token_ids[i])
+            request.output_token_ids.append(token)
+            if logprobs is not None and logprobs[i] is not None:
+                logprob, top = logprobs[i]
+                request.output_logprobs.append(logprob)
+                request.output_top_logprobs.append(top)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = _stop_status(request, token)
+            if status is not None:
+                self._finish(request, status, now)
+                finished.append(request)
+        return finished
+
+    # ---- finishing from outside -----------------------------------------------------------------
+    def finish(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish a request from outside (e.g. a stop string) and free its KV; False if unknown."""
+        if not status.finished:
+            raise ValueError(f"finish() needs a finished status, got {status}")
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, status, self._clock())
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting, running or in-flight request and free its KV; False if unknown."""
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        # Freeing pages of an in-flight request at once is safe: a batch scheduled later that reuses
+        # them runs after the in-flight one on every stage, so its writes land last.
+        if request.status is RequestStatus.WAITING:
+            self._num_waiting -= 1
+        request.status = status
+        request.finish_time = now
+        self.kv.free(request.request_id)
+        del self._requests[request.request_id]
+
+
+def _stop_status(request: Request, token: int) -> RequestStatus | None:
+    """The finished status a newly sampled token leads to, or None to go on."""
+    sampling = request.sampling
+    if token in sampling.stop_token_ids or \
+            (not sampling.ignore_eos and token in request.eos_token_ids):
+        return RequestStatus.FINISHED_STOPPED
+    if len(request.output_token_ids) >= sampling.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None

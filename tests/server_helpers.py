@@ -81,11 +81,13 @@ class FakeEngine:
         self.running: dict[str, _FakeRequest] = {}
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()  # which threads called in; must be exactly one
+        self.num_calls = 0  # grows while anyone polls the engine
         self._stats = EngineStats(kv_pages_total=num_pages)
         self._arrivals = 0
 
     def _enter(self) -> None:
         self.thread_ids.add(threading.get_ident())
+        self.num_calls += 1
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, deadline: float | None = None) -> str:

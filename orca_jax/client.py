@@ -1,0 +1,263 @@
+"""`python -m orca_jax.client`: FineInfer-style command-line client of an orca_jax server.
+
+  chat   interactive, streamed, history kept, sent with high priority (chat overtakes batch work
+         when the server runs --scheduling-policy priority). /reset clears the history, /exit quits.
+  batch  a file of prompts (one per line, or JSONL objects with "prompt" or "messages" and any
+         request fields), all sent concurrently with low priority; each result is printed as it
+         finishes, with its time to first token, total time and token count.
+
+Only httpx and the standard library: no jax is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+
+CHAT_PRIORITY = 10
+BATCH_PRIORITY = 0
+MAX_RETRIES_WHEN_BUSY = 5
+
+
+class ServerError(Exception):
+    """The server answered with an error body."""
+
+
+@dataclasses.dataclass(slots=True)
+class Reply:
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+    seconds_to_first_token: float | None
+    seconds: float
+
+
+class Client:
+    """Streams completions from one server; retries politely while it says it is busy (503)."""
+
+    def __init__(self, http: httpx.AsyncClient, model: str | None):
+        self.http = http
+        self.model = model
+
+    async def stream(self, path: str, body: dict, on_text: Callable[[str], None] | None = None) -> Reply:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        if self.model:
+            body.setdefault("model", self.model)
+        for attempt in range(MAX_RETRIES_WHEN_BUSY + 1):
+            try:
+                return await self._stream_once(path, body, on_text)
+            except _Busy as busy:
+                if attempt == MAX_RETRIES_WHEN_BUSY:
+                    raise ServerError(f"server still busy after {attempt + 1} tries") from None
+                await asyncio.sleep(busy.retry_after)
+        raise AssertionError("unreachable")
+
+    async def _stream_once(self, path: str, body: dict, on_text: Callable[[str], None] | None) -> Reply:
+        start = time.monotonic()
+        first_token_at = None
+        parts: list[str] = []
+        finish_reason, completion_tokens = None, 0
+        async with self.http.stream("POST", path, json=body) as response:
+            if response.status_code == 503 and "retry-after" in response.headers:
+                raise _Busy(float(response.headers["retry-after"]))
+            if response.status_code != 200:
+                await response.aread()
+                raise ServerError(_error_message(response))
+            async for event in _sse_events(response):
+                if "error" in event:
+                    raise ServerError(event["error"].get("message", "stream failed"))
+                if event.get("usage"):
+                    completion_tokens = event["usage"]["completion_tokens"]
+                for choice in event.get("choices", []):
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    if text:
+                        first_token_at = first_token_at or time.monotonic()
+                        parts.append(text)
+                        if on_text is not None:
+                            on_text(text)
+                    finish_reason = choice.get("finish_reason") or finish_reason
+        ttft = first_token_at - start if first_token_at else None
+        return Reply("".join(parts), finish_reason, completion_tokens, ttft, time.monotonic() - start)
+
+
+class _Busy(Exception):
+    def __init__(self, retry_after: float):
+        super().__init__(retry_after)
+        self.retry_after = retry_after
+
+
+async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return f"HTTP {response.status_code}: {response.json()['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+# ---- chat mode ----------------------------------------------------------------------------------
+
+def _write_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()  # streamed tokens should appear as they arrive, not at the next newline
+
+
+async def run_chat(client: Client, args: argparse.Namespace, read_line: Callable[[str], str] = input,
+                   write: Callable[[str], None] = _write_now) -> None:
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    write("chat with the model; /reset clears the history, /exit or Ctrl-D quits\n")
+    while True:
+        try:
+            # In a thread: input() blocks, and the event loop should keep serving the connection.
+            line = (await asyncio.to_thread(read_line, "you> ")).strip()
+        except EOFError:
+            write("\n")
+            return
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        write("assistant> ")
+        body = {"messages": history, "priority": args.priority, "temperature": args.temperature}
+        if args.max_tokens:
+            body["max_tokens"] = args.max_tokens
+        try:
+            reply = await client.stream("/v1/chat/completions", body, on_text=write)
+        except (ServerError, httpx.HTTPError) as error:
+            history.pop()
+            write(f"\n[error: {error}]\n")
+            continue
+        history.append({"role": "assistant", "content": reply.text})
+        write(f"\n[{reply.completion_tokens} tokens, first after {_seconds(reply.seconds_to_first_token)}, "
+              f"{reply.seconds:.2f}s, finish: {reply.finish_reason}]\n")
+
+
+# ---- batch mode ---------------------------------------------------------------------------------
+
+def read_batch(path: str) -> list[dict]:
+    """Request bodies from a file: plain lines become chat messages, JSON objects pass through."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f]
+    bodies = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                body = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON: {error}") from None
+            if "prompt" not in body and "messages" not in body:
+                raise ValueError(f"{path}:{number}: a JSON line needs 'prompt' or 'messages'")
+        else:
+            body = {"messages": [{"role": "user", "content": line}]}
+        bodies.append(body)
+    return bodies
+
+
+async def run_batch(client: Client, args: argparse.Namespace,
+                    write: Callable[[str], None] = sys.stdout.write) -> int:
+    """Sends every prompt at once; returns how many failed."""
+    bodies = read_batch(args.file)
+    start = time.monotonic()
+    failures = 0
+
+    async def one(index: int, body: dict) -> None:
+        nonlocal failures
+        body = {"priority": args.priority, "temperature": args.temperature, **body}
+        if args.max_tokens:
+            body.setdefault("max_tokens", args.max_tokens)
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        try:
+            reply = await client.stream(path, body)
+        except (ServerError, httpx.HTTPError) as error:
+            failures += 1
+            write(json.dumps({"index": index, "error": str(error)}) + "\n" if args.jsonl
+                  else f"[{index}] error: {error}\n")
+            return
+        if args.jsonl:
+            write(json.dumps({"index": index, "text": reply.text, "finish_reason": reply.finish_reason,
+                              "completion_tokens": reply.completion_tokens,
+                              "seconds_to_first_token": reply.seconds_to_first_token,
+                              "seconds": reply.seconds}) + "\n")
+        else:
+            write(f"[{index}] {reply.seconds:.2f}s (first token {_seconds(reply.seconds_to_first_token)}), "
+                  f"{reply.completion_tokens} tokens, {reply.finish_reason}: {reply.text!r}\n")
+
+    await asyncio.gather(*(one(i, body) for i, body in enumerate(bodies)))
+    total = time.monotonic() - start
+    sys.stderr.write(f"{len(bodies)} requests in {total:.2f}s, {failures} failed\n")
+    return failures
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m orca_jax.client", description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--api-key", default=None, help="bearer key (or $ORCA_API_KEY)")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    modes = p.add_subparsers(dest="mode", required=True)
+    chat = modes.add_parser("chat", help="interactive streamed chat")
+    chat.add_argument("--priority", type=int, default=CHAT_PRIORITY)
+    chat.add_argument("--system", default=None, help="system prompt")
+    batch = modes.add_parser("batch", help="send a file of prompts concurrently")
+    batch.add_argument("file", help="one prompt per line, or JSONL request bodies")
+    batch.add_argument("--priority", type=int, default=BATCH_PRIORITY)
+    batch.add_argument("--jsonl", action="store_true", help="print results as JSON lines")
+    for mode in (chat, batch):
+        mode.add_argument("--max-tokens", type=int, default=None)
+        mode.add_argument("--temperature", type=float, default=0.0)
+    return p
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    api_key = args.api_key or os.environ.get("ORCA_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # Batch mode opens one connection per prompt; no pool limit, or prompts would queue client-side.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=20)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout,
+                                 limits=limits) as http:
+        client = Client(http, args.model)
+        if args.mode == "chat":
+            await run_chat(client, args)
+            return 0
+        return 1 if await run_batch(client, args) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return asyncio.run(main_async(args))
+    except (OSError, ValueError) as error:  # unreadable batch file, bad JSONL
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""`python -m orca_jax.serve`: flags -> EngineConfig -> Engine -> create_app -> uvicorn.
+
+Flag names follow vLLM's. On SIGTERM or Ctrl-C uvicorn stops accepting connections; we also tell the
+engine thread to stop, so in-flight requests end (finish_reason "abort" after the grace period),
+their streams close, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
+                             SchedulingPolicy)
+
+log = logging.getLogger("orca_jax.serve")
+
+
+def _default(config_class: type, field_name: str):
+    """A config field's default, so flags and library share one source of truth."""
+    return next(f.default for f in dataclasses.fields(config_class) if f.name == field_name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m orca_jax.serve", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="preset name or Hugging Face GPT-2 directory")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1; $ORCA_API_KEY also works and "
+                   "keeps the key out of the process list")
+    p.add_argument("--metrics-require-auth", action="store_true", help="put /metrics behind the key too")
+    p.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_batch_size"),
+                   help="requests per iteration (ORCA's max batch size)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_tokens_per_iteration"),
+                   help="tokens per iteration; longer prompts are fed over several")
+    p.add_argument("--max-waiting", type=int, default=_default(SchedulerConfig, "max_waiting"),
+                   help="requests queued beyond the running batch; more get 503 + Retry-After")
+    p.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
+                   default=SchedulingPolicy.PRIORITY.value,
+                   help="priority lets interactive chat (high 'priority') overtake batch jobs")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
+    p.add_argument("--page-size", type=int, default=_default(CacheConfig, "page_size"), help="tokens per KV page")
+    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV pool size in GiB")
+    p.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
+                   default=AttentionBackend.AUTO.value)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="override the preset's dtype")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="ORCA inter-layer stages")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ORCA intra-layer split")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="chat max_tokens when a request names none (default: the rest of the context)")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024)
+    p.add_argument("--shutdown-grace-seconds", type=float, default=0.0,
+                   help="on SIGTERM, let in-flight requests run this long before aborting them")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError (from the configs' own checks) on inconsistent flags."""
+    return EngineConfig(
+        model=args.model,
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages,
+                          kv_memory_gib=args.kv_cache_memory_gib),
+        scheduler=SchedulerConfig(max_batch_size=args.max_num_seqs,
+                                  max_tokens_per_iteration=args.max_num_batched_tokens,
+                                  policy=SchedulingPolicy(args.scheduling_policy),
+                                  max_waiting=args.max_waiting),
+        parallel=ParallelConfig(num_stages=args.pipeline_parallel_size,
+                                tensor_parallel=args.tensor_parallel_size),
+        attention=AttentionBackend(args.attention_backend),
+        dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus: a shutdown signal also stops the engine thread, which ends open streams.
+
+    Without that, uvicorn would wait forever for streaming responses to finish on their own.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self._loop is not None:
+            # We are in a signal handler that may have interrupted the loop mid-call; hand the
+            # work to the loop rather than take the engine's lock here.
+            self._loop.call_soon_threadsafe(self._on_exit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    # Imported here so `--help` and flag errors come back without loading jax.
+    from orca_jax.engine import Engine
+    from orca_jax.server import AsyncEngine, create_app
+
+    log.info("loading %s", args.model)
+    async_engine = AsyncEngine(Engine(config), shutdown_grace_seconds=args.shutdown_grace_seconds)
+    app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"), served_model_name=args.served_model_name,
+                     max_body_bytes=args.max_body_bytes, metrics_require_auth=args.metrics_require_auth,
+                     default_max_tokens=args.default_max_tokens)
+    uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=args.shutdown_grace_seconds + 10)
+    # uvicorn re-raises the shutdown signal once it is done, with the handlers it found installed;
+    # these make that a no-op, so a graceful SIGTERM (or Ctrl-C) exits 0 instead of dying by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _already_handled)
+    _Server(uvicorn_config, on_exit=async_engine.begin_shutdown).run()
+    return 0
+
+
+def _already_handled(sig: int, frame: FrameType | None) -> None:
+    log.info("shut down after %s", signal.Signals(sig).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

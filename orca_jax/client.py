@@ -118,8 +118,10 @@ def _write_now(text: str) -> None:
     sys.stdout.flush()  # streamed tokens should appear as they arrive, not at the next newline
 
 
-async def run_chat(client: Client, args: argparse.Namespace, read_line: Callable[[str], str] = input,
+async def run_chat(client: Client, args: argparse.Namespace, read_line: Callable[[str], str] | None = None,
                    write: Callable[[str], None] = _write_now) -> None:
+    """Read-eval-print loop; each turn's reply streams to `write` as it is generated."""
+    read_line = read_line or input  # looked up per call, so a replaced builtins.input is honoured
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     write("chat with the model; /reset clears the history, /exit or Ctrl-D quits\n")
     while True:
@@ -176,7 +178,7 @@ def read_batch(path: str) -> list[dict]:
 
 
 async def run_batch(client: Client, args: argparse.Namespace,
-                    write: Callable[[str], None] = sys.stdout.write) -> int:
+                    write: Callable[[str], None] = _write_now) -> int:
     """Sends every prompt at once; returns how many failed."""
     bodies = read_batch(args.file)
     start = time.monotonic()

@@ -82,6 +82,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()  # which threads called in; must be exactly one
         self.num_calls = 0  # grows while anyone polls the engine
+        self.priorities: list[int] = []  # of every request added, in order
+        self.prompts: list[list[int]] = []
         self._stats = EngineStats(kv_pages_total=num_pages)
         self._arrivals = 0
 
@@ -103,6 +105,8 @@ class FakeEngine:
             raise QueueFullError("fake pool full")
         request_id = request_id or f"fake-{self._arrivals}"
         self._arrivals += 1
+        self.priorities.append(priority)
+        self.prompts.append(ids)
         self.waiting.append(_FakeRequest(request_id, ids, sampling, priority, self._arrivals))
         self._stats.prompt_tokens_total += len(ids)
         return request_id

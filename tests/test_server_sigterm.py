@@ -1,0 +1,65 @@
+"""`python -m orca_jax.serve` as a process: SIGTERM mid-stream ends the stream and exits 0."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server did not become healthy")
+
+
+def test_sigterm_mid_stream_ends_the_stream_and_exits_zero():
+    port = _free_port()
+    # page size 128 keeps every sequence in one page-table bucket: no compile mid-stream.
+    command = [sys.executable, "-m", "orca_jax.serve", "--model", "tiny-llama", "--port", str(port),
+               "--page-size", "128", "--num-kv-pages", "8", "--max-num-seqs", "4",
+               "--max-num-batched-tokens", "8", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, process, timeout=180)
+        body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: "):])
+                if len(events) == 2:  # generation is under way
+                    process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert events[-1] == "[DONE]"
+    finish_reasons = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finish_reasons[-1] in ("abort", "length") and set(finish_reasons[:-1]) == {None}
+    assert finish_reasons[-1] == "abort" or len(events) == 501

@@ -2,8 +2,9 @@
 
 No padding between requests (ORCA's selective batching, TCB's concatenation): request s owns rows
 cu_q_lens[s]:cu_q_lens[s+1]. Only the totals are padded, up to a small set of buckets, so XLA compiles
-a bounded number of programs: T (tokens), S (sequences) and P (page-table width) each round up to a
-power of two. Padding tokens write their K/V to scratch page 0; padding sequences have no tokens.
+a bounded number of programs: T (tokens) and P (page-table width) each round up to a power of two,
+and S (sequences) is tied to T (S <= T always), so one forward program exists per (T, P) pair; the
+padded logits rows this costs are a rounding error next to T tokens of work. Padding tokens write their K/V to scratch page 0; padding sequences have no tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from orca_jax.request import Request
 from orca_jax.scheduler import SchedulerOutput
 
 _MIN_TOKENS = 8
-_MIN_SEQS = 4
 _MIN_PAGES = 4
 
 
@@ -34,9 +34,9 @@ class BucketPolicy:
     max_pages: int  # pages of the longest allowed sequence
 
     def bucket(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
-        return (_round_up_pow2(num_tokens, _MIN_TOKENS, self.max_tokens),
-                _round_up_pow2(num_seqs, _MIN_SEQS, self.max_seqs),
-                _round_up_pow2(num_pages, _MIN_PAGES, self.max_pages))
+        tokens = _round_up_pow2(num_tokens, _MIN_TOKENS, self.max_tokens)
+        # Every sequence feeds at least one token, so num_seqs <= min(T, max_seqs) always fits.
+        return tokens, min(tokens, self.max_seqs), _round_up_pow2(num_pages, _MIN_PAGES, self.max_pages)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

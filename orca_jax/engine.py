@@ -160,12 +160,10 @@ class Engine:
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
         scheduled = flight.output.scheduled
-        logprobs = [
-            (float(result.logprobs[i]),
-             dict(zip(result.top_ids[i].tolist(), result.top_logprobs[i].tolist()))
-             if s.request.sampling.logprobs else {})
-            if s.request.sampling.logprobs is not None else None
-            for i, s in enumerate(scheduled)]
+        logprobs = [None if (n := s.request.sampling.logprobs) is None else
+                    (float(result.logprobs[i]),
+                     dict(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist())))
+                    for i, s in enumerate(scheduled)]
         self.scheduler.update(flight.output, result.token_ids.tolist(), logprobs)
         outputs = []
         for item, before in zip(scheduled, flight.num_outputs_before):

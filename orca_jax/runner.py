@@ -1,7 +1,9 @@
 """Owns the params and the KV pages on device and runs one jitted iteration per bucket.
 
-The step is one program: the ragged forward pass, the K/V writes into the (donated) cache, and
-sampling. Only a small packed i32[S, 2 + 2K] array of token ids and logprobs comes back to the host.
+An iteration is two programs dispatched back to back: the ragged forward pass with the K/V writes
+into the (donated) cache, compiled per (T, S, P) bucket, and sampling, compiled per (S, K) only (its
+sorts and random draws are slow to compile, so they stay out of the many forward buckets). Logits
+stay on device; only a small packed i32[S, 2 + 2K] array of token ids and logprobs reaches the host.
 """
 
 from __future__ import annotations
@@ -90,28 +92,35 @@ class ModelRunner:
         params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
         self.page_size = cache_config.page_size
         self.num_pages = num_pages_for(config, cache_config, params_bytes, self.device)
-        with jax.default_device(self.device):
-            self.cache = decoder.empty_cache(config, self.num_pages, self.page_size)
+        # Committed to the device like every later cache, so the first call does not compile twice.
+        self.cache = jax.device_put(decoder.empty_cache(config, self.num_pages, self.page_size), self.device)
         self.compiled_shapes: set[tuple[int, ...]] = set()
         model = decoder.Decoder(config, self.attention_fn)
-        self._step = jax.jit(functools.partial(_step, model), donate_argnums=(1,),
-                             static_argnames=("num_top_logprobs",))
+        self._forward = jax.jit(functools.partial(_forward, model), donate_argnums=(1,))
+        self._sample = jax.jit(lambda logits, sampling, k: pack(sample(logits, sampling, k)),
+                               static_argnums=(2,))
 
     def execute(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch one iteration (asynchronous); returns the packed device result."""
-        if batch.shape_key not in self.compiled_shapes:
-            self.compiled_shapes.add(batch.shape_key)
-            log.info("compiling step for bucket (T, S, P, K)=%s; %d buckets so far",
-                     batch.shape_key, len(self.compiled_shapes))
+        t, s, p, k = batch.shape_key
+        for key in (("forward", t, s, p), ("sample", s, k)):
+            if key not in self.compiled_shapes:
+                self.compiled_shapes.add(key)
+                log.info("compiling %s for bucket %s; %d programs so far", key[0], key[1:],
+                         len(self.compiled_shapes))
         meta = AttentionMetadata(cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                                  page_table=batch.page_table, slot_mapping=batch.slot_mapping,
                                  num_seqs=batch.num_seqs)
         sampling = SamplingArrays(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
                                   seed=batch.seed, step=batch.step)
-        packed, self.cache = self._step(self.params, self.cache, batch.token_ids, batch.positions,
-                                        meta, batch.logits_indices, sampling,
-                                        num_top_logprobs=batch.num_top_logprobs)
-        return packed
+        logits, self.cache = self._forward(self.params, self.cache, batch.token_ids, batch.positions,
+                                           meta, batch.logits_indices)
+        return self._sample(logits, sampling, batch.num_top_logprobs)
+
+    @property
+    def num_compiled_programs(self) -> int:
+        """What jax itself has compiled; equals the buckets seen unless something recompiles."""
+        return self._forward._cache_size() + self._sample._cache_size()
 
     @staticmethod
     def fetch(packed: jax.Array, batch: RaggedBatch) -> StepResult:
@@ -119,7 +128,5 @@ class ModelRunner:
         return StepResult.unpack(np.asarray(packed), batch.num_real_seqs, batch.num_top_logprobs)
 
 
-def _step(model: decoder.Decoder, params, cache: KVCache, token_ids, positions, meta, logits_indices,
-          sampling: SamplingArrays, *, num_top_logprobs: int):
-    logits, cache = model.apply({"params": params}, token_ids, positions, cache, meta, logits_indices)
-    return pack(sample(logits, sampling, num_top_logprobs)), cache
+def _forward(model: decoder.Decoder, params, cache: KVCache, token_ids, positions, meta, logits_indices):
+    return model.apply({"params": params}, token_ids, positions, cache, meta, logits_indices)

@@ -80,6 +80,7 @@ class FakeEngine:
         self.waiting: list[_FakeRequest] = []
         self.running: dict[str, _FakeRequest] = {}
         self.aborted: list[str] = []
+        self.aborted_at_iteration: dict[str, int] = {}
         self.thread_ids: set[int] = set()  # which threads called in; must be exactly one
         self.num_calls = 0  # grows while anyone polls the engine
         self.priorities: list[int] = []  # of every request added, in order
@@ -114,6 +115,7 @@ class FakeEngine:
     def abort(self, request_id: str) -> bool:
         self._enter()
         self.aborted.append(request_id)
+        self.aborted_at_iteration[request_id] = self._stats.iterations
         if self.running.pop(request_id, None) is not None:
             return True
         before = len(self.waiting)
@@ -141,6 +143,11 @@ class FakeEngine:
         stats.last_num_tokens = len(outputs)
         stats.last_iteration_seconds = time.perf_counter() - start
         return outputs
+
+    @property
+    def num_iterations(self) -> int:
+        """For tests to read from any thread (a plain int; stats() would count as an engine call)."""
+        return self._stats.iterations
 
     def stats(self) -> EngineStats:
         self._enter()

@@ -37,10 +37,12 @@ async def test_streaming_client_disconnect_aborts_within_an_iteration(served):
             lines = response.aiter_lines()
             while not (await lines.__anext__()).startswith("data: "):
                 pass
-            closed_at = time.monotonic()
+            closed_at, iteration_at_close = time.monotonic(), engine.num_iterations
         await wait_until(lambda: engine.aborted, timeout=2.0)
         latency = time.monotonic() - closed_at
         assert engine.stats().kv_pages_used == 0 and not engine.has_unfinished()
+        # Freed before the next iteration could start (one may have been under way at the close).
+        assert engine.aborted_at_iteration[engine.aborted[0]] <= iteration_at_close + 1
         assert latency < 0.5  # the request itself would run 300 * 20 ms = 6 s
         assert (await client.get("/health")).status_code == 200
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from orca_jax.models.loader import load_model
 from orca_jax.tokenizer import ByteTokenizer, StreamDecoder, Tokenizer, TokenizerError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,7 +47,9 @@ def _gguf_dir() -> str:
 
 @pytest.fixture(scope="module")
 def ours() -> Tokenizer:
-    return Tokenizer.from_gguf(os.path.join(_gguf_dir(), GGUF_NAME))
+    _gguf_dir()
+    # Built by Tokenizer.from_gguf inside load_model, whose per-process cache the other files share.
+    return load_model("smollm2-135m").tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +95,16 @@ def test_chat_template_matches_transformers(ours, theirs, messages, add_generati
     expected = theirs.apply_chat_template(messages, tokenize=False,
                                           add_generation_prompt=add_generation_prompt)
     assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+@pytest.mark.slow
+def test_save_hf_round_trip(ours, tmp_path):
+    ours.save_hf(str(tmp_path))
+    again = Tokenizer.from_hf_dir(str(tmp_path))
+    assert again.eos_token_ids == ours.eos_token_ids and again.bos_token_id == ours.bos_token_id
+    for text in TEXTS:
+        assert again.encode(text) == ours.encode(text)
+    assert again.apply_chat_template(CONVERSATIONS[0]) == ours.apply_chat_template(CONVERSATIONS[0])
 
 
 @pytest.mark.slow

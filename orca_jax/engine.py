@@ -82,10 +82,10 @@ class Engine:
         self.model_config = model_config_for(config, loaded)
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
-                                  seed=config.seed)
+                                  seed=config.seed, parallel=config.parallel)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
-                                   num_stages=config.parallel.num_stages)
+                                   num_stages=config.batches_in_flight)
         self.buckets = BucketPolicy(max_tokens=config.scheduler.max_tokens_per_iteration,
                                     max_seqs=config.scheduler.max_batch_size,
                                     max_pages=-(-self.max_model_len // self.runner.page_size))

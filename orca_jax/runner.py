@@ -17,12 +17,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 from orca_jax.batch import RaggedBatch
-from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig
+from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, KVCache
 from orca_jax.sampling import SamplingArrays, pack, sample
+from orca_jax.sharding import rules
+from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_mesh
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +47,20 @@ def choose_attention(backend: AttentionBackend, platform: str):
     return functools.partial(kernel, interpret=platform != "gpu")
 
 
-def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, device: jax.Device) -> int:
-    """The pool size: explicit, or the largest that fits the memory budget."""
+def shard_over_heads(attention_fn, mesh: Mesh):
+    """Attention is independent per head: run it on each tensor shard's own heads and KV pages."""
+    if mesh.shape[TENSOR] == 1:
+        return attention_fn
+    replicated = P()
+    return jax.shard_map(
+        attention_fn, mesh=mesh,
+        in_specs=(rules.HEADS_SPEC, rules.KV_CACHE_SPEC, rules.KV_CACHE_SPEC) + (replicated,) * 5,
+        out_specs=rules.HEADS_SPEC, check_vma=False)
+
+
+def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, device: jax.Device,
+                  num_devices: int = 1) -> int:
+    """The pool size: explicit, or the largest that fits the memory budget (per device x devices)."""
     if cache.num_pages is not None:
         return cache.num_pages
     if cache.kv_memory_gib is not None:
@@ -52,7 +68,7 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
     elif device.platform == "gpu":
         stats = device.memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", params_bytes)
-        budget = max(free, 0) * _GPU_KV_FRACTION
+        budget = max(free, 0) * _GPU_KV_FRACTION * num_devices
     else:
         budget = _CPU_DEFAULT_KV_GIB * 2**30
     return max(2, int(budget // (config.kv_bytes_per_token * cache.page_size)))
@@ -79,21 +95,28 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
-                 device: jax.Device | None = None):
+                 parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None):
+        check_parallel_fits(parallel, config)
         self.config = config
-        self.device = device or jax.devices()[0]
-        self.attention_fn = choose_attention(backend, self.device.platform)
+        self.mesh = make_mesh(parallel, devices)
+        self.device = self.mesh.devices.flat[0]
+        self.attention_fn = shard_over_heads(choose_attention(backend, self.device.platform), self.mesh)
         start = time.perf_counter()
+        shardings = rules.param_shardings(decoder.param_shapes(config, self.attention_fn), self.mesh)
         if params is None:
-            params = decoder.init_params(config, self.attention_fn, seed)
-        self.params = jax.device_put(params, self.device)
+            self.params = decoder.init_params(config, self.attention_fn, seed, out_shardings=shardings)
+        else:
+            self.params = jax.device_put(params, shardings)
         jax.block_until_ready(self.params)
         self.params_seconds = time.perf_counter() - start
         params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
         self.page_size = cache_config.page_size
-        self.num_pages = num_pages_for(config, cache_config, params_bytes, self.device)
-        # Committed to the device like every later cache, so the first call does not compile twice.
-        self.cache = jax.device_put(decoder.empty_cache(config, self.num_pages, self.page_size), self.device)
+        self.num_pages = num_pages_for(config, cache_config, params_bytes // self.mesh.size, self.device,
+                                       self.mesh.size)
+        # Made on device, already sharded and committed like every later cache (so no second compile).
+        cache_sharding = NamedSharding(self.mesh, rules.KV_CACHE_SPEC)
+        self.cache = jax.jit(lambda: decoder.empty_cache(config, self.num_pages, self.page_size),
+                             out_shardings=KVCache(cache_sharding, cache_sharding))()
         self.compiled_shapes: set[tuple[int, ...]] = set()
         model = decoder.Decoder(config, self.attention_fn)
         self._forward = jax.jit(functools.partial(_forward, model), donate_argnums=(1,))

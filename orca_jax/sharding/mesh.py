@@ -1,0 +1,38 @@
+"""The (stage, tensor) device mesh, and multi-host start-up."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from orca_jax.config import ModelConfig, ParallelConfig
+
+STAGE, TENSOR = "stage", "tensor"
+
+
+def check_parallel_fits(parallel: ParallelConfig, config: ModelConfig) -> None:
+    """Megatron splits heads, KV heads and ffn columns evenly: refuse sizes that do not divide."""
+    tp = parallel.tensor_parallel
+    for name, size in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
+                       ("ffn_size", config.ffn_size)):
+        if size % tp:
+            raise ValueError(f"tensor_parallel={tp} does not divide {name}={size}")
+    if config.num_layers % parallel.num_stages:
+        raise ValueError(f"num_stages={parallel.num_stages} does not divide num_layers={config.num_layers}")
+
+
+def make_mesh(parallel: ParallelConfig, devices: list[jax.Device] | None = None) -> Mesh:
+    """A stage x tensor mesh over the first stages*tensor devices (all hosts' devices, when distributed)."""
+    devices = list(devices if devices is not None else jax.devices())
+    needed = parallel.num_stages * parallel.tensor_parallel
+    if len(devices) < needed:
+        raise ValueError(f"the mesh needs {needed} devices, {len(devices)} are visible")
+    grid = np.array(devices[:needed]).reshape(parallel.num_stages, parallel.tensor_parallel)
+    return Mesh(grid, (STAGE, TENSOR))
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """One controller process per host, all running the same program (call before any other jax use)."""
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)

@@ -1,5 +1,6 @@
 """The HTTP API over the fake engine: bodies, errors, auth, limits, health and metrics."""
 
+import asyncio
 import json
 
 import pytest
@@ -267,7 +268,6 @@ async def test_queue_full_is_503_with_retry_after():
     engine = FakeEngine(max_batch_size=1, max_waiting=1, step_seconds=0.05)
     app = create_app(AsyncEngine(engine, max_in_flight=100))  # the engine's own bound decides
     async with asgi_client(app) as client:
-        import asyncio
         responses = await asyncio.gather(*(
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}) for _ in range(6)))
     statuses = sorted(r.status_code for r in responses)
@@ -282,7 +282,6 @@ async def test_own_in_flight_bound_is_503_with_retry_after():
     engine = FakeEngine(step_seconds=0.05)
     app = create_app(AsyncEngine(engine, max_in_flight=2))
     async with asgi_client(app) as client:
-        import asyncio
         responses = await asyncio.gather(*(
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}) for _ in range(5)))
     assert sorted(r.status_code for r in responses) == [200, 200, 503, 503, 503]
@@ -300,3 +299,11 @@ async def test_health_follows_the_engine_loop():
         health = await client.get("/health")
         assert health.status_code == 503 and "failed" in health.json()["reason"]
         _assert_openai_error(await client.post("/v1/completions", json={"prompt": "x"}), 503)
+
+
+async def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event():
+    async with asgi_client(create_app(FakeEngine(fail_at_iteration=2))) as client:
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "stream": True})
+    events = parse_sse(response.text)
+    assert [e["choices"][0]["text"] for e in events[:2]] == ["y", "z"]
+    assert events[2]["error"]["type"] == "service_unavailable_error" and events[3] == "[DONE]"

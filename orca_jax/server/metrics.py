@@ -43,7 +43,9 @@ class _EngineStatsCollector(Collector):
             ("orca_num_requests_waiting", "Requests waiting in the engine's pool", stats.num_waiting),
             ("orca_num_requests_in_flight", "Requests accepted by the server and not yet finished",
              self._num_in_flight()),
-            ("orca_kv_pages_used", "KV cache pages in use (reserved included)", stats.kv_pages_used),
+            ("orca_kv_pages_used", "KV cache pages holding tokens", stats.kv_pages_used),
+            ("orca_kv_pages_reserved", "KV cache pages reserved for tokens still to come (ORCA "
+             "reserves max_tokens up front)", stats.kv_pages_reserved),
             ("orca_kv_pages_total", "KV cache pages in the pool", stats.kv_pages_total),
             ("orca_num_compiled_buckets", "Step programs compiled so far", stats.num_compiled_buckets),
         )
@@ -85,7 +87,8 @@ class ServerMetrics:
             "orca_requests_finished", "Requests that ended, by finish reason",
             labelnames=("finish_reason",), registry=registry)
         self.requests_rejected = Counter(
-            "orca_requests_rejected", "Requests refused before generation, by HTTP status",
+            "orca_requests_rejected", "Requests the engine refused (pool full, not running, too big), "
+            "by HTTP status",
             labelnames=("status",), registry=registry)
         registry.register(_EngineStatsCollector(latest_stats, num_in_flight))
 

@@ -31,11 +31,12 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         checks = (
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an int >= 1"),
+            ("max_tokens", isinstance(self.max_tokens, int) and 1 <= self.max_tokens < 2**31, "an int >= 1"),
             ("temperature", self.temperature >= 0.0, ">= 0"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0 (0 disables)"),
+            ("top_k", isinstance(self.top_k, int) and 0 <= self.top_k < 2**31, "an int in [0, 2**31) (0 disables)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            ("seed", self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "an int >= 0"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+             "an int in [0, 2**32)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("logprobs", self.logprobs is None
              or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= self.MAX_TOP_LOGPROBS),

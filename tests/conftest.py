@@ -1,0 +1,23 @@
+"""Test-session setup: compile each XLA program once per CI run, however many engines build it.
+
+Every Engine owns its own jitted functions, so two tests with the same tiny model and bucket would
+otherwise compile the same program twice; jax's persistent compilation cache makes the second a
+disk read. The cache lives in a per-session temporary directory, so runs stay independent.
+"""
+
+import os
+import sys
+import tempfile
+
+import jax  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))  # the *_helpers modules
+
+_CACHE_SETTINGS = {
+    "jax_compilation_cache_dir": tempfile.mkdtemp(prefix="orca_jax_xla_cache_"),
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+}
+for _name, _value in _CACHE_SETTINGS.items():
+    jax.config.update(_name, _value)
+    os.environ[_name.upper()] = str(_value)  # subprocesses (server, notebook kernel) share the cache

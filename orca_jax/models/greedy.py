@@ -19,6 +19,9 @@ from orca_jax.kernels.ragged_attention import ragged_attention_reference
 from orca_jax.models.attention import AttentionMetadata, KVCache, RaggedAttentionFn
 from orca_jax.models.decoder import Decoder, empty_cache
 
+_MIN_PAGES = 8
+_MIN_TOKENS = 16
+
 
 class SingleSequence:
     """One sequence's forward passes over a paged KV cache sized for `max_len` tokens."""
@@ -30,8 +33,9 @@ class SingleSequence:
         self.config = config
         self.params = jax.device_put(params)  # once: numpy args would be copied on every step
         self.page_size = page_size
-        # A power-of-two page count, so sequences of similar lengths share one compiled decode step.
-        self.num_seq_pages = _next_power_of_two(-(-max_len // page_size))
+        # A power-of-two page count (at least _MIN_PAGES), so sequences of similar lengths share one
+        # compiled decode step.
+        self.num_seq_pages = max(_MIN_PAGES, _next_power_of_two(-(-max_len // page_size)))
         self.page_table = np.arange(1, self.num_seq_pages + 1, dtype=np.int32)  # [P]: page 0 is scratch
         self.cache = empty_cache(config, self.num_seq_pages + 1, page_size)
         self.length = 0  # tokens already in the cache
@@ -40,12 +44,12 @@ class SingleSequence:
     def feed(self, token_ids: Sequence[int], all_logits: bool = False) -> jax.Array:
         """Append tokens; returns f32[V] logits of the last one, or f32[T, V] for every one."""
         num_new = len(token_ids)
-        if self.length + num_new > self.num_seq_pages * self.page_size:
+        if num_new == 0 or self.length + num_new > self.num_seq_pages * self.page_size:
             raise ValueError(f"sequence would reach {self.length + num_new} tokens, "
                              f"the cache holds {self.num_seq_pages * self.page_size}")
         # Pad the tokens to a power of two (one compilation per bucket, not per prompt length); the
         # padding rows lie past cu_q_lens[-1], so attention ignores them, and they write to slot 0.
-        padded = _next_power_of_two(num_new)
+        padded = max(_MIN_TOKENS, _next_power_of_two(num_new))
         positions = np.zeros(padded, np.int32)  # [T]
         positions[:num_new] = np.arange(self.length, self.length + num_new)
         slot_mapping = np.zeros(padded, np.int32)  # [T]: 0 is the scratch page's first slot

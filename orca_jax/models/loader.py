@@ -54,8 +54,8 @@ def load_model(name_or_path: str, dtype: str | None = None) -> LoadedModel:
     start = time.perf_counter()
     if name_or_path in presets.REAL_WEIGHT_PRESETS:
         loaded = _load_smollm2(name_or_path)
-    elif name_or_path.endswith(".gguf") and os.path.isfile(name_or_path):
-        loaded = load_gguf(os.path.abspath(name_or_path))
+    elif os.path.isfile(name_or_path):
+        loaded = load_gguf(name_or_path)
     elif os.path.isdir(name_or_path):
         loaded = _load_directory(name_or_path)
     elif name_or_path in presets.PRESETS:
@@ -75,12 +75,21 @@ def load_model(name_or_path: str, dtype: str | None = None) -> LoadedModel:
     return loaded
 
 
-@functools.lru_cache(maxsize=2)
 def load_gguf(path: str) -> LoadedModel:
     """A Llama GGUF: weights dequantized to fp32, the tokenizer from its metadata.
 
     Cached per process (read-only arrays), since parsing and dequantizing take seconds on CPU.
     """
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise WeightsError(f"{path}: no such file")
+    stat = os.stat(path)
+    return _load_gguf_cached(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _load_gguf_cached(path: str, size: int, mtime_ns: int) -> LoadedModel:
+    del size, mtime_ns  # only part of the cache key: a rewritten file is read again
     reader = weights.open_gguf(path)
     config = weights.config_from_gguf(reader, path)
     params = weights.load_gguf_params(path, config, reader)

@@ -157,65 +157,77 @@ def load_gguf_params(path: str, config: ModelConfig, reader=None) -> Params:
     from gguf import dequantize
 
     reader = reader if reader is not None else open_gguf(path)
-    shapes = expected_shapes(config)
     dtype = np.dtype(jax.numpy.dtype(config.dtype))
-    h, n, k, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-    num_layers = config.num_layers
-    params = jax.tree_util.tree_map(lambda s: np.empty(s, dtype), shapes,
+    params = jax.tree_util.tree_map(lambda s: np.empty(s, dtype), expected_shapes(config),
                                     is_leaf=lambda x: isinstance(x, tuple))
-    layers = params["layers"]
-    # GGUF name -> (destination setter, converter from the [out, in] matrix to our layout).
-    per_layer = {
-        "attn_norm.weight": (layers["attn_norm"], "scale", lambda w: w),
-        "ffn_norm.weight": (layers["mlp_norm"], "scale", lambda w: w),
-        "attn_q.weight": (layers["attn"]["q"], "kernel", lambda w: _unpermute_rows(w, n).T.reshape(h, n, d)),
-        "attn_k.weight": (layers["attn"]["k"], "kernel", lambda w: _unpermute_rows(w, k).T.reshape(h, k, d)),
-        "attn_v.weight": (layers["attn"]["v"], "kernel", lambda w: w.T.reshape(h, k, d)),
-        "attn_output.weight": (layers["attn"]["o"], "kernel", lambda w: w.T.reshape(n, d, h)),
-        "ffn_gate.weight": (layers["mlp"]["gate"], "kernel", lambda w: w.T),
-        "ffn_up.weight": (layers["mlp"]["up"], "kernel", lambda w: w.T),
-        "ffn_down.weight": (layers["mlp"]["down"], "kernel", lambda w: w.T),
-    }
+    layouts = _gguf_layouts(config)
     seen = set()
     for tensor in reader.tensors:
         name = tensor.name
+        layer, suffix = _split_layer(name)
+        if suffix not in layouts or (layer is not None and layer >= config.num_layers):
+            raise WeightsError(f"{path}: unexpected tensor {name} for a {config.num_layers}-layer "
+                               f"{'tied' if config.tie_embeddings else 'untied'} Llama")
+        where, raw_shape, convert = layouts[suffix]
+        if tuple(int(x) for x in reversed(tensor.shape)) != raw_shape:  # ggml lists dims innermost first
+            raise WeightsError(f"{path}: {name} gives shape {tuple(reversed(tensor.shape.tolist()))}, "
+                               f"the config needs {raw_shape}")
         try:
-            weight = dequantize(tensor.data, tensor.tensor_type)  # [out, in] (ggml's shape reversed)
-        except Exception as err:
+            weight = dequantize(tensor.data, tensor.tensor_type)  # [out, in]
+        except Exception as err:  # gguf raises NotImplementedError, ValueError, ...
             raise WeightsError(f"{path}: cannot dequantize {name} ({tensor.tensor_type.name}): {err}") from err
-        if name == "token_embd.weight":
-            dest, key, value = params, "embed", weight  # [V, H]
-        elif name == "output_norm.weight":
-            dest, key, value = params["final_norm"], "scale", weight
-        elif name == "output.weight" and not config.tie_embeddings:
-            dest, key, value = params, "lm_head", weight.T  # [H, V]
-        elif name.startswith("blk.") and name.split(".", 2)[2] in per_layer:
-            layer, suffix = int(name.split(".")[1]), name.split(".", 2)[2]
-            if layer >= num_layers:
-                raise WeightsError(f"{path}: {name} but the model has {num_layers} layers")
-            holder, key, convert = per_layer[suffix]
-            _store(path, name, holder[key], layer, convert(weight))
-            seen.add(name)
-            continue
+        holder = params
+        for key in where[:-1]:
+            holder = holder[key]
+        if layer is None:
+            holder[where[-1]][...] = convert(weight)
         else:
-            raise WeightsError(f"{path}: unexpected tensor {name}; this loader knows plain Llama GGUFs")
-        if dest[key].shape != value.shape:
-            raise WeightsError(f"{path}: {name} has shape {value.shape}, the config needs {dest[key].shape}")
-        dest[key][...] = value
+            holder[where[-1]][layer] = convert(weight)
         seen.add(name)
-    names = {"token_embd.weight", "output_norm.weight"} | {
-        f"blk.{i}.{suffix}" for i in range(num_layers) for suffix in per_layer}
-    if not config.tie_embeddings:
-        names.add("output.weight")
-    if missing := sorted(names - seen):
+    expected = {suffix if not suffix.startswith("blk.") else suffix.replace("blk.", f"blk.{i}.", 1)
+                for suffix in layouts for i in range(config.num_layers)}
+    if missing := sorted(expected - seen, key=_natural_order):
         raise WeightsError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     return params
 
 
-def _store(path: str, name: str, stacked: np.ndarray, layer: int, value: np.ndarray) -> None:
-    if stacked.shape[1:] != value.shape:
-        raise WeightsError(f"{path}: {name} gives shape {value.shape}, the config needs {stacked.shape[1:]}")
-    stacked[layer] = value
+def _gguf_layouts(config: ModelConfig) -> dict:
+    """GGUF name (blk.* per layer) -> (path in our tree, [out, in] shape in the file, converter)."""
+    h, n, k, d, f, v = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                        config.ffn_size, config.vocab_size)
+    same = lambda w: w  # noqa: E731
+    layouts = {
+        "token_embd.weight": (("embed",), (v, h), same),  # [V, H]
+        "output_norm.weight": (("final_norm", "scale"), (h,), same),
+        "blk.attn_norm.weight": (("layers", "attn_norm", "scale"), (h,), same),
+        "blk.ffn_norm.weight": (("layers", "mlp_norm", "scale"), (h,), same),
+        "blk.attn_q.weight": (("layers", "attn", "q", "kernel"), (n * d, h),
+                              lambda w: _unpermute_rows(w, n).T.reshape(h, n, d)),
+        "blk.attn_k.weight": (("layers", "attn", "k", "kernel"), (k * d, h),
+                              lambda w: _unpermute_rows(w, k).T.reshape(h, k, d)),
+        "blk.attn_v.weight": (("layers", "attn", "v", "kernel"), (k * d, h), lambda w: w.T.reshape(h, k, d)),
+        "blk.attn_output.weight": (("layers", "attn", "o", "kernel"), (h, n * d),
+                                   lambda w: w.T.reshape(n, d, h)),
+        "blk.ffn_gate.weight": (("layers", "mlp", "gate", "kernel"), (f, h), lambda w: w.T),
+        "blk.ffn_up.weight": (("layers", "mlp", "up", "kernel"), (f, h), lambda w: w.T),
+        "blk.ffn_down.weight": (("layers", "mlp", "down", "kernel"), (h, f), lambda w: w.T),
+    }
+    if not config.tie_embeddings:
+        layouts["output.weight"] = (("lm_head",), (v, h), lambda w: w.T)  # [H, V]
+    return layouts
+
+
+def _split_layer(name: str) -> tuple[int | None, str]:
+    """'blk.7.attn_q.weight' -> (7, 'blk.attn_q.weight'); other names -> (None, name)."""
+    parts = name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
+        return int(parts[1]), f"blk.{parts[2]}"
+    return None, name
+
+
+def _natural_order(name: str):
+    layer, suffix = _split_layer(name)
+    return (-1 if layer is None else layer, suffix)
 
 
 # --- GPT-2 safetensors (a Hugging Face directory) -------------------------------------------------

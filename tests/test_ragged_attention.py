@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from orca_jax.kernels import ragged_attention as ra
+from orca_jax.kernels import ragged_attention_tiles as tiles
 from orca_jax.kernels.ragged_attention import BlockSizes, Tile
 
 # Max |kernel - reference| over valid rows. Outputs are averages of N(0, 1) values, so O(1): bf16
@@ -52,11 +53,14 @@ class Config:
         return 1 + self.num_slots * self.pages_per_seq + 3  # scratch page, every slot full, spares
 
 
-SMALL_TILES = BlockSizes(short=Tile(16, 16), long=Tile(32, 16))  # many q and K/V blocks per request
+# Many q and K/V blocks per request, and the short pass's K/V cut into 3 uneven splits.
+SMALL_TILES = BlockSizes(short=Tile(16, 16), long=Tile(32, 16), kv_splits=3)
 CONFIGS = {
     "mha-f32-d64-p16": Config("float32", 4, 4, 64, 16),
-    "gqa3-bf16-d64-p1-small-tiles": Config("bfloat16", 6, 2, 64, 1, SMALL_TILES, sm_scale=0.3),
-    "gqa4-f32-d128-p64": Config("float32", 8, 2, 128, 64),
+    "gqa3-bf16-d64-p1-small-tiles-3-splits": Config("bfloat16", 6, 2, 64, 1, SMALL_TILES,
+                                                    sm_scale=0.3),
+    "gqa4-f32-d128-p64-2-splits": Config(
+        "float32", 8, 2, 128, 64, BlockSizes(short=Tile(16, 32), long=Tile(32, 32), kv_splits=2)),
     "gqa8-bf16-d128-p16": Config("bfloat16", 8, 1, 128, 16),
 }
 
@@ -165,7 +169,9 @@ _schedule = jax.jit(ra._schedule, static_argnames=("num_tokens", "block_q", "min
 def _covered_rows(cu, kv_lens, num_seqs, num_tokens, sizes, group_pad):
     """Every program's (first row, count, kv_end), over both passes, as plain ints."""
     spans = []
-    for step in ra._plan_passes(num_tokens, len(kv_lens), sizes, group_pad):
+    for step in tiles.plan_passes(num_tokens=num_tokens, num_slots=len(kv_lens), num_heads=8,
+                                  num_kv_heads=2, head_dim=64, max_kv=64, sizes=sizes,
+                                  group_pad=group_pad):
         sched = np.asarray(_schedule(
             jnp.asarray(cu, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
             jnp.asarray([num_seqs], jnp.int32), num_tokens=num_tokens, block_q=step.block_q,
@@ -209,10 +215,27 @@ def test_default_block_sizes_fit_every_group():
         for dtype in (jnp.bfloat16, jnp.float32):
             for group in (1, 3, 4, 8, 16, 32):
                 sizes = ra.default_block_sizes(head_dim, 16, group, dtype)
-                group_pad = ra._next_pow2(group)
+                group_pad = tiles.next_pow2(group)
                 for tile in (sizes.short, sizes.long):
                     assert tile.block_q(group_pad) * group_pad >= max(16, group_pad)
                 assert sizes.short.block_q(group_pad) <= sizes.long.block_q(group_pad)
+
+
+def test_plan_splits_only_small_short_passes():
+    def splits(num_tokens, num_slots, num_kv_heads=8, max_kv=2048):
+        sizes = ra.default_block_sizes(128, 16, 4, jnp.bfloat16)
+        plan = tiles.plan_passes(num_tokens=num_tokens, num_slots=num_slots, num_heads=32,
+                                 num_kv_heads=num_kv_heads, head_dim=128, max_kv=max_kv,
+                                 sizes=sizes, group_pad=4)
+        assert all(p.kv_splits == 1 for p in plan[1:])
+        return plan[0].kv_splits
+
+    assert splits(64, 64) == 1  # 65 x 8 programs already fill the GPU
+    assert splits(8, 8) == 4  # 9 x 8 programs would leave most multiprocessors idle
+    assert splits(8, 8, max_kv=64) == 1  # one K/V block: nothing to split
+    assert splits(4096, 8) == 1  # fp32 partials of 4096 x 32 rows would pass 32 MiB
+    fewer = splits(1024, 8)  # ... so fewer splits here
+    assert 1 < fewer < splits(8, 8) and fewer * 1024 * 32 * 128 * 4 <= 32 << 20
 
 
 def _good_args(**over):
@@ -251,3 +274,5 @@ def test_rejects_bad_tiles():
         Tile(rows=24, block_k=16)
     with pytest.raises(ValueError):
         Tile(rows=16, block_k=8)
+    with pytest.raises(ValueError):
+        BlockSizes(short=Tile(16, 16), long=Tile(16, 16), kv_splits=0)

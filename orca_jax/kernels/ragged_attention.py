@@ -11,7 +11,9 @@ One program handles one (query block of one segment, KV head). Its rows are bloc
 group (padded to a power of two), so K/V of a head is read once for all its query heads. Segments are
 the requests plus one trailing padding segment whose rows get zeros. A segment of at most
 `short.block_q` tokens (an increment, a short chunk) runs in a small tile; longer ones in a big tile;
-the two passes write disjoint rows of one aliased output.
+the two passes write disjoint rows of one aliased output. When the short pass alone would launch too
+few programs to keep HBM busy (small decode batches), its programs also split each request's K/V
+blocks, and the splits' online-softmax states are merged afterwards (plan: ragged_attention_tiles).
 
 Backend: Pallas's Triton lowering, chosen in `_compiler_params` alone. It runs in interpret mode on
 the CPU (jax 0.10, where CI tests it) and compiles on jax 0.11 GPUs, and it gathers K/V rows through
@@ -21,10 +23,8 @@ has no CPU interpret mode on 0.10 and wants whole contiguous tiles for its bulk 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,77 +32,21 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from orca_jax.kernels.ragged_attention_tiles import (BlockSizes, Pass, Tile, default_block_sizes,
+                                                     next_pow2, plan_passes)
+
 try:  # The Triton lowering's public home (jax >= 0.5, deprecated but present in 0.11).
     from jax.experimental.pallas import triton as _pltriton
 except ImportError:  # pragma: no cover - very old jax
     from jax.experimental.pallas import gpu as _pltriton
 
+__all__ = ["BlockSizes", "Tile", "default_block_sizes", "ragged_attention",
+           "ragged_attention_reference", "token_to_seq"]
+
 # Finite, so a fully masked row never computes (-inf) - (-inf).
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _LOG2E = math.log2(math.e)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-# ----------------------------------------------------------------------------------------- tiles
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Tile:
-    """One program's work: `rows` query rows (tokens x padded group) against `block_k` K/V slots."""
-
-    rows: int  # q rows per program; a power of two >= 16 (Triton's smallest dot)
-    block_k: int  # K/V slots per inner step; a power of two >= 16
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("rows", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"Tile.{name} must be a power of two >= 16, got {value}")
-
-    def block_q(self, group_pad: int) -> int:
-        """Query tokens per program for a padded GQA group."""
-        return max(1, self.rows // group_pad)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class BlockSizes:
-    """Tiles for short segments (at most short.block_q tokens: increments) and for long ones."""
-
-    short: Tile
-    long: Tile
-
-
-# Keyed by (head_dim, itemsize). Page size does not enter: the kernel gathers K/V slot by slot, so a
-# block of block_k slots costs the same whatever pages it spans. Picked by the sweep in
-# benchmarks/kernel_bench.py (Hopper, jax 0.11.2): decode tiles by KV-read GB/s, long tiles by TFLOP/s.
-_TILE_TABLE: dict[tuple[int, int], BlockSizes] = {
-    (128, 2): BlockSizes(short=Tile(16, 64, num_warps=4, num_stages=3),
-                         long=Tile(128, 64, num_warps=4, num_stages=2)),
-    (64, 2): BlockSizes(short=Tile(16, 128, num_warps=4, num_stages=3),
-                        long=Tile(128, 128, num_warps=4, num_stages=2)),
-}
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
-def default_block_sizes(head_dim: int, page_size: int, group: int, dtype) -> BlockSizes:
-    """The tile table lookup: (head_dim, page_size, GQA group, dtype) -> BlockSizes."""
-    del page_size  # see _TILE_TABLE
-    itemsize = jnp.dtype(dtype).itemsize
-    sizes = _TILE_TABLE.get((head_dim, itemsize))
-    if sizes is None:  # fp32 or unusual head dims: halve the tiles to stay within registers
-        big = 64 if head_dim * itemsize <= 256 else 32
-        sizes = BlockSizes(short=Tile(16, 32), long=Tile(big, 32))
-    group_pad = _next_pow2(group)
-    if group_pad > sizes.short.rows:  # a whole group must fit one program's rows
-        short = dataclasses.replace(sizes.short, rows=group_pad)
-        long = dataclasses.replace(sizes.long, rows=max(group_pad, sizes.long.rows))
-        sizes = BlockSizes(short, long)
-    return sizes
 
 
 def _compiler_params(tile: Tile):
@@ -131,7 +75,7 @@ def _ragged_attention_kernel(
     q_ref,  # [T * N, D]
     k_ref,  # [L * KVH * num_pages * page_size, D]
     v_ref,  # [L * KVH * num_pages * page_size, D]
-    *out_refs,  # ([T * N, D] aliased input of an earlier pass,)? then o_ref [T * N, D]
+    *out_refs,  # see below
     num_heads: int,
     num_kv_heads: int,
     num_pages: int,
@@ -142,9 +86,17 @@ def _ragged_attention_kernel(
     block_q: int,
     block_k: int,
     sm_scale: float,
+    kv_splits: int,
 ):
-    o_ref = out_refs[-1]
+    """One (query block, KV head[, K/V split]) program.
+
+    out_refs, unsplit: ([T * N, D] aliased output of an earlier pass,)? then o_ref [T * N, D].
+    Split: acc_ref f32[splits * T * N, D], m_ref, l_ref f32[splits * T * N]: unnormalised partial
+    results of this split's share of the K/V blocks, combined by _combine_splits.
+    """
+    # Program ids are read here: interpret mode resolves them only outside control flow.
     prog, kv_head = pl.program_id(0), pl.program_id(1)
+    split = pl.program_id(2) if kv_splits > 1 else 0
     q_count = sched_ref[1, prog]
 
     @pl.when(q_count > 0)
@@ -189,16 +141,31 @@ def _ragged_attention_kernel(
         # Blocks wholly at or before the first query's position need no causal mask.
         num_full = lax.div(jnp.maximum(kv_end - q_count + 1, 0), block_k)
         num_blocks = lax.div(kv_end + block_k - 1, block_k)
-        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
-        acc, _, l_fin = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
-        # Padding rows have kv_end == 0: no steps, l == 0, and a zero output.
-        out = acc / jnp.where(l_fin > 0, l_fin, 1.0)[:, None]
+        lo, hi = 0, num_blocks
+        if kv_splits > 1:  # this program's share: a contiguous run of K/V blocks
+            share = lax.div(num_blocks + kv_splits - 1, kv_splits)
+            lo = split * share
+            hi = jnp.minimum(lo + share, num_blocks)
+        carry = lax.fori_loop(lo, jnp.minimum(hi, num_full), functools.partial(step, masked=False),
+                              carry)
+        acc, m_fin, l_fin = lax.fori_loop(jnp.maximum(lo, num_full), hi,
+                                          functools.partial(step, masked=True), carry)
         # Masked-off rows point past the end, each at its own row: interpret mode scatters the
         # whole tile, and duplicates of a valid row there would write stale values over it.
-        o_rows = jnp.where(valid, q_rows, o_ref.shape[0] + r)
         cols = jnp.arange(head_dim, dtype=jnp.int32)
-        _store(o_ref.at[o_rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
-               mask=valid[:, None])
+        if kv_splits == 1:
+            o_ref = out_refs[-1]
+            # Padding rows have kv_end == 0: no steps, l == 0, and a zero output.
+            out = acc / jnp.where(l_fin > 0, l_fin, 1.0)[:, None]
+            o_rows = jnp.where(valid, q_rows, o_ref.shape[0] + r)
+            _store(o_ref.at[o_rows[:, None], cols[None, :]], out.astype(o_ref.dtype),
+                   mask=valid[:, None])
+        else:
+            acc_ref, m_ref, l_ref = out_refs
+            p_rows = jnp.where(valid, split * q_ref.shape[0] + q_rows, m_ref.shape[0] + r)
+            _store(acc_ref.at[p_rows[:, None], cols[None, :]], acc, mask=valid[:, None])
+            _store(m_ref.at[p_rows], m_fin, mask=valid)
+            _store(l_ref.at[p_rows], l_fin, mask=valid)
 
 
 # --------------------------------------------------------------------------------------- wrapper
@@ -243,29 +210,6 @@ def _schedule(
     return jnp.stack([q_start, q_count, kv_end, seq]).astype(jnp.int32)
 
 
-class _Pass(NamedTuple):
-    """One pallas_call: segments of min_len..max_len tokens, cut into block_q-token programs."""
-
-    tile: Tile
-    block_q: int
-    min_len: int
-    max_len: int
-    num_programs: int  # a static bound on the programs its segments can need
-
-
-def _plan_passes(num_tokens: int, num_slots: int, sizes: BlockSizes, group_pad: int) -> list[_Pass]:
-    """Short segments (one program each) in the small tile, the rest in the big one."""
-    short_q = sizes.short.block_q(group_pad)
-    passes = [_Pass(sizes.short, short_q, 1, short_q, min(num_slots + 1, num_tokens))]
-    if num_tokens > short_q:  # else no segment is long
-        long_q = sizes.long.block_q(group_pad)
-        # sum(ceil(len / long_q)) <= ceil(T / long_q) + (number of long segments).
-        max_long_segments = min(num_slots + 1, num_tokens // (short_q + 1))
-        passes.append(_Pass(sizes.long, long_q, short_q + 1, num_tokens,
-                            pl.cdiv(num_tokens, long_q) + max_long_segments))
-    return passes
-
-
 def _ragged_attention_pass(
     sched: jax.Array,  # i32[4, num_programs]
     layer: jax.Array,  # i32[1]
@@ -275,28 +219,55 @@ def _ragged_attention_pass(
     v: jax.Array,  # [L * KVH * num_pages * page_size, D]
     out: jax.Array | None,  # [T * N, D] rows of an earlier pass, updated in place; None: first pass
     *,
-    tile: Tile,
-    block_q: int,
+    step: Pass,
     interpret: bool,
     **dims,
 ) -> jax.Array:  # [T * N, D]
-    """One pallas_call over grid (program, KV head); every operand is whole (the kernel gathers)."""
-    kernel = functools.partial(_ragged_attention_kernel, block_q=block_q, block_k=tile.block_k,
-                               **dims)
+    """One pallas_call over grid (program, KV head[, split]); operands are whole (the kernel gathers)."""
+    tile, splits = step.tile, step.kv_splits
+    kernel = functools.partial(_ragged_attention_kernel, block_q=step.block_q, block_k=tile.block_k,
+                               kv_splits=splits, **dims)
     args = [sched, layer, page_table, q, k, v]
     aliases = {}
-    if out is not None:
-        aliases = {len(args): 0}
-        args.append(out)
-    return pl.pallas_call(
+    if splits > 1:
+        assert out is None, "only the first pass splits"
+        rows = splits * q.shape[0]
+        out_shape = [jax.ShapeDtypeStruct((rows, q.shape[1]), jnp.float32),
+                     jax.ShapeDtypeStruct((rows,), jnp.float32),
+                     jax.ShapeDtypeStruct((rows,), jnp.float32)]
+    else:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        if out is not None:
+            aliases = {len(args): 0}
+            args.append(out)
+    grid = (sched.shape[1], dims["num_kv_heads"]) + ((splits,) if splits > 1 else ())
+    result = pl.pallas_call(
         kernel,
-        grid=(sched.shape[1], dims["num_kv_heads"]),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=grid,
+        out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=_compiler_params(tile),
-        name=f"ragged_attention_r{block_q * dims['group_pad']}_k{tile.block_k}",
+        name=f"ragged_attention_r{step.block_q * dims['group_pad']}_k{tile.block_k}_s{splits}",
     )(*args)
+    return _combine_splits(*result, splits, q.dtype) if splits > 1 else result
+
+
+def _combine_splits(
+    acc: jax.Array,  # f32[splits * T * N, D]
+    m: jax.Array,  # f32[splits * T * N], base-2 running max
+    l: jax.Array,  # f32[splits * T * N]
+    splits: int,
+    dtype,
+) -> jax.Array:  # [T * N, D]
+    """Merge the splits' online-softmax states; rows no program of the pass wrote come out
+    arbitrary (a later pass overwrites them)."""
+    acc = acc.reshape(splits, -1, acc.shape[-1])
+    m, l = m.reshape(splits, -1), l.reshape(splits, -1)
+    weight = jnp.exp2(m - jnp.max(m, axis=0))  # [splits, T * N]
+    total = jnp.sum(weight * l, axis=0)
+    out = jnp.sum(weight[:, :, None] * acc, axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
+    return out.astype(dtype)
 
 
 # ---------------------------------------------------------------------------------- public entry
@@ -353,7 +324,7 @@ def ragged_attention(
     _, num_kv_heads, num_pages, page_size, _ = k_cache.shape
     num_slots, pages_per_seq = page_table.shape
     group = num_heads // num_kv_heads
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     sizes = block_sizes or default_block_sizes(head_dim, page_size, group, q.dtype)
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, num_pages=num_pages,
                 page_size=page_size, pages_per_seq=pages_per_seq, group=group, group_pad=group_pad,
@@ -362,12 +333,14 @@ def ragged_attention(
     operands = (layer.reshape(1), page_table.reshape(-1), q.reshape(num_tokens * num_heads, head_dim),
                 k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
     out = None
-    for step in _plan_passes(num_tokens, num_slots, sizes, group_pad):
+    passes = plan_passes(num_tokens=num_tokens, num_slots=num_slots, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         max_kv=pages_per_seq * page_size, sizes=sizes, group_pad=group_pad)
+    for step in passes:
         sched = _schedule(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=step.block_q,
                           min_len=step.min_len, max_len=step.max_len,
                           num_programs=step.num_programs)
-        out = _ragged_attention_pass(sched, *operands, out, tile=step.tile, block_q=step.block_q,
-                                     interpret=interpret, **dims)
+        out = _ragged_attention_pass(sched, *operands, out, step=step, interpret=interpret, **dims)
     return out.reshape(num_tokens, num_heads, head_dim)
 
 

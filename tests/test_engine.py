@@ -189,3 +189,16 @@ def _pow2_range(lo, hi):
         out.append(v)
         v *= 2
     return out + [hi]
+
+
+def test_pallas_backend_gives_the_jnp_backend_tokens():
+    """The engine flag switches the attention implementation; the kernel runs interpreted on CPU."""
+    from orca_jax.config import AttentionBackend
+    prompts = [[5, 6, 7], list(range(10, 31)), [40] * 5]
+    results = []
+    for backend in (AttentionBackend.JNP, AttentionBackend.PALLAS):
+        engine = tiny_engine(attention=backend)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True), request_id=str(i))
+        results.append(drain(engine))
+    assert results[0] == results[1]

@@ -119,7 +119,10 @@ class ModelRunner:
                              out_shardings=KVCache(cache_sharding, cache_sharding))()
         self.compiled_shapes: set[tuple[int, ...]] = set()
         model = decoder.Decoder(config, self.attention_fn)
-        self._forward = jax.jit(functools.partial(_forward, model), donate_argnums=(1,))
+        # The cache goes out with the sharding it came in with; else the second call recompiles.
+        self._forward = jax.jit(functools.partial(_forward, model), donate_argnums=(1,),
+                                out_shardings=(NamedSharding(self.mesh, P()),
+                                               KVCache(cache_sharding, cache_sharding)))
         self._sample = jax.jit(lambda logits, sampling, k: pack(sample(logits, sampling, k)),
                                static_argnums=(2,))
 

@@ -1,5 +1,6 @@
 """The quickstart notebook is one of the documented ways in: it must run top to bottom on CPU."""
 
+import os
 import pathlib
 
 import pytest
@@ -11,7 +12,10 @@ NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "quickstar
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_runs():
+def test_quickstart_notebook_runs(monkeypatch):
+    # The kernel is a fresh process: let it import this checkout even when it is not pip-installed.
+    root = str(NOTEBOOK.parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()

@@ -1,0 +1,76 @@
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,report}`: see each subcommand's --help."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m orca_jax.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    suite = sub.add_parser("suite", help="one model's GPU suite (offline, microbench, e2e, roofline)")
+    suite.add_argument("--model", required=True)
+    suite.add_argument("--profile", default="full", choices=["full", "quick", "smoke", "plumbing"])
+    suite.add_argument("--out", required=True, help="directory for <model>.json and <model>_hf.json")
+    suite.add_argument("--budget-s", type=float, default=500.0, help="wall-clock budget; sections past it skip")
+    suite.add_argument("--seed", type=int, default=0)
+    suite.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    suite.add_argument("--hf-timeout-s", type=float, default=200.0)
+
+    hf = sub.add_parser("hf", help="the transformers continuous-batching peer (run in its own process)")
+    hf.add_argument("--model", required=True)
+    hf.add_argument("--num-requests", type=int, default=512)
+    hf.add_argument("--seed", type=int, default=0)
+    hf.add_argument("--device", default="cuda")
+    hf.add_argument("--no-micro", action="store_true")
+    hf.add_argument("--out-file", required=True)
+
+    cpu = sub.add_parser("cpu", help="the engine issue's numbers on CPU (SmolLM2-135M, real weights)")
+    cpu.add_argument("--out", default="benchmarks/results/cpu")
+    cpu.add_argument("--num-requests", type=int, default=64)
+    cpu.add_argument("--alone", type=int, default=8)
+
+    pad = sub.add_parser("padding", help="padding waste of the paper's trace (host arithmetic only)")
+    pad.add_argument("--num-requests", type=int, default=512)
+    pad.add_argument("--seed", type=int, default=0)
+    pad.add_argument("--out", default=None, help="write padding.json here")
+
+    report = sub.add_parser("report", help="plots and summary.md from a results directory")
+    report.add_argument("results_dir")
+
+    args = parser.parse_args(argv)
+    if args.command == "suite":
+        from orca_jax.bench.suite import run_suite
+        run_suite(args.model, args.profile, args.out, args.budget_s, args.seed, not args.no_hf, args.hf_timeout_s)
+    elif args.command == "hf":
+        from orca_jax.bench.peer_hf import run_peer
+        from orca_jax.bench.traces import TraceKind, make_trace
+        from orca_jax.models.presets import PRESETS
+        trace = make_trace(TraceKind.UNIFORM, args.num_requests, None, args.seed)
+        micro = {} if not args.no_micro else {"micro_batch_sizes": ()}
+        result = run_peer(PRESETS[args.model], trace, device=args.device, out_path=args.out_file, **micro)
+        offline = result.get("offline", {})
+        print(f"hf {args.model}: {offline.get('tokens_per_s', float('nan')):.0f} tok/s offline")
+    elif args.command == "cpu":
+        from orca_jax.bench.cpu import run_cpu
+        run_cpu(args.out, num_requests=args.num_requests, alone=args.alone)
+    elif args.command == "padding":
+        from orca_jax.bench.padding import padding_report
+        from orca_jax.bench.traces import TraceKind, make_trace
+        result = padding_report(make_trace(TraceKind.UNIFORM, args.num_requests, None, args.seed))
+        for row in result["rows"]:
+            print(row)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "padding.json"), "w") as f:
+                json.dump(result, f, indent=1)
+    elif args.command == "report":
+        from orca_jax.bench.report import write_report
+        print(write_report(args.results_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The paper's request-level baseline (FasterTransformer with its custom scheduler), on our engine.
+
+A scheduler with the same two calls as orca_jax.scheduler.Scheduler, plugged into an Engine in place
+of ORCA's, so the comparison isolates scheduling: same model code, runner, KV pool and batch builder.
+Request-level semantics, as in ORCA section 2.2 and 6:
+- when the engine is idle, up to max_batch_size waiting requests form a batch (dynamic batching);
+- every prompt is padded to the batch's longest prompt, and the pad tokens are really computed;
+- every request generates as many tokens as the batch's longest request: a finished request keeps
+  its slot and keeps being computed, and is returned only when the whole batch ends;
+- no request joins a running batch.
+Prompts are fed in chunks of at most token_budget tokens (what fits one of our compiled buckets);
+decoding starts once every prompt of the batch is in, and then all slots advance in lockstep.
+No jax here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+from orca_jax.kv_cache import KVCacheManager
+from orca_jax.request import Request, RequestStatus
+from orca_jax.scheduler import ScheduledRequest, SchedulerOutput
+
+PAD_TOKEN_ID = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PaddedBatch:
+    """One request-level batch: its members and the lengths every member is padded to."""
+
+    requests: tuple[Request, ...]
+    prompt_len: int  # longest prompt of the batch
+    max_tokens: int  # longest generation of the batch
+
+
+class RequestLevelScheduler:
+    """FT-style batching behind the Scheduler interface that Engine.step() drives."""
+
+    num_stages = 1
+
+    def __init__(self, max_batch_size: int, token_budget: int, kv: KVCacheManager, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic):
+        if max_batch_size <= 0 or token_budget <= 0:
+            raise ValueError("max_batch_size and token_budget must be positive")
+        self.max_batch_size = max_batch_size
+        self.token_budget = token_budget
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self._clock = clock
+        self._waiting: list[Request] = []  # arrival order
+        self._batch: PaddedBatch | None = None
+        self._real_lengths: dict[str, tuple[int, int]] = {}  # request id -> (prompt, max_tokens)
+        self._in_flight: SchedulerOutput | None = None
+        self._next_iteration = 0
+        self.batches: list[tuple[int, int, int]] = []  # (size, padded prompt, padded gen) per batch
+
+    # ---- the queries Engine uses ----------------------------------------------------------------
+    @property
+    def can_schedule(self) -> bool:
+        return self._in_flight is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return int(self._in_flight is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return 0 if self._batch is None else len(self._batch.requests)
+
+    @property
+    def current_batch(self) -> PaddedBatch | None:
+        return self._batch
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting) or self._batch is not None
+
+    def get(self, request_id: str) -> Request | None:
+        pool = self._waiting + list(self._batch.requests if self._batch else ())
+        return next((r for r in pool if r.request_id == request_id), None)
+
+    def real_lengths(self, request_id: str) -> tuple[int, int]:
+        """(prompt tokens, max_tokens) the request came with, before padding."""
+        return self._real_lengths[request_id]
+
+    # ---- admission ------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.max_total_tokens > self.max_model_len:
+            raise ValueError(f"request {request.request_id!r} needs {request.max_total_tokens} tokens, "
+                             f"more than max_model_len {self.max_model_len}")
+        if self.kv.num_pages_for(request.max_total_tokens) > self.kv.num_usable_pages:
+            raise ValueError(f"request {request.request_id!r} can never fit the KV pool")
+        self._real_lengths[request.request_id] = (request.num_prompt_tokens, request.sampling.max_tokens)
+        self._waiting.append(request)
+
+    # ---- one iteration --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self._in_flight is not None:
+            raise RuntimeError("a batch is already in flight")
+        if self._batch is None:
+            self._batch = self._form_batch()
+            if self._batch is None:
+                return SchedulerOutput((), self._next_iteration)
+        members = [r for r in self._batch.requests if not r.status.finished]  # aborted ones leave
+        if any(r.in_initiation for r in members):
+            # Prompt phase: padded prompts, chunked to the budget, no decoding until all are in.
+            budget, scheduled = self.token_budget, []
+            for r in members:
+                if r.in_initiation and budget > 0:
+                    count = min(r.num_pending_tokens, budget)
+                    budget -= count
+                    scheduled.append(ScheduledRequest(r, count))
+        else:
+            scheduled = [ScheduledRequest(r, 1) for r in members]
+        for s in scheduled:
+            self.kv.allocate_up_to(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens)
+        output = SchedulerOutput(tuple(scheduled), self._next_iteration)
+        self._next_iteration += 1
+        self._in_flight = output
+        return output
+
+    def _form_batch(self) -> PaddedBatch | None:
+        """The longest arrival-order prefix of the waiting requests whose padded KV fits the pool."""
+        chosen: list[Request] = []
+        prompt_len = max_tokens = 0
+        for r in self._waiting[:self.max_batch_size]:
+            p, g = max(prompt_len, r.num_prompt_tokens), max(max_tokens, r.sampling.max_tokens)
+            need = (len(chosen) + 1) * self.kv.num_pages_for(p + g)
+            if p + g > self.max_model_len or need > self.kv.num_unreserved_pages:
+                break
+            chosen.append(r)
+            prompt_len, max_tokens = p, g
+        if not chosen:
+            return None
+        del self._waiting[:len(chosen)]
+        for r in chosen:
+            r.prompt_token_ids = [PAD_TOKEN_ID] * (prompt_len - r.num_prompt_tokens) + r.prompt_token_ids
+            r.sampling = dataclasses.replace(r.sampling, max_tokens=max_tokens, ignore_eos=True,
+                                             stop_token_ids=())
+            self.kv.reserve(r.request_id, prompt_len + max_tokens)
+            r.status = RequestStatus.RUNNING
+        self.batches.append((len(chosen), prompt_len, max_tokens))
+        return PaddedBatch(tuple(chosen), prompt_len, max_tokens)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
+               logprobs=None) -> list[Request]:
+        """Append tokens; the batch ends, and all its requests finish, when the longest is done."""
+        if output is not self._in_flight:
+            raise ValueError(f"iteration {output.iteration} is not in flight")
+        self._in_flight = None
+        now = self._clock()
+        for s, token in zip(output.scheduled, sampled_token_ids):
+            r = s.request
+            if r.status.finished:
+                continue
+            r.num_computed_tokens += s.num_new_tokens
+            r.num_iterations += 1
+            if r.num_computed_tokens < r.num_tokens:
+                continue  # mid-prompt chunk
+            r.output_token_ids.append(int(token))
+            if r.first_token_time is None:
+                r.first_token_time = now
+        batch = self._batch
+        if batch is None or any(len(r.output_token_ids) < batch.max_tokens
+                                for r in batch.requests if not r.status.finished):
+            return []
+        finished = [r for r in batch.requests if not r.status.finished]
+        for r in finished:
+            self._finish(r, RequestStatus.FINISHED_LENGTH, now)
+        self._batch = None
+        return finished
+
+    # ---- finishing from outside -----------------------------------------------------------------
+    def finish(self, request_id: str, status: RequestStatus) -> bool:
+        request = self.get(request_id)
+        if request is None:
+            return False
+        if request in self._waiting:
+            self._waiting.remove(request)
+        self._finish(request, status, self._clock())
+        if self._batch is not None and all(r.status.finished for r in self._batch.requests):
+            self._batch = None
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        return self.finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
+        request.status = status
+        request.finish_time = now
+        self.kv.free(request.request_id)

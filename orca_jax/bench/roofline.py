@@ -1,0 +1,99 @@
+"""Lower bounds on an iteration's time from bytes moved and FLOPs done, against measured peaks.
+
+Per iteration: bytes = every weight read once (the embedding table only where the LM head reads it)
++ K/V read by attention (sum of kv_lens) + K/V written for the new tokens; FLOPs = 2 x matmul params
+x tokens + 2 x LM-head params x sequences + attention's 4 x heads x head_dim x causal (query, key)
+pairs per layer. bound = max(bytes / HBM bandwidth, FLOPs / bf16 matmul peak), both measured in the
+same process: a large elementwise device-to-device copy and a large bf16 matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from orca_jax.config import ModelConfig, ModelFamily
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Peaks:
+    hbm_bytes_per_s: float  # read + write bytes of a large copy
+    matmul_flops_per_s: float  # bf16 dense matmul
+    device: str
+
+    def as_dict(self) -> dict:
+        return {"hbm_GB_s": self.hbm_bytes_per_s / 1e9, "matmul_TFLOP_s": self.matmul_flops_per_s / 1e12,
+                "device": self.device}
+
+
+def _time(fn, *args, reps: int = 10, rounds: int = 3) -> float:
+    jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / reps)
+    return statistics.median(samples)
+
+
+def measure_peaks(copy_bytes: int = 2 << 30, matmul_dim: int = 8192) -> Peaks:
+    """HBM bandwidth from an elementwise copy of copy_bytes; bf16 matmul FLOP/s at matmul_dim^3."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":  # only the plumbing is tested there: keep it quick
+        copy_bytes, matmul_dim = min(copy_bytes, 64 << 20), min(matmul_dim, 1024)
+    x = jnp.ones((copy_bytes // 2,), jnp.bfloat16)
+    seconds = _time(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
+    bandwidth = 2 * copy_bytes / seconds
+    del x
+    keys = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(keys[0], (matmul_dim, matmul_dim), jnp.bfloat16)
+    b = jax.random.normal(keys[1], (matmul_dim, matmul_dim), jnp.bfloat16)
+    seconds = _time(jax.jit(lambda p, q: p @ q), a, b)
+    return Peaks(bandwidth, 2 * matmul_dim ** 3 / seconds, device.device_kind)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelCosts:
+    """Per-token and per-iteration constants of one model for the bound."""
+
+    weight_bytes: int  # read once per iteration
+    matmul_params: int  # params every token multiplies by (layers)
+    head_params: int  # LM head, applied once per sequence
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int  # all layers, QK^T and PV
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> "ModelCosts":
+        itemsize = jnp.dtype(config.dtype).itemsize
+        h, f, d = config.hidden_size, config.ffn_size, config.head_dim
+        attn = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
+        mlp = h * f * (3 if config.family is ModelFamily.LLAMA else 2)
+        layer_params = config.num_layers * (attn + mlp)
+        head = config.vocab_size * h
+        return cls(weight_bytes=(layer_params + head) * itemsize, matmul_params=layer_params, head_params=head,
+                   kv_bytes_per_token=config.kv_bytes_per_token,
+                   attn_flops_per_pair=4 * config.num_layers * config.num_heads * d)
+
+
+def iteration_bound(costs: ModelCosts, peaks: Peaks, tokens: int, seqs: int, kv_tokens: int,
+                    attn_pairs: int) -> tuple[float, float]:
+    """(memory-bound seconds, compute-bound seconds) of one iteration."""
+    bytes_moved = costs.weight_bytes + (kv_tokens + tokens) * costs.kv_bytes_per_token
+    flops = 2 * costs.matmul_params * tokens + 2 * costs.head_params * seqs + costs.attn_flops_per_pair * attn_pairs
+    return bytes_moved / peaks.hbm_bytes_per_s, flops / peaks.matmul_flops_per_s
+
+
+def run_bound(costs: ModelCosts, peaks: Peaks, records, measured_s: float) -> dict:
+    """Sum of per-iteration bounds over a run's records, and how close the measured time came."""
+    mem = comp = bound = 0.0
+    for r in records:
+        m, c = iteration_bound(costs, peaks, r.tokens, r.seqs, r.kv_tokens, r.attn_pairs)
+        mem, comp, bound = mem + m, comp + c, bound + max(m, c)
+    return {"bound_s": bound, "memory_bound_s": mem, "compute_bound_s": comp, "measured_s": measured_s,
+            "achieved_fraction": bound / measured_s if measured_s > 0 else None}

@@ -53,3 +53,26 @@ def token_agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict:
     return {"requests": len(a), "identical": same,
             "first_token_identical": sum(a[k][:1] == b[k][:1] for k in a),
             "first_divergence_positions": first_diff}
+
+
+def dispatch_check(engine, shapes=((8, 8, 64), (128, 128, 64), (2048, 128, 64)), reps: int = 10) -> list[dict]:
+    """Does runner.execute return before the device finishes? For all-padding batches of a few buckets
+    (the matmuls run on every padded row, so the device work is real), the time for execute() to
+    return vs the time until its result is ready, back to back as the engine runs them."""
+    import time
+
+    from orca_jax.bench.warmup import _empty_batch
+    runner = engine.runner
+    rows = []
+    for t, s, p in shapes:
+        batch = _empty_batch(t, s, p)
+        np.asarray(runner.execute(batch))
+        dispatch = total = 0.0
+        for _ in range(reps):
+            start = time.perf_counter()
+            out = runner.execute(batch)
+            dispatch += time.perf_counter() - start
+            np.asarray(out)
+            total += time.perf_counter() - start
+        rows.append({"bucket": [t, s, p], "dispatch_ms": 1e3 * dispatch / reps, "total_ms": 1e3 * total / reps})
+    return rows

@@ -164,6 +164,8 @@ class RunResult:
             "norm_latency_s": pct(norm), "latency_s": pct(latency), "ttft_s": pct(ttft), "tpot_s": pct(tpot),
             "iterations": self.iterations, "mean_batch_size": self.batch_size_total / n_it,
             "host_s_per_iter": self.host_s / n_it, "device_wait_s_per_iter": self.device_wait_s / n_it,
+            # Host work that never waits on the device: all but runner.execute (which may block).
+            "host_excl_dispatch_s_per_iter": (self.host_s - sum(r.dispatch_s for r in rec)) / n_it,
             "host_breakdown_s_per_iter": {
                 "schedule": sum(r.schedule_s for r in rec) / n_it, "build_batch": sum(r.build_s for r in rec) / n_it,
                 "dispatch": sum(r.dispatch_s for r in rec) / n_it, "update": sum(r.update_s for r in rec) / n_it},

@@ -116,6 +116,10 @@ def run_peer(config: ModelConfig, trace: Trace, *, device: str = "cuda", micro_b
     result["model_init_s"] = time.perf_counter() - start
     prompts = [trace.prompt_ids(i, config.vocab_size) for i in range(len(trace))]
     gens = [r.max_tokens for r in trace.requests]
+    param = next(model.parameters())
+    result["param_device_dtype"] = f"{param.device} {param.dtype}"
+    result["plain_generate_bs1"] = _plain_generate(model, prompts[0][:128], 32)
+    save()
     runner = HFRunner(model, max(len(p) for p in prompts), max(max(gens), 32), len(prompts))
     result.update(setup_s=runner.setup_s, cb_config=runner.resolved, attn_implementation=runner.attn_implementation)
     save()
@@ -138,3 +142,20 @@ def run_peer(config: ModelConfig, trace: Trace, *, device: str = "cuda", micro_b
     finally:
         runner.close()
     return result
+
+
+def _plain_generate(model, prompt: list[int], max_tokens: int) -> dict:
+    """A sanity point outside continuous batching: model.generate, batch 1, greedy, dynamic cache."""
+    import torch
+    ids = torch.tensor([prompt], device=model.device)
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    model.generate(ids, **kwargs)  # warm-up
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "generated_tokens": int(out.shape[1] - len(prompt)),
+            "ms_per_token": 1e3 * seconds / max_tokens}

@@ -26,12 +26,12 @@ from orca_jax.models.presets import PRESETS
 class Profile:
     offline_requests: int = 512
     orca_batch_sizes: tuple[int, ...] = (128,)
-    baseline_batch_sizes: tuple[int, ...] = (16, 32, 128)
+    baseline_batch_sizes: tuple[int, ...] = (32, 128)
     alone_requests: int = 16  # one-at-a-time subset for the engine issue
     mixed_requests: int = 64
     micro_input_lens: tuple[int, ...] = (32, 128)
     micro_batch_sizes: tuple[int, ...] = microbench.BATCH_SIZES
-    e2e_configs: tuple[tuple[str, int], ...] = (("orca", 16), ("orca", 64), ("baseline", 8), ("baseline", 32))
+    e2e_configs: tuple[tuple[str, int], ...] = (("orca", 32), ("orca", 128), ("baseline", 8), ("baseline", 32))
     e2e_fractions: tuple[float, ...] = (0.15, 0.3, 0.5, 0.7, 0.9, 1.1)
     point_seconds: float = 5.0
     max_point_requests: int = 150
@@ -201,6 +201,8 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
     engine = state.get("engine")
     if engine is None:
         return res.data
+
+    res.section("dispatch_check", lambda: {"rows": checks.dispatch_check(engine)})
 
     if profile.check_engines:
         res.section("attention_check", lambda: checks.attention_check(

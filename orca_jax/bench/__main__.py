@@ -19,6 +19,10 @@ def main(argv=None) -> None:
     suite.add_argument("--seed", type=int, default=0)
     suite.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     suite.add_argument("--hf-timeout-s", type=float, default=200.0)
+    suite.add_argument("--sections", default=None, help="comma list, e.g. e2e (peaks, engine always run)")
+    suite.add_argument("--e2e-configs", default=None, help="e.g. baseline:32,orca:128")
+    suite.add_argument("--capacity", type=float, default=None, help="req/s the e2e rates are fractions of")
+    suite.add_argument("--tag", default=None, help="write <model>_<tag>.json (merged by the report)")
 
     hf = sub.add_parser("hf", help="the transformers continuous-batching peer (run in its own process)")
     hf.add_argument("--model", required=True)
@@ -44,7 +48,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.command == "suite":
         from orca_jax.bench.suite import run_suite
-        run_suite(args.model, args.profile, args.out, args.budget_s, args.seed, not args.no_hf, args.hf_timeout_s)
+        configs = None if not args.e2e_configs else tuple(
+            (policy, int(bs)) for policy, bs in (item.split(":") for item in args.e2e_configs.split(",")))
+        run_suite(args.model, args.profile, args.out, args.budget_s, args.seed, not args.no_hf, args.hf_timeout_s,
+                  sections=None if args.sections is None else set(args.sections.split(",")),
+                  e2e_configs=configs, capacity=args.capacity, tag=args.tag)
     elif args.command == "hf":
         from orca_jax.bench.peer_hf import run_peer
         from orca_jax.bench.traces import TraceKind, make_trace

@@ -74,5 +74,32 @@ def dispatch_check(engine, shapes=((8, 8, 64), (128, 128, 64), (2048, 128, 64)),
             dispatch += time.perf_counter() - start
             np.asarray(out)
             total += time.perf_counter() - start
-        rows.append({"bucket": [t, s, p], "dispatch_ms": 1e3 * dispatch / reps, "total_ms": 1e3 * total / reps})
+        rows.append({"bucket": [t, s, p], "dispatch_ms": 1e3 * dispatch / reps, "total_ms": 1e3 * total / reps}
+                    | _split_dispatch(runner, batch, reps))
     return rows
+
+
+def _split_dispatch(runner, batch, reps: int) -> dict:
+    """The same, for the forward program alone and the sampling program alone."""
+    import time
+
+    from orca_jax.models.attention import AttentionMetadata
+    from orca_jax.sampling import SamplingArrays
+    meta = AttentionMetadata(batch.cu_q_lens, batch.kv_lens, batch.page_table, batch.slot_mapping, batch.num_seqs)
+    sampling = SamplingArrays(batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.step)
+    fwd = fwd_total = smp = smp_total = 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        logits, runner.cache = runner._forward(runner.params, runner.cache, batch.token_ids, batch.positions, meta,
+                                               batch.logits_indices)
+        fwd += time.perf_counter() - start
+        logits.block_until_ready()
+        fwd_total += time.perf_counter() - start
+        start = time.perf_counter()
+        out = runner._sample(logits, sampling, 0)
+        smp += time.perf_counter() - start
+        np.asarray(out)
+        smp_total += time.perf_counter() - start
+    ms = lambda x: 1e3 * x / reps
+    return {"forward_dispatch_ms": ms(fwd), "forward_total_ms": ms(fwd_total),
+            "sample_dispatch_ms": ms(smp), "sample_total_ms": ms(smp_total)}

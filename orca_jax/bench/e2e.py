@@ -2,8 +2,9 @@
 
 Each point replays a short Poisson trace (same seed, so the same requests at every rate) in real time
 through one configuration: ORCA's scheduler at some max batch size, or the request-level baseline.
-A configuration stops at the first rate where it is clearly saturated (its median normalized latency
-passed `saturated_factor` x its first point's), since higher rates only queue longer.
+A configuration stops at the first rate where it is clearly saturated (it completed requests at less
+than `keep_up` x the arrival rate, or its median normalized latency passed `saturated_factor` x its
+first point's), since higher rates only queue longer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def point_size(rate: float, seconds: float, lo: int, hi: int) -> int:
 
 def sweep(engine: Engine, configs, rates, costs: roofline.ModelCosts, peaks: roofline.Peaks, *, seed: int = 0,
           point_seconds: float = 6.0, min_requests: int = 48, max_requests: int = 160,
-          saturated_factor: float = 8.0, max_point_s: float = 60.0, deadline=None, on_point=None,
+          saturated_factor: float = 8.0, keep_up: float = 0.75, max_point_s: float = 60.0, deadline=None, on_point=None,
           lengths: LengthSpec = LengthSpec()) -> list[dict]:
     """configs: [(policy, max_batch_size)]; rates: requests/s ascending. One dict per point."""
     points = []
@@ -48,7 +49,8 @@ def sweep(engine: Engine, configs, rates, costs: roofline.ModelCosts, peaks: roo
                 on_point(points)
             latency = point["median_norm_latency_s"]
             first_latency = latency if first_latency is None else first_latency
-            if latency > saturated_factor * first_latency:
+            # Saturated: it finished requests clearly slower than they arrived, or latency blew up.
+            if point["throughput_req_s"] < keep_up * rate or latency > saturated_factor * first_latency:
                 break
     return points
 
@@ -94,6 +96,6 @@ def compare_at_matched_latency(points: list[dict], multiples=(2.0, 4.0, 8.0)) ->
     return rows
 
 
-def rates_from_capacity(capacity_req_s: float, fractions=(0.15, 0.3, 0.5, 0.7, 0.9, 1.1)) -> list[float]:
+def rates_from_capacity(capacity_req_s: float, fractions=(0.15, 0.35, 0.6, 0.85, 1.1)) -> list[float]:
     """Sweep rates as fractions of a measured offline capacity."""
     return [float(np.round(capacity_req_s * f, 3)) for f in fractions]

@@ -12,19 +12,36 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _merge(base: dict, extra: dict) -> None:
+    """Fold a tagged run's e2e points into its model's results and redo the matched-latency table."""
+    from orca_jax.bench.e2e import compare_at_matched_latency
+    points = (extra.get("e2e") or {}).get("points", [])
+    if not points:
+        return
+    e2e = base.setdefault("e2e", {"points": []})
+    e2e["points"] = e2e.get("points", []) + [p | {"run": extra.get("command")} for p in points]
+    e2e["matched_latency"] = compare_at_matched_latency(e2e["points"])
+    base.setdefault("merged_runs", []).append(extra.get("command"))
+
+
 def _load(results_dir: str) -> tuple[dict[str, dict], dict | None]:
-    models = {}
+    models, extensions = {}, []
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
         name = os.path.basename(path)[:-5]
         if name.endswith("_hf") or name in ("padding", "engine_issue"):
             continue
         with open(path) as f:
             data = json.load(f)
-        if "model" in data and "profile" in data:
+        if data.get("extends"):
+            extensions.append(data)
+        elif "model" in data and "profile" in data:
             hf_path = os.path.join(results_dir, f"{name}_hf.json")
             if not (data.get("hf") or {}).get("offline") and os.path.exists(hf_path):
                 data["hf"] = json.load(open(hf_path))
             models[name] = data
+    for extra in extensions:
+        if extra["extends"] in models:
+            _merge(models[extra["extends"]], extra)
     cpu = os.path.join(results_dir, "engine_issue.json")
     return models, (json.load(open(cpu)) if os.path.exists(cpu) else None)
 
@@ -164,6 +181,8 @@ def _model_md(name: str, data: dict) -> list[str]:
              f"{(eng.get('precompile') or {}).get('num_forward_programs')} forward programs precompiled in "
              f"{(eng.get('precompile') or {}).get('compile_s', float('nan')):.0f} s",
              f"- command: `{data.get('command')}` (profile {data.get('profile')}, seed {data.get('seed')})"]
+    for command in data.get("merged_runs", []):
+        lines.append(f"- e2e points also from: `{command}`")
     peaks = data.get("peaks")
     if _ok(peaks):
         lines.append(f"- measured peaks: {peaks['hbm_GB_s']:.0f} GB/s copy bandwidth (read+write), "

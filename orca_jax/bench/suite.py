@@ -27,12 +27,12 @@ class Profile:
     offline_requests: int = 512
     orca_batch_sizes: tuple[int, ...] = (128,)
     baseline_batch_sizes: tuple[int, ...] = (32, 128)
-    alone_requests: int = 16  # one-at-a-time subset for the engine issue
+    alone_requests: int = 8  # one-at-a-time subset for the engine issue
     mixed_requests: int = 64
     micro_input_lens: tuple[int, ...] = (32, 128)
     micro_batch_sizes: tuple[int, ...] = microbench.BATCH_SIZES
     e2e_configs: tuple[tuple[str, int], ...] = (("orca", 32), ("orca", 128), ("baseline", 8), ("baseline", 32))
-    e2e_fractions: tuple[float, ...] = (0.15, 0.3, 0.5, 0.7, 0.9, 1.1)
+    e2e_fractions: tuple[float, ...] = (0.15, 0.35, 0.6, 0.85, 1.1)
     point_seconds: float = 5.0
     max_point_requests: int = 150
     check_engines: bool = False
@@ -89,7 +89,11 @@ class Results:
             json.dump(self.data, f, indent=1, default=float)
         os.replace(self.path + ".tmp", self.path)
 
+    only: set[str] | None = None  # run only these sections
+
     def section(self, name: str, fn, deadline: Deadline | None = None, needs_s: float = 0.0):
+        if self.only is not None and name not in self.only | {"peaks", "engine"}:
+            return None
         if deadline is not None and deadline.expired(needs_s):
             self.data[name] = {"skipped": f"less than {needs_s:.0f}s left"}
             self.save()
@@ -137,15 +141,22 @@ def generate_tokens(engine, prompts, max_tokens) -> dict[str, list[int]]:
 
 
 def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed: int = 0,
-              hf: bool = True, hf_timeout_s: float = 200.0) -> dict:
+              hf: bool = True, hf_timeout_s: float = 200.0, sections: set[str] | None = None,
+              e2e_configs: tuple[tuple[str, int], ...] | None = None, capacity: float | None = None,
+              tag: str | None = None) -> dict:
+    """sections: run only these (peaks and engine always run); tag: write <model>_<tag>.json, which
+    the report merges into <model>.json (e.g. an e2e sweep finished in a later run)."""
     profile = PROFILES[profile_name]
+    if e2e_configs:
+        profile = dataclasses.replace(profile, e2e_configs=tuple(e2e_configs))
     deadline = Deadline(budget_s)
     settings = MODEL_SETTINGS[model]
     config = PRESETS[model]
     lengths = settings.get("lengths", LengthSpec())
     max_kv_tokens = lengths.prompt_range[1] + lengths.gen_range[1]
     os.makedirs(out_dir, exist_ok=True)
-    res = Results(os.path.join(out_dir, f"{model}.json"), {
+    res = Results(os.path.join(out_dir, f"{model}_{tag}.json" if tag else f"{model}.json"), {
+        "extends": model if tag else None,
         "model": model, "profile": profile_name, "profile_settings": dataclasses.asdict(profile),
         "shapes": dataclasses.asdict(config) | {"family": config.family.value, "dtype": "bfloat16",
                                                 "num_params": config.num_params},
@@ -156,6 +167,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
         "started": time.strftime("%Y-%m-%d %H:%M:%S")})
     offline_trace = make_trace(TraceKind.UNIFORM, profile.offline_requests, None, seed, lengths)
 
+    res.only = sections
     if hf:
         res.section("hf", lambda: run_hf_subprocess(
             model, profile.offline_requests, seed, os.path.join(out_dir, f"{model}_hf.json"),
@@ -253,10 +265,10 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
 
     def sweep():
         runs = (res.data.get("offline") or {}).get("runs", [])
-        capacity = max((r["throughput_req_s"] for r in runs if r.get("policy") == driver.ORCA and "throughput_req_s" in r),
-                       default=10.0)
-        rates = e2e.rates_from_capacity(capacity, profile.e2e_fractions)
-        out = {"capacity_req_s": capacity, "rates": rates, "points": []}
+        measured = [r["throughput_req_s"] for r in runs if r.get("policy") == driver.ORCA and "throughput_req_s" in r]
+        rate_base = capacity or max(measured, default=10.0)
+        rates = e2e.rates_from_capacity(rate_base, profile.e2e_fractions)
+        out = {"capacity_req_s": rate_base, "rates": rates, "points": []}
 
         def on_point(points):
             out["points"] = points

@@ -79,47 +79,62 @@ def new_token_ids(request: Request, start: int, count: int) -> list[int]:
 
 def build_batch(output: SchedulerOutput, page_ids_of, page_size: int, buckets: BucketPolicy,
                 seed_of, max_top_logprobs: int) -> RaggedBatch:
-    """Flatten the scheduled requests' new tokens; page_ids_of(request_id) -> list[int]."""
+    """Flatten the scheduled requests' new tokens; page_ids_of(request_id) -> list[int].
+
+    This runs on the host every iteration, so the per-request loop only gathers Python scalars
+    and page-table rows; per-token arrays are then computed in a few vectorised numpy ops.
+    """
     scheduled = output.scheduled
     num_tokens = output.num_tokens
     num_seqs = len(scheduled)
-    max_kv = max(s.request.num_computed_tokens + s.num_new_tokens for s in scheduled)
+    starts = [s.request.num_computed_tokens for s in scheduled]
+    q_lens = [s.num_new_tokens for s in scheduled]
+    max_kv = max(start + n for start, n in zip(starts, q_lens))
     t_pad, s_pad, p_pad = buckets.bucket(num_tokens, num_seqs, -(-max_kv // page_size))
+
+    page_table = np.zeros((s_pad, p_pad), np.int32)
+    tokens: list[int] = []
+    sampling_rows = []
+    wants_top_logprobs = False
+    for i, item in enumerate(scheduled):
+        request, start, count = item.request, starts[i], q_lens[i]
+        tokens += new_token_ids(request, start, count)
+        num_pages = -(-(start + count) // page_size)
+        page_table[i, :num_pages] = page_ids_of(request.request_id)[:num_pages]
+        sp = request.sampling
+        sampling_rows.append((sp.temperature, sp.top_k, sp.top_p, seed_of(request),
+                              len(request.output_token_ids)))
+        wants_top_logprobs |= bool(sp.logprobs)
+
+    q_lens_np = np.asarray(q_lens, np.int32)  # [num_seqs]
+    ends = np.asarray(starts, np.int32) + q_lens_np  # kv length of each request after this step
+    cu_q_lens = np.full(s_pad + 1, num_tokens, np.int32)
+    cu_q_lens[0] = 0
+    cu_q_lens[1:num_seqs + 1] = np.cumsum(q_lens_np)
+    seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens_np)  # [num_tokens]
+    rows = np.arange(num_tokens, dtype=np.int32)
+    real_positions = ends[seq_of_row] - q_lens_np[seq_of_row] + (rows - cu_q_lens[seq_of_row])
 
     token_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
     slot_mapping = np.zeros(t_pad, np.int32)  # padding rows write into scratch page 0
-    cu_q_lens = np.full(s_pad + 1, num_tokens, np.int32)
+    token_ids[:num_tokens] = tokens
+    positions[:num_tokens] = real_positions
+    slot_mapping[:num_tokens] = (page_table[seq_of_row, real_positions // page_size] * page_size
+                                 + real_positions % page_size)
     kv_lens = np.zeros(s_pad, np.int32)
-    page_table = np.zeros((s_pad, p_pad), np.int32)
+    kv_lens[:num_seqs] = ends
     logits_indices = np.zeros(s_pad, np.int32)
+    logits_indices[:num_seqs] = cu_q_lens[1:num_seqs + 1] - 1
+
     temperature = np.zeros(s_pad, np.float32)
     top_k = np.zeros(s_pad, np.int32)
     top_p = np.ones(s_pad, np.float32)
     seed = np.zeros(s_pad, np.uint32)
     step = np.zeros(s_pad, np.int32)
-    wants_top_logprobs = False
-
-    row = 0
-    for i, item in enumerate(scheduled):
-        request, count = item.request, item.num_new_tokens
-        start = request.num_computed_tokens
-        pages = np.asarray(page_ids_of(request.request_id), np.int32)
-        pos = np.arange(start, start + count, dtype=np.int32)
-        token_ids[row:row + count] = new_token_ids(request, start, count)
-        positions[row:row + count] = pos
-        slot_mapping[row:row + count] = pages[pos // page_size] * page_size + pos % page_size
-        cu_q_lens[i] = row
-        row += count
-        kv_lens[i] = start + count
-        num_pages = -(-(start + count) // page_size)
-        page_table[i, :num_pages] = pages[:num_pages]
-        logits_indices[i] = row - 1
-        sp = request.sampling
-        temperature[i], top_k[i], top_p[i] = sp.temperature, sp.top_k, sp.top_p
-        seed[i] = seed_of(request)
-        step[i] = len(request.output_token_ids)
-        wants_top_logprobs |= bool(sp.logprobs)
+    columns = list(zip(*sampling_rows))
+    for array, column in zip((temperature, top_k, top_p, seed, step), columns):
+        array[:num_seqs] = column
 
     return RaggedBatch(
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, cu_q_lens=cu_q_lens,

@@ -13,7 +13,7 @@ def main(argv=None) -> None:
 
     suite = sub.add_parser("suite", help="one model's GPU suite (offline, microbench, e2e, roofline)")
     suite.add_argument("--model", required=True)
-    suite.add_argument("--profile", default="full", choices=["full", "quick", "smoke", "plumbing"])
+    suite.add_argument("--profile", default="full", choices=["full", "small", "lowrate", "quick", "smoke", "plumbing"])
     suite.add_argument("--out", required=True, help="directory for <model>.json and <model>_hf.json")
     suite.add_argument("--budget-s", type=float, default=500.0, help="wall-clock budget; sections past it skip")
     suite.add_argument("--seed", type=int, default=0)

@@ -35,6 +35,7 @@ class Profile:
     e2e_fractions: tuple[float, ...] = (0.15, 0.35, 0.6, 0.85, 1.1)
     point_seconds: float = 5.0
     max_point_requests: int = 150
+    min_point_requests: int = 48
     check_engines: bool = False
 
 
@@ -48,6 +49,10 @@ PROFILES = {
                         mixed_requests=8, micro_input_lens=(32,), micro_batch_sizes=(1, 4),
                         e2e_configs=(("orca", 8), ("baseline", 8)), e2e_fractions=(0.5,), point_seconds=1.0,
                         max_point_requests=16),
+    "small": Profile(micro_batch_sizes=(1, 8, 32, 128), e2e_configs=(("orca", 128), ("baseline", 32)),
+                     point_seconds=3.0),
+    # Low rates for a request-level baseline that saturates early (pass --capacity and --e2e-configs).
+    "lowrate": Profile(e2e_fractions=(0.04, 0.08, 0.12, 0.16), min_point_requests=32),
     "quick": Profile(offline_requests=256, baseline_batch_sizes=(32,), alone_requests=8,
                      micro_input_lens=(128,), micro_batch_sizes=(1, 8, 32, 128),
                      e2e_configs=(("orca", 64), ("baseline", 32)), e2e_fractions=(0.2, 0.5, 0.8)),
@@ -276,6 +281,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
             res.save()
         out["points"] = e2e.sweep(engine, profile.e2e_configs, rates, costs, peaks, seed=seed,
                                   point_seconds=profile.point_seconds, max_requests=profile.max_point_requests,
+                                  min_requests=profile.min_point_requests,
                                   deadline=_Margin(deadline, 25), on_point=on_point, lengths=lengths)
         out["matched_latency"] = e2e.compare_at_matched_latency(out["points"])
         return out

@@ -19,7 +19,9 @@ import traceback
 from orca_jax.bench import checks, driver, e2e, microbench, padding, roofline, warmup
 from orca_jax.bench.traces import LengthSpec, TraceKind, make_trace
 from orca_jax.config import AttentionBackend
+from orca_jax.models.loader import LoadedModel
 from orca_jax.models.presets import PRESETS
+from orca_jax.tokenizer import ByteTokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +135,13 @@ def run_hf_subprocess(model: str, num_requests: int, seed: int, out_path: str, t
     return result
 
 
+def random_weights(model: str) -> LoadedModel:
+    """The preset's shapes with params None (the runner random-initialises on device), bf16, and a byte
+    tokenizer: GPU runs use random weights for every model, SmolLM2 included (its GGUF is not there)."""
+    config = dataclasses.replace(PRESETS[model], dtype="bfloat16")
+    return LoadedModel(config, None, ByteTokenizer(config.eos_token_ids, config.bos_token_id))
+
+
 def generate_tokens(engine, prompts, max_tokens) -> dict[str, list[int]]:
     from orca_jax.request import SamplingParams
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
@@ -176,7 +185,8 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
     if hf:
         res.section("hf", lambda: run_hf_subprocess(
             model, profile.offline_requests, seed, os.path.join(out_dir, f"{model}_hf.json"),
-            min(hf_timeout_s, max(deadline.remaining() - 240, 30))), deadline, 120)
+            # Leave the JAX half at least half of what is left, and 240 s where there is that much.
+            min(hf_timeout_s, max(deadline.remaining() - min(240.0, deadline.remaining() / 2), 30))), deadline, 60)
 
     import jax
     res.data["device"] = {"kind": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform,
@@ -191,7 +201,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
         budget = settings["token_budget"] if attention is AttentionBackend.AUTO else 256
         engine = driver.build_engine(model, max_batch_size=MAX_BATCH, token_budget=budget,
                                      kv_gib=settings["kv_gib"], max_model_len=MAX_MODEL_LEN, attention=attention,
-                                     dtype="bfloat16")
+                                     dtype="bfloat16", loaded=random_weights(model))
         info = warmup.precompile(engine, max_kv_tokens=max_kv_tokens)
         probe = generate_tokens(engine, [[5] * 40, [7] * 3], [4, 4])
         assert all(len(v) == 4 for v in probe.values())
@@ -227,7 +237,8 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
 
         def engine_check():
             ref = driver.build_engine(model, max_batch_size=16, token_budget=256, kv_gib=2.0,
-                                      max_model_len=MAX_MODEL_LEN, attention=AttentionBackend.JNP, dtype="bfloat16")
+                                      max_model_len=MAX_MODEL_LEN, attention=AttentionBackend.JNP, dtype="bfloat16",
+                                      loaded=random_weights(model))
             trace = make_trace(TraceKind.UNIFORM, 8, None, seed + 7, lengths)
             prompts = [trace.prompt_ids(i, config.vocab_size) for i in range(8)]
             gens = [16] * 8

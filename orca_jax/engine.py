@@ -82,7 +82,8 @@ class Engine:
         self.model_config = model_config_for(config, loaded)
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
-                                  seed=config.seed, parallel=config.parallel)
+                                  seed=config.seed, parallel=config.parallel,
+                                  unroll_layers=config.unroll_layers)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    num_stages=config.batches_in_flight)

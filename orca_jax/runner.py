@@ -95,7 +95,8 @@ class ModelRunner:
 
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
-                 parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None):
+                 parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
+                 unroll_layers: bool | None = None):
         check_parallel_fits(parallel, config)
         self.config = config
         self.mesh = make_mesh(parallel, devices)
@@ -118,7 +119,9 @@ class ModelRunner:
         self.cache = jax.jit(lambda: decoder.empty_cache(config, self.num_pages, self.page_size),
                              out_shardings=KVCache(cache_sharding, cache_sharding))()
         self.compiled_shapes: set[tuple[int, ...]] = set()
-        model = decoder.Decoder(config, self.attention_fn)
+        if unroll_layers is None:
+            unroll_layers = self.device.platform == "gpu"
+        model = decoder.Decoder(config, self.attention_fn, scan_unroll=config.num_layers if unroll_layers else 1)
         # The cache goes out with the sharding it came in with; else the second call recompiles.
         self._forward = jax.jit(functools.partial(_forward, model), donate_argnums=(1,),
                                 out_shardings=(NamedSharding(self.mesh, P()),

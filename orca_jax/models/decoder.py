@@ -130,6 +130,10 @@ class Decoder(nn.Module):
 
     config: ModelConfig
     attention_fn: RaggedAttentionFn
+    # Layers unrolled per loop step. The param layout stays stacked either way. On GPU a rolled loop
+    # copies each layer's weights out of the stack before its matmuls (measured 3x slower than
+    # unrolled on an H200); unrolling turns those slices static and free, at the price of compile time.
+    scan_unroll: int = 1
 
     @nn.compact
     def __call__(
@@ -153,6 +157,7 @@ class Decoder(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
+            unroll=self.scan_unroll,
         )(cfg, self.attention_fn, name="layers")
         (x, cache), _ = layers((x, cache), jnp.arange(cfg.num_layers, dtype=jnp.int32), positions, meta)
         x = Norm(cfg, name="final_norm")(x[logits_indices])  # [S, H]

@@ -128,8 +128,9 @@ def plot_offline(models: dict[str, dict], out_dir: str) -> str | None:
         ax.bar(range(len(rows)), [r[1] for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), [r[0] for r in rows], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("generated tokens/s")
-        ax.set_title(name, fontsize=10)
-    fig.suptitle("offline throughput, 512 requests at time 0")
+        n = ((models[name].get("offline") or {}).get("trace") or {}).get("num_requests", "?")
+        ax.set_title(f"{name} ({n} requests)", fontsize=10)
+    fig.suptitle("offline throughput, all requests at time 0")
     fig.tight_layout()
     path = os.path.join(out_dir, "offline_throughput.png")
     fig.savefig(path, dpi=110)
@@ -312,21 +313,45 @@ def _cpu_md(cpu: dict) -> list[str]:
             f"- speedup: x{cpu['speedup_tokens_per_s']:.1f}", ""]
 
 
+def _diag_md(results_dir: str) -> list[str]:
+    """The scan-vs-unrolled weight-read check (orca_jax/bench/diag.py), one row per run."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "diag_scan*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        for r in data["rows"]:
+            rows.append(f"| `{data['xla_flags'] or '(none)'}` | {r['tokens']} | {r['scan_ms']:.2f} ({r['scan_GB_s']:.0f} GB/s) | "
+                        f"{r['unrolled_ms']:.2f} ({r['unrolled_GB_s']:.0f} GB/s) |")
+    if not rows:
+        return []
+    return ["## Diagnostic: layer weights through lax.scan vs an unrolled loop", "",
+            "32 layers of x @ W_up @ W_down (4096 x 14336 each, bf16, 7.5 GB of weights), x of T tokens; GB/s = weight "
+            "bytes / time. Command: `python3 -m orca_jax.bench.diag` (and with the XLA_FLAGS shown).", "",
+            "| XLA_FLAGS | T | scan over stacked weights ms | unrolled loop ms |", "|---|---|---|---|"] + rows + [""]
+
+
 def write_report(results_dir: str) -> str:
     """Write the PNGs and summary.md into results_dir; returns the summary's path."""
     models, cpu = _load(results_dir)
     plots = [plot_offline(models, results_dir), plot_padding(models, results_dir)]
     for name, data in models.items():
         plots += [plot_e2e(name, data, results_dir), plot_micro(name, data, results_dir)]
-    lines = [f"# orca_jax benchmarks: {os.path.basename(os.path.abspath(results_dir))}", "",
-             "Reproduces ORCA (OSDI '22) section 6 on one GPU: traces with Poisson arrivals, prompt U(32, 512), "
-             "max_gen U(1, 128), EOS ignored; random weights; the request-level baseline runs on our own model code "
-             "(see orca_jax/bench/baseline.py). Regenerate with `python -m orca_jax.bench report <this dir>`.", ""]
+    lines = [f"# orca_jax benchmarks: {os.path.basename(os.path.abspath(results_dir))}", ""]
+    if models:
+        lines += ["Reproduces ORCA (OSDI '22) section 6 on one GPU: traces with Poisson arrivals, prompt U(32, 512), "
+                  "max_gen U(1, 128), EOS ignored; random weights; the request-level baseline runs on our own model "
+                  "code (see orca_jax/bench/baseline.py).", ""]
+    lines += ["Regenerate with `python -m orca_jax.bench report <this dir>`.", ""]
+    notes = os.path.join(results_dir, "notes.md")
+    if os.path.exists(notes):  # hand-written findings, kept across regenerations
+        with open(notes) as f:
+            lines += [f.read().rstrip(), ""]
     lines += [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots if p]
     lines.append("")
     for name, data in models.items():
         lines += _model_md(name, data)
     lines += _padding_md(models)
+    lines += _diag_md(results_dir)
     if cpu:
         lines += _cpu_md(cpu)
     path = os.path.join(results_dir, "summary.md")

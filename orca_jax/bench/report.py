@@ -220,7 +220,7 @@ def _model_md(name: str, data: dict) -> list[str]:
     hf = data.get("hf") or {}
     if hf.get("offline"):
         o = hf["offline"]
-        lines.append(f"| transformers {hf.get('transformers')} continuous batching ({hf.get('attn_implementation')}) "
+        lines.append(f"| transformers {hf.get('transformers')} continuous batching ({str(hf.get('attn_implementation')).replace('|', '&#124;')}) "
                      f"| default | {o['tokens_per_s']:.0f} | {o['requests_per_s']:.2f} | | | | | |")
     elif hf:
         lines.append(f"| transformers continuous batching | failed: {str(hf.get('log_tail', ''))[-300:]!r} |")

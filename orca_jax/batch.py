@@ -57,14 +57,15 @@ class RaggedBatch:
     seed: np.ndarray  # u32[S]
     step: np.ndarray  # i32[S]: tokens generated so far, so each draw gets a fresh key
     num_top_logprobs: int  # static: 0, or SamplingParams.MAX_TOP_LOGPROBS when any request asks
+    all_greedy: bool  # static: no request in the batch samples
     num_real_tokens: int
     num_real_seqs: int
 
     @property
-    def shape_key(self) -> tuple[int, int, int, int]:
-        """What decides the compiled program: (T, S, P, top logprobs)."""
+    def shape_key(self) -> tuple[int, int, int, int, bool]:
+        """What decides the compiled programs: (T, S, P, top logprobs, all greedy)."""
         return (self.token_ids.shape[0], self.kv_lens.shape[0], self.page_table.shape[1],
-                self.num_top_logprobs)
+                self.num_top_logprobs, self.all_greedy)
 
 
 def new_token_ids(request: Request, start: int, count: int) -> list[int]:
@@ -141,4 +142,4 @@ def build_batch(output: SchedulerOutput, page_ids_of, page_size: int, buckets: B
         kv_lens=kv_lens, page_table=page_table, num_seqs=np.array([num_seqs], np.int32),
         logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         step=step, num_top_logprobs=max_top_logprobs if wants_top_logprobs else 0,
-        num_real_tokens=num_tokens, num_real_seqs=num_seqs)
+        all_greedy=not temperature.any(), num_real_tokens=num_tokens, num_real_seqs=num_seqs)

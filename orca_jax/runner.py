@@ -96,7 +96,7 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
-                 unroll_layers: bool | None = None):
+                 unroll_layers: bool = False):
         check_parallel_fits(parallel, config)
         self.config = config
         self.mesh = make_mesh(parallel, devices)
@@ -119,20 +119,18 @@ class ModelRunner:
         self.cache = jax.jit(lambda: decoder.empty_cache(config, self.num_pages, self.page_size),
                              out_shardings=KVCache(cache_sharding, cache_sharding))()
         self.compiled_shapes: set[tuple[int, ...]] = set()
-        if unroll_layers is None:
-            unroll_layers = self.device.platform == "gpu"
         model = decoder.Decoder(config, self.attention_fn, scan_unroll=config.num_layers if unroll_layers else 1)
         # The cache goes out with the sharding it came in with; else the second call recompiles.
         self._forward = jax.jit(functools.partial(_forward, model), donate_argnums=(1,),
                                 out_shardings=(NamedSharding(self.mesh, P()),
                                                KVCache(cache_sharding, cache_sharding)))
-        self._sample = jax.jit(lambda logits, sampling, k: pack(sample(logits, sampling, k)),
-                               static_argnums=(2,))
+        self._sample = jax.jit(lambda logits, sampling, k, greedy: pack(sample(logits, sampling, k, greedy)),
+                               static_argnums=(2, 3))
 
     def execute(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch one iteration (asynchronous); returns the packed device result."""
-        t, s, p, k = batch.shape_key
-        for key in (("forward", t, s, p), ("sample", s, k)):
+        t, s, p, k, greedy = batch.shape_key
+        for key in (("forward", t, s, p), ("sample", s, k, greedy)):
             if key not in self.compiled_shapes:
                 self.compiled_shapes.add(key)
                 log.info("compiling %s for bucket %s; %d programs so far", key[0], key[1:],
@@ -144,7 +142,7 @@ class ModelRunner:
                                   seed=batch.seed, step=batch.step)
         logits, self.cache = self._forward(self.params, self.cache, batch.token_ids, batch.positions,
                                            meta, batch.logits_indices)
-        return self._sample(logits, sampling, batch.num_top_logprobs)
+        return self._sample(logits, sampling, batch.num_top_logprobs, batch.all_greedy)
 
     @property
     def num_compiled_programs(self) -> int:

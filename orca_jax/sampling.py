@@ -46,17 +46,20 @@ def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, step) -> jax
     return order[choice].astype(jnp.int32)
 
 
-def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int) -> SampleResult:
-    """Pick one token per row of logits (f32[S, V]); greedy rows take the argmax."""
+def sample(logits: jax.Array, params: SamplingArrays, num_top_logprobs: int,
+           all_greedy: bool = False) -> SampleResult:
+    """Pick one token per row of logits (f32[S, V]); greedy rows take the argmax.
+
+    all_greedy is static (the host knows every request's temperature): a device-side branch on it
+    would make XLA on GPU copy the predicate to the host and block the dispatching thread.
+    """
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)  # [S, V]
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # The sort that top-k/top-p need is skipped for all-greedy batches, the common serving case.
-    sampled_ids = jax.lax.cond(
-        jnp.all(params.temperature == 0.0),
-        lambda: greedy_ids,
-        lambda: jax.vmap(_sample_row)(logits, *params),
-    )
-    token_ids = jnp.where(params.temperature == 0.0, greedy_ids, sampled_ids)
+    if all_greedy:  # the common serving case skips the sort that top-k/top-p need
+        token_ids = greedy_ids
+    else:
+        sampled_ids = jax.vmap(_sample_row)(logits, *params)
+        token_ids = jnp.where(params.temperature == 0.0, greedy_ids, sampled_ids)
     token_logprobs = jnp.take_along_axis(logprobs_all, token_ids[:, None], axis=-1)[:, 0]
     if num_top_logprobs:
         top_logprobs, top_ids = jax.lax.top_k(logprobs_all, num_top_logprobs)

@@ -159,7 +159,7 @@ def test_compiled_shapes_are_bounded_and_stop_growing():
     engine = tiny_engine(max_batch_size=16, token_budget=64, num_pages=400)
     buckets = engine.buckets
     num_t, num_p = len(_pow2_range(8, buckets.max_tokens)), len(_pow2_range(4, buckets.max_pages))
-    bound = num_t * num_p + num_t * 2  # forward per (T, P); sampling per (S tied to T, logprobs or not)
+    bound = num_t * num_p + num_t * 4  # forward per (T, P); sampling per (S tied to T, logprobs?, greedy?)
 
     def run(seed):
         rng = random.Random(seed)

@@ -36,6 +36,14 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax(logits):
     np.testing.assert_allclose(out.top_logprobs[0], jnp.sort(expected)[::-1][:3], rtol=1e-6)
 
 
+def test_all_greedy_program_equals_the_general_one_on_greedy_rows():
+    logits = jax.random.normal(jax.random.key(3), (5, VOCAB))
+    params = _arrays(5, temperature=0.0)
+    fast, general = sample(logits, params, 2, all_greedy=True), sample(logits, params, 2)
+    for a, b in zip(fast, general):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_same_seed_same_tokens_whatever_shares_the_batch(logits):
     """Row 0 has seed 7 at step 5; its draw must not change when its neighbours change."""
     alone = sample(logits, _arrays(1, seed=7, step=5), 0).token_ids[0]

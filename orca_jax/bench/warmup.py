@@ -67,7 +67,8 @@ def precompile(engine: Engine, max_kv_tokens: int, threads: int | None = None) -
         sampling = SamplingArrays(jax.ShapeDtypeStruct((s,), jnp.float32), i32(s),
                                   jax.ShapeDtypeStruct((s,), jnp.float32),
                                   jax.ShapeDtypeStruct((s,), jnp.uint32), i32(s))
-        return runner._sample.lower(jax.ShapeDtypeStruct((s, vocab), jnp.float32), sampling, 0).compile()
+        # Benchmarks run greedy: the all-greedy sampler (static flag True) is the one they call.
+        return runner._sample.lower(jax.ShapeDtypeStruct((s, vocab), jnp.float32), sampling, 0, True).compile()
 
     start = time.perf_counter()
     sizes = sorted({s for _, s, _ in shapes})
@@ -75,19 +76,20 @@ def precompile(engine: Engine, max_kv_tokens: int, threads: int | None = None) -
         forwards = {shape: pool.submit(lower_forward, *shape) for shape in shapes}
         samples = {s: pool.submit(lower_sample, s) for s in sizes}
         forward_exec = {shape: f.result() for shape, f in forwards.items()}
-        sample_exec = {(s, 0): f.result() for s, f in samples.items()}
+        sample_exec = {(s, 0, True): f.result() for s, f in samples.items()}
     seconds = time.perf_counter() - start
     jitted_forward = getattr(runner._forward, "jitted", runner._forward)
     jitted_sample = getattr(runner._sample, "jitted", runner._sample)
     runner._forward = _Precompiled(
         jitted_forward, lambda params, cache, tok, pos, meta, li: (tok.shape[0], *meta.page_table.shape),
         forward_exec)
-    # The compiled sampler takes the static k out of its signature: drop it from the call.
-    sample_exec = {key: (lambda exe: lambda logits, sampling, k: exe(logits, sampling))(exe)
+    # The compiled sampler takes the static k and greedy flag out of its signature: drop them.
+    sample_exec = {key: (lambda exe: lambda logits, sampling, k, greedy: exe(logits, sampling))(exe)
                    for key, exe in sample_exec.items()}
-    runner._sample = _Precompiled(jitted_sample, lambda logits, sampling, k: (logits.shape[0], k), sample_exec)
+    runner._sample = _Precompiled(jitted_sample, lambda logits, sampling, k, greedy: (logits.shape[0], k, greedy),
+                                  sample_exec)
     runner.compiled_shapes.update(("forward", *shape) for shape in shapes)
-    runner.compiled_shapes.update(("sample", s, 0) for s in sizes)
+    runner.compiled_shapes.update(("sample", s, 0, True) for s in sizes)
     # One run of every forward program, so first-call costs (autotuning, module load) are paid here.
     for t, s, p in shapes:
         np.asarray(runner.execute(_empty_batch(t, s, p)))
@@ -103,5 +105,5 @@ def _empty_batch(t: int, s: int, p: int):
     return RaggedBatch(token_ids=z(t), positions=z(t), slot_mapping=z(t), cu_q_lens=z(s + 1), kv_lens=z(s),
                        page_table=z(s, p), num_seqs=z(1), logits_indices=z(s),
                        temperature=z(s, dtype=np.float32), top_k=z(s), top_p=np.ones(s, np.float32),
-                       seed=z(s, dtype=np.uint32), step=z(s), num_top_logprobs=0, num_real_tokens=0,
+                       seed=z(s, dtype=np.uint32), step=z(s), num_top_logprobs=0, all_greedy=True, num_real_tokens=0,
                        num_real_seqs=0)

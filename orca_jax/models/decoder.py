@@ -130,9 +130,8 @@ class Decoder(nn.Module):
 
     config: ModelConfig
     attention_fn: RaggedAttentionFn
-    # Layers unrolled per loop step. The param layout stays stacked either way. On GPU a rolled loop
-    # copies each layer's weights out of the stack before its matmuls (measured 3x slower than
-    # unrolled on an H200); unrolling turns those slices static and free, at the price of compile time.
+    # Layers unrolled per loop step; the param layout stays stacked either way (see
+    # EngineConfig.unroll_layers for what each choice costs on GPU).
     scan_unroll: int = 1
 
     @nn.compact

@@ -100,7 +100,7 @@ def _split_dispatch(runner, batch, reps: int) -> dict:
         logits.block_until_ready()
         fwd_total += time.perf_counter() - start
         start = time.perf_counter()
-        out = runner._sample(logits, sampling, 0)
+        out = runner._sample(logits, sampling, 0, True)
         smp += time.perf_counter() - start
         np.asarray(out)
         smp_total += time.perf_counter() - start
@@ -108,7 +108,7 @@ def _split_dispatch(runner, batch, reps: int) -> dict:
         logits, runner.cache = runner._forward(runner.params, runner.cache, batch.token_ids, batch.positions, meta,
                                                batch.logits_indices)
         start = time.perf_counter()
-        out = runner._sample(logits, sampling, 0)
+        out = runner._sample(logits, sampling, 0, True)
         chained += time.perf_counter() - start
         np.asarray(out)
         logits, runner.cache = runner._forward(runner.params, runner.cache, batch.token_ids, batch.positions, meta,

@@ -27,7 +27,7 @@ def measure(backend: str) -> dict:
     rng = np.random.default_rng(0)
     for _ in range(64):
         engine.add_request(rng.integers(3, 100_000, 1000).tolist(), SamplingParams(max_tokens=100, ignore_eos=True))
-    while engine.stats().generated_tokens_total < 64:  # every request past its prompt
+    while any(r.in_initiation for r in engine.scheduler.requests):  # every request past its prompt
         engine.step()
     for _ in range(3):
         engine.step()

@@ -2,36 +2,38 @@
 
 from __future__ import annotations
 
-_REPLACEMENT = "\ufffd"  # what decode gives for an incomplete UTF-8 sequence
+from orca_jax.tokenizer import StreamDecoder
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas; finds stop strings in the new text."""
+    """Turns a growing list of token ids into text deltas; finds stop strings in the new text.
+
+    Each new token is decoded once, from its bytes (StreamDecoder), so the cost per iteration does
+    not grow with the output's length.
+    """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str: bool = False):
-        self.tokenizer = tokenizer
+        self._stream = StreamDecoder(tokenizer)
         self.stop = stop
         self.include_stop_str = include_stop_str
         self.text = ""  # all decoded text so far (cut at a stop string once one is seen)
         self.num_emitted_chars = 0
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._num_decoded_tokens = 0
         # Hold back what could be the start of a stop string until it is known not to be one.
         self._hold_back = max((len(s) for s in stop), default=1) - 1
 
     def add(self, token_ids: list[int]) -> tuple[str, bool]:
         """Account for token_ids (the whole output so far); returns (new text to emit, stopped)."""
-        # Decoding from the previous read point keeps byte-level merges at the boundary right.
-        prefix = self.tokenizer.decode(token_ids[self._prefix_offset:self._read_offset])
-        full = self.tokenizer.decode(token_ids[self._prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            self.text += full[len(prefix):]
-            self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+        for token_id in token_ids[self._num_decoded_tokens:]:
+            self.text += self._stream.push(token_id)
+        self._num_decoded_tokens = len(token_ids)
         stopped = self._cut_at_stop_string()
         return self._emit(final=stopped), stopped
 
     def flush(self) -> str:
         """Everything not yet emitted (call once the request has finished)."""
+        self.text += self._stream.flush()
+        self._cut_at_stop_string()
         return self._emit(final=True)
 
     def _cut_at_stop_string(self) -> bool:

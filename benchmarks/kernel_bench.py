@@ -272,7 +272,7 @@ def bench_prefill() -> dict:
 
 def sweep(deadline: float) -> list[dict]:
     """Time a few tiles per workload; stops at the deadline. Feeds the kernel's tile table."""
-    Tile, Sizes = ra.Tile, ra.BlockSizes
+    Tile = ra.Tile
     work = [
         ("decode 64x1024 d128 g4", make_batch([1] * 64, [1024] * 64, **LLAMA_8B), "short",
          [Tile(16, bk, w, s) for bk in (32, 64, 128)

@@ -2,7 +2,6 @@
 
 import random
 
-import numpy as np
 import pytest
 
 from orca_jax.request import SamplingParams

@@ -5,7 +5,6 @@ to a minimum: a token budget equal to the batch size means T is always 8, so onl
 """
 
 import asyncio
-import json
 import random
 import time
 
@@ -13,7 +12,6 @@ import httpx
 import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 from orca_jax.engine import Engine
@@ -21,8 +19,7 @@ from orca_jax.request import SamplingParams
 from orca_jax.server import create_app
 
 from server_helpers import live_server, parse_sse
-from test_server_fuzz import (CHAT_FIELDS, COMPLETION_FIELDS, VALID_CHAT, VALID_COMPLETION, bodies,
-                              check_answer, driven)
+from test_server_fuzz import any_request, check_answer, driven, post_json
 
 MAX_BATCH = 8
 PROMPTS = ["Once upon a time", "The quick brown fox", "ORCA schedules at iteration level"]
@@ -171,13 +168,9 @@ def test_fuzzed_requests_never_5xx_on_the_real_engine(engine):
     app = create_app(engine, served_model_name="fake", max_body_bytes=8192)
     with driven(app) as call:
         @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-        @given(st.one_of(bodies(COMPLETION_FIELDS, "prompt").map(lambda b: ("/v1/completions", b)),
-                         bodies(CHAT_FIELDS, "messages").map(lambda b: ("/v1/chat/completions", b)),
-                         bodies(VALID_COMPLETION, "prompt").map(lambda b: ("/v1/completions", b)),
-                         bodies(VALID_CHAT, "messages").map(lambda b: ("/v1/chat/completions", b))))
+        @given(any_request())
         def check(path_and_body):
-            path, body = path_and_body
-            check_answer(call("POST", path, content=json.dumps(body), headers={"content-type": "application/json"}))
+            check_answer(post_json(call, path_and_body))
 
         check()
         assert call("GET", "/health").status_code == 200

@@ -114,6 +114,19 @@ def check_answer(response: httpx.Response) -> None:
         assert response.json()["choices"]
 
 
+def any_request() -> st.SearchStrategy:
+    """(path, body) pairs: arbitrary and mostly-valid bodies for both generation endpoints."""
+    return st.one_of(bodies(COMPLETION_FIELDS, "prompt").map(lambda b: ("/v1/completions", b)),
+                     bodies(CHAT_FIELDS, "messages").map(lambda b: ("/v1/chat/completions", b)),
+                     bodies(VALID_COMPLETION, "prompt").map(lambda b: ("/v1/completions", b)),
+                     bodies(VALID_CHAT, "messages").map(lambda b: ("/v1/chat/completions", b)))
+
+
+def post_json(call, path_and_body) -> httpx.Response:
+    path, body = path_and_body
+    return call("POST", path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+
 FUZZ_SETTINGS = settings(max_examples=250, deadline=None, derandomize=True,
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -122,14 +135,9 @@ def test_fuzzed_completions_and_chats_never_5xx():
     app = create_app(FakeEngine(max_model_len=160), served_model_name="fake", max_body_bytes=4096)
     with driven(app) as call:
         @FUZZ_SETTINGS
-        @given(st.one_of(bodies(COMPLETION_FIELDS, "prompt").map(lambda b: ("/v1/completions", b)),
-                         bodies(CHAT_FIELDS, "messages").map(lambda b: ("/v1/chat/completions", b)),
-                         bodies(VALID_COMPLETION, "prompt").map(lambda b: ("/v1/completions", b)),
-                         bodies(VALID_CHAT, "messages").map(lambda b: ("/v1/chat/completions", b))))
+        @given(any_request())
         def check(path_and_body):
-            path, body = path_and_body
-            check_answer(call("POST", path, content=json.dumps(body),
-                              headers={"content-type": "application/json"}))
+            check_answer(post_json(call, path_and_body))
 
         check()
         assert call("GET", "/health").status_code == 200

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 
 class AttentionMetadata(NamedTuple):

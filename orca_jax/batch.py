@@ -60,6 +60,9 @@ class RaggedBatch:
     all_greedy: bool  # static: no request in the batch samples
     num_real_tokens: int
     num_real_seqs: int
+    # i32[T]: -1 where token_ids holds the token, else the row of the previous iteration's samples
+    # (still on device) to take it from; None: every token is in token_ids.
+    token_sources: np.ndarray | None = None
 
     @property
     def shape_key(self) -> tuple[int, int, int, int, bool]:

@@ -142,11 +142,6 @@ class EngineConfig:
     # Batches in flight at once (Algorithm 1's n_workers); None means one per pipeline stage. On one
     # device, 2 lets the host build iteration k+1 while the device runs iteration k.
     max_batches_in_flight: int | None = None
-    # Unroll the layer loop in the compiled step. A rolled loop streams stacked weights at ~1/3 of
-    # HBM bandwidth on an H200 (it copies each layer's slice), but unrolled, XLA keeps a second KV
-    # cache (no in-place update) and compiles for minutes, so it stays off until the cache is split
-    # per layer.
-    unroll_layers: bool = False
 
     @property
     def batches_in_flight(self) -> int:

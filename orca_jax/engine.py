@@ -83,7 +83,7 @@ class Engine:
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
-                                  unroll_layers=config.unroll_layers)
+                                  max_seqs=config.scheduler.max_batch_size)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    num_stages=config.batches_in_flight)

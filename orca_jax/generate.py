@@ -29,9 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     if model.params is None:
         print(f"note: {args.model} has no weights file; using random weights", file=sys.stderr)
-        from orca_jax.kernels.ragged_attention import ragged_attention_reference
         from orca_jax.models.decoder import init_params
-        model = dataclasses.replace(model, params=init_params(model.config, ragged_attention_reference))
+        model = dataclasses.replace(model, params=init_params(model.config))
 
     tokenizer = model.tokenizer
     text = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -17,7 +17,7 @@ import numpy as np
 from orca_jax.config import ModelConfig
 from orca_jax.kernels.ragged_attention import ragged_attention_reference
 from orca_jax.models.attention import AttentionMetadata, KVCache, RaggedAttentionFn
-from orca_jax.models.decoder import Decoder, empty_cache
+from orca_jax.models.decoder import Decoder, empty_cache, unstack_layers
 
 _MIN_PAGES = 8
 _MIN_TOKENS = 16
@@ -31,7 +31,7 @@ class SingleSequence:
         if max_len > config.max_seq_len:
             raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {config.max_seq_len}")
         self.config = config
-        self.params = jax.device_put(params)  # once: numpy args would be copied on every step
+        self.params = jax.device_put(unstack_layers(params))  # once: numpy args would be copied on every step
         self.page_size = page_size
         # A power-of-two page count (at least _MIN_PAGES), so sequences of similar lengths share one
         # compiled decode step.
@@ -84,7 +84,7 @@ def _compiled_step(config: ModelConfig, attention_fn: RaggedAttentionFn):
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(params, cache: KVCache, token_ids, positions, meta, logits_indices):
-        return model.apply({"params": params}, token_ids, positions, cache, meta, logits_indices)
+        return model(params, cache, token_ids, positions, meta, logits_indices)
 
     return step
 

@@ -2,13 +2,13 @@
 
 No padding between requests (ORCA's selective batching, TCB's concatenation): request s owns rows
 cu_q_lens[s]:cu_q_lens[s+1]. Only the totals are padded, up to a small set of buckets, so XLA compiles
-a bounded number of programs: T (tokens) and P (page-table width) each round up to a power of two,
-and S (sequences) is tied to T (S <= T always), so one forward program exists per (T, P) pair; the
-padded logits rows this costs are a rounding error next to T tokens of work. Padding tokens write their K/V to scratch page 0; padding sequences have no tokens.
+a bounded number of programs (BucketPolicy: one per token bucket). Padding tokens write their K/V
+to scratch page 0; padding sequences have no tokens.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import numpy as np
@@ -16,27 +16,66 @@ import numpy as np
 from orca_jax.request import Request
 from orca_jax.scheduler import SchedulerOutput
 
-_MIN_TOKENS = 8
-_MIN_PAGES = 4
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
-def _round_up_pow2(n: int, minimum: int, maximum: int) -> int:
-    bucket = max(minimum, 1 << max(n - 1, 0).bit_length())
-    return min(bucket, maximum) if n <= maximum else bucket
+def token_ladder(max_tokens: int, fine_step: int = 8, fine_until: int = 64, growth: float = 1.2,
+                 align: int = 16) -> tuple[int, ...]:
+    """Token buckets: every fine_step up to fine_until, then x growth (rounded up to align), then max.
+
+    On the paper's trace (prompts U(32, 512), outputs U(1, 128), batch 128, 2048-token budget) this
+    ladder feeds 1.068x the real tokens with 26 buckets, against 1.33x for powers of two (9 buckets):
+    whenever prompts wait, the scheduler fills the budget, and the budget is a bucket; the fine steps
+    cover decode-only iterations, whose token count is the number of running requests.
+    """
+    ladder, t = [], fine_step
+    while t < max_tokens:
+        ladder.append(t)
+        t = t + fine_step if t < fine_until else max(t + align, -(-int(t * growth) // align) * align)
+    return tuple(ladder) + (max_tokens,)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BucketPolicy:
-    """Upper limits of the three padded dimensions; the bucket of n is the next power of two."""
+    """The padded shapes a batch can take: one per token bucket, so one forward program per bucket.
 
-    max_tokens: int  # the scheduler's per-iteration token budget
+    T rounds up to the token ladder; S (sequence slots, also the logits rows) is tied to T as the
+    next power of two, capped at max_seqs (every sequence feeds a token, so num_seqs <= T always
+    fits); P (page-table width) is fixed at max_pages: both attention paths walk only the K/V a
+    batch holds, so the table's width costs nothing but its bytes.
+    """
+
+    max_num_batched_tokens: int  # the scheduler's per-iteration token budget
     max_seqs: int  # max batch size
     max_pages: int  # pages of the longest allowed sequence
+    ladder: tuple[int, ...] = ()  # token buckets; () -> token_ladder(max_num_batched_tokens)
+
+    def __post_init__(self):
+        if not self.ladder:
+            object.__setattr__(self, "ladder", token_ladder(self.max_num_batched_tokens))
+        if self.ladder[-1] < self.max_num_batched_tokens or list(self.ladder) != sorted(set(self.ladder)):
+            raise ValueError(f"token ladder {self.ladder} must be increasing and reach "
+                             f"{self.max_num_batched_tokens}")
+
+    def seqs_for(self, tokens: int) -> int:
+        """S of the bucket whose T is `tokens`."""
+        return min(next_power_of_two(tokens), self.max_seqs)
 
     def bucket(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
-        tokens = _round_up_pow2(num_tokens, _MIN_TOKENS, self.max_tokens)
-        # Every sequence feeds at least one token, so num_seqs <= min(T, max_seqs) always fits.
-        return tokens, min(tokens, self.max_seqs), _round_up_pow2(num_pages, _MIN_PAGES, self.max_pages)
+        """(T, S, P) of the bucket holding a batch of this size."""
+        if num_tokens > self.ladder[-1] or num_seqs > min(num_tokens, self.max_seqs) \
+                or num_pages > self.max_pages:
+            raise ValueError(f"a batch of {num_tokens} tokens, {num_seqs} sequences and {num_pages} pages "
+                             f"exceeds the buckets (max {self.ladder[-1]}, {self.max_seqs}, {self.max_pages})")
+        tokens = self.ladder[bisect.bisect_left(self.ladder, num_tokens)]
+        return tokens, self.seqs_for(tokens), self.max_pages
+
+    def all_buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """Every (T, S, P) a batch can land in: what the runner precompiles."""
+        return tuple((t, self.seqs_for(t), self.max_pages) for t in self.ladder)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -20,7 +20,8 @@ from orca_jax.kv_cache import KVCacheManager
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.runner import ModelRunner, StepResult
+from orca_jax.compilation_cache import configure_compilation_cache
+from orca_jax.runner import ModelRunner, PrecompileReport, ProgressFn, StepResult
 from orca_jax.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,10 @@ def model_config_for(config: EngineConfig, loaded: LoadedModel) -> ModelConfig:
 class Engine:
     """ORCA's engine: add requests at any time, call step() to run one iteration."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 precompile_progress: ProgressFn | None = None):
         self.config = config
+        configure_compilation_cache(config.compilation_cache_dir)
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.tokenizer = loaded.tokenizer
         self.model_config = model_config_for(config, loaded)
@@ -87,7 +90,7 @@ class Engine:
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
                                    num_stages=config.batches_in_flight)
-        self.buckets = BucketPolicy(max_tokens=config.scheduler.max_tokens_per_iteration,
+        self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_tokens_per_iteration,
                                     max_seqs=config.scheduler.max_batch_size,
                                     max_pages=-(-self.max_model_len // self.runner.page_size))
         self._requests: dict[str, Request] = {}
@@ -96,8 +99,28 @@ class Engine:
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._ids = itertools.count()
         self._stats = EngineStats(kv_pages_total=self.kv.num_usable_pages)
+        if config.precompile:
+            self.precompile(precompile_progress)
         log.info("engine ready: %s, %d KV pages of %d tokens", config.model, self.runner.num_pages,
                  self.runner.page_size)
+
+    # ---- compiled programs ----
+
+    def program_keys(self) -> tuple[tuple, ...]:
+        """Every program an iteration can need: a forward per bucket, sampling per (S, K, greedy)."""
+        buckets = self.buckets.all_buckets()
+        forward = tuple(("forward", t, s, p) for t, s, p in buckets)
+        sample = tuple(("sample", s, k, greedy) for s in sorted({s for _, s, _ in buckets})
+                       for k in (0, SamplingParams.MAX_TOP_LOGPROBS) for greedy in (True, False))
+        return forward + sample
+
+    def precompile(self, progress: ProgressFn | None = None) -> PrecompileReport:
+        """Compile every program in program_keys() now (what EngineConfig.precompile does at start)."""
+        start = time.perf_counter()
+        report = self.runner.precompile(self.program_keys(), progress)
+        log.info("compiled %d programs in %.1fs (%.1fs compiling, %.1fs first runs)", report.num_programs,
+                 time.perf_counter() - start, report.compile_seconds, report.warm_seconds)
+        return report
 
     # ---- requests in and out ----
 

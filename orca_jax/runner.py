@@ -8,9 +8,11 @@ stay on device; only a small packed i32[S, 2 + 2K] array of token ids and logpro
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import jax
@@ -117,7 +119,8 @@ class ModelRunner:
         cache_sharding = NamedSharding(self.mesh, rules.KV_CACHE_SPEC)
         self.cache = jax.jit(lambda: decoder.empty_cache(config, self.num_pages, self.page_size),
                              out_shardings=KVCache(cache_sharding, cache_sharding))()
-        self.compiled_shapes: set[tuple[int, ...]] = set()
+        self._compiled_shapes: set[tuple[int, ...]] = set()
+        self._executables: dict[tuple, object] = {}  # ahead-of-time compiled programs (precompile)
         model = decoder.Decoder(config, self.attention_fn, scan_unroll=config.num_layers if unroll_layers else 1)
         # The cache goes out with the sharding it came in with; else the second call recompiles.
         self._forward = jax.jit(functools.partial(_forward, model), donate_argnums=(1,),
@@ -128,20 +131,7 @@ class ModelRunner:
 
     def execute(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch one iteration (asynchronous); returns the packed device result."""
-        t, s, p, k, greedy = batch.shape_key
-        for key in (("forward", t, s, p), ("sample", s, k, greedy)):
-            if key not in self.compiled_shapes:
-                self.compiled_shapes.add(key)
-                log.info("compiling %s for bucket %s; %d programs so far", key[0], key[1:],
-                         len(self.compiled_shapes))
-        meta = AttentionMetadata(cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
-                                 page_table=batch.page_table, slot_mapping=batch.slot_mapping,
-                                 num_seqs=batch.num_seqs)
-        sampling = SamplingArrays(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
-                                  seed=batch.seed, step=batch.step)
-        logits, self.cache = self._forward(self.params, self.cache, batch.token_ids, batch.positions,
-                                           meta, batch.logits_indices)
-        return self._sample(logits, sampling, batch.num_top_logprobs, batch.all_greedy)
+        return self.sample(self.forward(batch), batch)
 
     @property
     def num_compiled_programs(self) -> int:
@@ -152,6 +142,79 @@ class ModelRunner:
     def fetch(packed: jax.Array, batch: RaggedBatch) -> StepResult:
         """Block until the step's tokens are on the host."""
         return StepResult.unpack(np.asarray(packed), batch.num_real_seqs, batch.num_top_logprobs)
+
+    # ---- seams: the two programs apart, precompilation, compiled-shape view ----------------------
+    @property
+    def compiled_shapes(self) -> frozenset[tuple]:
+        """("forward", T, S, P) and ("sample", S, K, greedy) keys of every program used or precompiled."""
+        return frozenset(self._compiled_shapes)
+
+    def _note_shape(self, key: tuple) -> None:
+        if key not in self._compiled_shapes:
+            self._compiled_shapes.add(key)
+            log.info("compiling %s for bucket %s; %d programs so far", key[0], key[1:],
+                     len(self._compiled_shapes))
+
+    def forward(self, batch: RaggedBatch) -> jax.Array:
+        """Dispatch the forward pass (K/V written into the donated cache); f32[S, V] logits on device."""
+        t, s, p, _, _ = batch.shape_key
+        key = ("forward", t, s, p)
+        self._note_shape(key)
+        meta = AttentionMetadata(cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
+                                 page_table=batch.page_table, slot_mapping=batch.slot_mapping,
+                                 num_seqs=batch.num_seqs)
+        fn = self._executables.get(key, self._forward)
+        logits, self.cache = fn(self.params, self.cache, batch.token_ids, batch.positions, meta,
+                                batch.logits_indices)
+        return logits
+
+    def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:
+        """Dispatch sampling of forward()'s logits; the packed i32[S, 2 + 2K] device result."""
+        _, s, _, k, greedy = batch.shape_key
+        key = ("sample", s, k, greedy)
+        self._note_shape(key)
+        sampling = SamplingArrays(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
+                                  seed=batch.seed, step=batch.step)
+        exe = self._executables.get(key)
+        if exe is not None:  # compiled with k and greedy baked in: they leave the signature
+            return exe(logits, sampling)
+        return self._sample(logits, sampling, k, greedy)
+
+    def precompile(self, shape_keys, progress=None, threads: int | None = None) -> float:
+        """Compile ahead of time the programs of RaggedBatch.shape_key tuples (T, S, P, K, greedy).
+
+        Lowered and compiled on a thread pool (XLA compiles outside the GIL); later calls of those
+        shapes run the kept executables. progress(done, total) is called as programs finish.
+        Returns the seconds it took.
+        """
+        keys = sorted(set(shape_keys))
+        forwards = sorted({("forward", t, s, p) for t, s, p, _, _ in keys} - set(self._executables))
+        samples = sorted({("sample", s, k, g) for _, s, _, k, g in keys} - set(self._executables))
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)  # noqa: E731
+
+        def lower_forward(key):
+            _, t, s, p = key
+            meta = AttentionMetadata(cu_q_lens=i32(s + 1), kv_lens=i32(s), page_table=i32(s, p),
+                                     slot_mapping=i32(t), num_seqs=i32(1))
+            return self._forward.lower(self.params, self.cache, i32(t), i32(t), meta, i32(s)).compile()
+
+        def lower_sample(key):
+            _, s, k, greedy = key
+            sampling = SamplingArrays(f32(s), i32(s), f32(s), jax.ShapeDtypeStruct((s,), np.uint32), i32(s))
+            return self._sample.lower(f32(s, self.config.vocab_size), sampling, k, greedy).compile()
+
+        start = time.perf_counter()
+        jobs = [(key, lower_forward) for key in forwards] + [(key, lower_sample) for key in samples]
+        with concurrent.futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
+            futures = {pool.submit(fn, key): key for key, fn in jobs}
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                key = futures[future]
+                self._executables[key] = future.result()
+                self._compiled_shapes.add(key)
+                if progress is not None:
+                    progress(done, len(jobs))
+        return time.perf_counter() - start
 
 
 def _forward(model: decoder.Decoder, params, cache: KVCache, token_ids, positions, meta, logits_indices):

@@ -20,7 +20,7 @@ def test_mixed_batch_equals_each_request_alone(model):
     """Requests joining at different iterations, chunked prompts included, change nobody's tokens."""
     rng = random.Random(0)
     requests = _random_requests(rng, 18 if model == "tiny-llama" else 10)
-    engine = tiny_engine(model, max_batch_size=6, token_budget=32)
+    engine = tiny_engine(model, max_batch_size=6, max_num_batched_tokens=32)
     alone = []
     for prompt, max_new, _ in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=max_new, ignore_eos=True), request_id="alone")
@@ -145,7 +145,7 @@ def test_bad_requests_are_refused_at_add_time():
 
 def test_full_waiting_pool_pushes_back():
     from orca_jax.config import SchedulerConfig
-    engine = tiny_engine(scheduler=SchedulerConfig(max_batch_size=2, max_tokens_per_iteration=16, max_waiting=3))
+    engine = tiny_engine(scheduler=SchedulerConfig(max_batch_size=2, max_num_batched_tokens=16, max_waiting=3))
     for _ in range(3):
         engine.add_request([5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(QueueFullError):
@@ -155,9 +155,9 @@ def test_full_waiting_pool_pushes_back():
 
 def test_compiled_shapes_are_bounded_and_stop_growing():
     """A randomized 200-request run compiles a bounded set of buckets; a second run compiles none."""
-    engine = tiny_engine(max_batch_size=16, token_budget=64, num_pages=400)
+    engine = tiny_engine(max_batch_size=16, max_num_batched_tokens=64, num_pages=400)
     buckets = engine.buckets
-    num_t, num_p = len(_pow2_range(8, buckets.max_tokens)), len(_pow2_range(4, buckets.max_pages))
+    num_t, num_p = len(_pow2_range(8, buckets.max_num_batched_tokens)), len(_pow2_range(4, buckets.max_pages))
     bound = num_t * num_p + num_t * 4  # forward per (T, P); sampling per (S tied to T, logprobs?, greedy?)
 
     def run(seed):

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from orca_jax.request import Request
+from orca_jax.request import SamplingParams
 from orca_jax.scheduler import SchedulerOutput
 
 
@@ -110,27 +110,17 @@ class RaggedBatch:
                 self.num_top_logprobs, self.all_greedy)
 
 
-def new_token_ids(request: Request, start: int, count: int) -> list[int]:
-    """The token ids at positions [start, start + count) of a request's prompt + output."""
-    num_prompt = request.num_prompt_tokens
-    if start + count <= num_prompt:
-        return request.prompt_token_ids[start:start + count]
-    if start >= num_prompt:
-        return request.output_token_ids[start - num_prompt:start - num_prompt + count]
-    return (request.prompt_token_ids + request.output_token_ids)[start:start + count]
-
-
-def build_batch(output: SchedulerOutput, page_ids_of, page_size: int, buckets: BucketPolicy,
-                seed_of, max_top_logprobs: int) -> RaggedBatch:
-    """Flatten the scheduled requests' new tokens; page_ids_of(request_id) -> list[int].
+def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:
+    """Flatten the plan's new tokens into one ragged batch padded to a bucket (a pure function).
 
     This runs on the host every iteration, so the per-request loop only gathers Python scalars
     and page-table rows; per-token arrays are then computed in a few vectorised numpy ops.
     """
-    scheduled = output.scheduled
-    num_tokens = output.num_tokens
+    scheduled = plan.scheduled
+    page_size = plan.page_size
+    num_tokens = plan.num_tokens
     num_seqs = len(scheduled)
-    starts = [s.request.num_computed_tokens for s in scheduled]
+    starts = [s.start for s in scheduled]
     q_lens = [s.num_new_tokens for s in scheduled]
     max_kv = max(start + n for start, n in zip(starts, q_lens))
     t_pad, s_pad, p_pad = buckets.bucket(num_tokens, num_seqs, -(-max_kv // page_size))
@@ -140,13 +130,10 @@ def build_batch(output: SchedulerOutput, page_ids_of, page_size: int, buckets: B
     sampling_rows = []
     wants_top_logprobs = False
     for i, item in enumerate(scheduled):
-        request, start, count = item.request, starts[i], q_lens[i]
-        tokens += new_token_ids(request, start, count)
-        num_pages = -(-(start + count) // page_size)
-        page_table[i, :num_pages] = page_ids_of(request.request_id)[:num_pages]
-        sp = request.sampling
-        sampling_rows.append((sp.temperature, sp.top_k, sp.top_p, seed_of(request),
-                              len(request.output_token_ids)))
+        tokens += item.token_ids
+        page_table[i, :len(item.page_ids)] = item.page_ids
+        sp = item.sampling
+        sampling_rows.append((sp.temperature, sp.top_k, sp.top_p, item.seed, item.step))
         wants_top_logprobs |= bool(sp.logprobs)
 
     q_lens_np = np.asarray(q_lens, np.int32)  # [num_seqs]
@@ -183,5 +170,15 @@ def build_batch(output: SchedulerOutput, page_ids_of, page_size: int, buckets: B
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, cu_q_lens=cu_q_lens,
         kv_lens=kv_lens, page_table=page_table, num_seqs=np.array([num_seqs], np.int32),
         logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        step=step, num_top_logprobs=max_top_logprobs if wants_top_logprobs else 0,
+        step=step, num_top_logprobs=SamplingParams.MAX_TOP_LOGPROBS if wants_top_logprobs else 0,
         all_greedy=not temperature.any(), num_real_tokens=num_tokens, num_real_seqs=num_seqs)
+
+
+def empty_batch(t: int, s: int, p: int) -> RaggedBatch:
+    """An all-padding batch of one bucket: no live sequence, every token writes to scratch page 0."""
+    z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+    return RaggedBatch(token_ids=z(t), positions=z(t), slot_mapping=z(t), cu_q_lens=z(s + 1), kv_lens=z(s),
+                       page_table=z(s, p), num_seqs=z(1), logits_indices=z(s),
+                       temperature=z(s, dtype=np.float32), top_k=z(s), top_p=np.ones(s, np.float32),
+                       seed=z(s, dtype=np.uint32), step=z(s), num_top_logprobs=0, all_greedy=True,
+                       num_real_tokens=0, num_real_seqs=0)

@@ -26,7 +26,12 @@ class SchedulingPolicy(enum.Enum):
 
     FCFS = "fcfs"
     PRIORITY = "priority"  # higher priority first, arrival order within one priority
-    DEADLINE = "deadline"  # TCB's deadline-aware scheduling: earliest deadline first
+    EDF = "edf"  # earliest deadline first (not TCB's DAS, which is a different algorithm)
+    DEADLINE = "edf"  # the old name of EDF: an alias, the same member
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.EDF if value == "deadline" else None  # the old flag value keeps working
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,15 +106,15 @@ class SchedulerConfig:
     """ORCA Algorithm 1's knobs plus the per-iteration token budget."""
 
     max_batch_size: int = 64  # requests per iteration (vLLM's max_num_seqs)
-    max_tokens_per_iteration: int = 512  # longer prompts are fed over several iterations
+    max_num_batched_tokens: int = 512  # token budget per iteration; longer prompts take several
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this
 
     def __post_init__(self):
         if self.max_batch_size <= 0:
             raise ValueError(f"SchedulerConfig.max_batch_size must be positive, got {self.max_batch_size}")
-        if self.max_tokens_per_iteration < self.max_batch_size:
-            raise ValueError("SchedulerConfig.max_tokens_per_iteration must be at least max_batch_size "
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ValueError("SchedulerConfig.max_num_batched_tokens must be at least max_batch_size "
                              "so every running request can get its one increment token")
         if self.max_waiting <= 0:
             raise ValueError(f"SchedulerConfig.max_waiting must be positive, got {self.max_waiting}")

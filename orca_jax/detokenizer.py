@@ -18,23 +18,30 @@ class IncrementalDetokenizer:
         self.include_stop_str = include_stop_str
         self.text = ""  # all decoded text so far (cut at a stop string once one is seen)
         self.num_emitted_chars = 0
+        self._new_text = ""  # emitted but not yet taken by take_new_text()
         self._num_decoded_tokens = 0
         # Hold back what could be the start of a stop string until it is known not to be one.
         self._hold_back = max((len(s) for s in stop), default=1) - 1
 
-    def add(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Account for token_ids (the whole output so far); returns (new text to emit, stopped)."""
+    def add(self, token_ids: list[int]) -> bool:
+        """Account for token_ids (the whole output so far); True when a stop string was found."""
         for token_id in token_ids[self._num_decoded_tokens:]:
             self.text += self._stream.push(token_id)
         self._num_decoded_tokens = len(token_ids)
         stopped = self._cut_at_stop_string()
-        return self._emit(final=stopped), stopped
+        self._new_text += self._emit(final=stopped)
+        return stopped
 
-    def flush(self) -> str:
-        """Everything not yet emitted (call once the request has finished)."""
+    def flush(self) -> None:
+        """Release everything held back (call once the request has finished)."""
         self.text += self._stream.flush()
         self._cut_at_stop_string()
-        return self._emit(final=True)
+        self._new_text += self._emit(final=True)
+
+    def take_new_text(self) -> str:
+        """The text emitted since the last call."""
+        text, self._new_text = self._new_text, ""
+        return text
 
     def _cut_at_stop_string(self) -> bool:
         if not self.stop:

@@ -11,7 +11,9 @@ import dataclasses
 import itertools
 import logging
 import time
+import functools
 import zlib
+from typing import Callable, Protocol
 
 from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.config import EngineConfig, ModelConfig
@@ -22,7 +24,7 @@ from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
 from orca_jax.compilation_cache import configure_compilation_cache
 from orca_jax.runner import ModelRunner, PrecompileReport, ProgressFn, StepResult
-from orca_jax.scheduler import Scheduler, SchedulerOutput
+from orca_jax.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,28 @@ class _InFlight:
     output: SchedulerOutput
     batch: RaggedBatch
     packed: object  # the device array the runner returned
-    num_outputs_before: list[int]
+
+
+# (kv, max_model_len, num_stages) -> the scheduler an engine drives; Scheduler's own signature after
+# its config, so functools.partial(Scheduler, scheduler_config) is one.
+SchedulerFactory = Callable[[KVCacheManager, int, int], SchedulerInterface]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DispatchTiming:
+    """Host seconds spent on one batch before it left for the device."""
+
+    schedule_s: float  # schedule() calls since the last dispatch (empty ones included)
+    build_s: float  # build_batch
+    dispatch_s: float  # runner.execute (asynchronous, but may block when the device queue is full)
+
+
+class EngineObserver(Protocol):
+    """Told about every batch an engine dispatches and every update it applies (for benchmarks)."""
+
+    def on_dispatch(self, batch: RaggedBatch, timing: DispatchTiming) -> None: ...
+
+    def on_update(self, output: SchedulerOutput, seconds: float) -> None: ...
 
 
 def model_config_for(config: EngineConfig, loaded: LoadedModel) -> ModelConfig:
@@ -76,7 +99,8 @@ def model_config_for(config: EngineConfig, loaded: LoadedModel) -> ModelConfig:
 class Engine:
     """ORCA's engine: add requests at any time, call step() to run one iteration."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
+                 scheduler_factory: SchedulerFactory | None = None,
                  precompile_progress: ProgressFn | None = None):
         self.config = config
         configure_compilation_cache(config.compilation_cache_dir)
@@ -88,15 +112,14 @@ class Engine:
                                   seed=config.seed, parallel=config.parallel,
                                   max_seqs=config.scheduler.max_batch_size)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len,
-                                   num_stages=config.batches_in_flight)
-        self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_tokens_per_iteration,
+        factory = scheduler_factory or functools.partial(Scheduler, config.scheduler)
+        self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.batches_in_flight)
+        self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_seqs=config.scheduler.max_batch_size,
-                                    max_pages=-(-self.max_model_len // self.runner.page_size))
-        self._requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._seeds: dict[str, int] = {}
+                                    max_pages=self.kv.num_pages_for(self.max_model_len))
         self._in_flight: collections.deque[_InFlight] = collections.deque()
+        self._observers: list[EngineObserver] = []
+        self._schedule_s = 0.0  # schedule() time not yet reported with a dispatch
         self._ids = itertools.count()
         self._stats = EngineStats(kv_pages_total=self.kv.num_usable_pages)
         if config.precompile:
@@ -133,44 +156,60 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
+        seed = sampling.seed if sampling.seed is not None else \
+            zlib.crc32(f"{self.config.seed}:{request_id}".encode())
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
                           priority=priority, deadline=deadline,
-                          eos_token_ids=tuple(self.tokenizer.eos_token_ids))
+                          eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
+                          detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
+                                                             sampling.include_stop_str_in_output))
         self.scheduler.add_request(request)
-        self._requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, sampling.stop, sampling.include_stop_str_in_output)
-        # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
-        self._seeds[request_id] = (sampling.seed if sampling.seed is not None
-                                   else zlib.crc32(f"{self.config.seed}:{request_id}".encode()))
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
-        aborted = self.scheduler.abort(request_id)
-        self._forget(request_id)
-        return aborted
+        return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+    # ---- seams for benchmarks and baselines ----
+
+    def replace_scheduler(self, factory: SchedulerFactory) -> SchedulerInterface:
+        """Swap in another scheduler (same KV pool, runner and buckets); only while idle."""
+        if self.has_unfinished():
+            raise RuntimeError("replace the scheduler only on an idle engine")
+        self.scheduler = factory(self.kv, self.max_model_len, self.config.batches_in_flight)
+        return self.scheduler
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        """Report every later dispatch and update to observer."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        self._observers.remove(observer)
 
     # ---- one iteration ----
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration: fill the pipeline, then take the oldest batch's tokens."""
-        start = time.perf_counter()
+        start = phase_start = time.perf_counter()
         while self.scheduler.can_schedule:
             output = self.scheduler.schedule()
+            scheduled_at = time.perf_counter()
+            self._schedule_s += scheduled_at - phase_start
             if not output.scheduled:
                 break
-            batch = build_batch(output, self.kv.page_ids, self.runner.page_size, self.buckets,
-                                lambda r: self._seeds[r.request_id], SamplingParams.MAX_TOP_LOGPROBS)
-            before = [len(s.request.output_token_ids) for s in output.scheduled]
-            self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch), before))
+            batch = build_batch(output, self.buckets)
+            built_at = time.perf_counter()
+            self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch)))
+            phase_start = time.perf_counter()
+            timing = DispatchTiming(self._schedule_s, built_at - scheduled_at, phase_start - built_at)
+            self._schedule_s = 0.0
+            for observer in self._observers:
+                observer.on_dispatch(batch, timing)
         if not self._in_flight:
             return []
         flight = self._in_flight.popleft()
@@ -188,30 +227,29 @@ class Engine:
                     (float(result.logprobs[i]),
                      dict(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist())))
                     for i, s in enumerate(scheduled)]
+        update_start = time.perf_counter()
         self.scheduler.update(flight.output, result.token_ids.tolist(), logprobs)
+        seconds = time.perf_counter() - update_start
+        for observer in self._observers:
+            observer.on_update(flight.output, seconds)
         outputs = []
-        for item, before in zip(scheduled, flight.num_outputs_before):
+        for item in scheduled:
             request = item.request
-            if request.request_id not in self._requests:
+            if request.status is RequestStatus.FINISHED_ABORTED:
                 continue  # aborted while in flight
-            num_new = len(request.output_token_ids) - before
+            num_new = len(request.output_token_ids) - item.step
             if num_new == 0 and not request.status.finished:
                 continue  # a prompt chunk that did not reach the end of the prompt
             outputs.append(self._output_for(request, num_new))
         return outputs
 
     def _output_for(self, request: Request, num_new: int) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
+        # Stop conditions were applied in scheduler.update(); here the text is only collected.
+        detok = request.detokenizer
         ids = request.output_token_ids
-        stop_ids = set(request.sampling.stop_token_ids)
-        if not request.sampling.ignore_eos:
-            stop_ids.update(request.eos_token_ids)
-        hit_stop_token = request.status is RequestStatus.FINISHED_STOPPED and ids and ids[-1] in stop_ids
-        new_text, stopped = detok.add(ids[:-1] if hit_stop_token else ids)
-        if stopped and not request.status.finished:
-            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
         if request.status.finished:
-            new_text += detok.flush()
+            detok.flush()
+        new_text = detok.take_new_text()
         new_logprobs = None
         if request.sampling.logprobs is not None and num_new:
             new_logprobs = [TokenLogprob(t, lp, top) for t, lp, top in zip(
@@ -224,14 +262,7 @@ class Engine:
             finished=request.status.finished,
             finish_reason=request.status.value if request.status.finished else None,
             new_logprobs=new_logprobs)
-        if request.status.finished:
-            self._forget(request.request_id)
         return output
-
-    def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self._detokenizers.pop(request_id, None)
-        self._seeds.pop(request_id, None)
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:
         stats = self._stats

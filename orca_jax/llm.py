@@ -60,7 +60,7 @@ class LLM:
             model=model,
             cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib),
             scheduler=SchedulerConfig(max_batch_size=max_num_seqs,
-                                      max_tokens_per_iteration=max_num_batched_tokens,
+                                      max_num_batched_tokens=max_num_batched_tokens,
                                       policy=SchedulingPolicy(scheduling_policy)),
             parallel=ParallelConfig(num_stages=num_stages),
             attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orca_jax.detokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,8 +76,11 @@ class Request:
     sampling: SamplingParams
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0  # larger runs first under SchedulingPolicy.PRIORITY
-    deadline: float | None = None  # monotonic seconds; SchedulingPolicy.DEADLINE
+    deadline: float | None = None  # monotonic seconds; SchedulingPolicy.EDF
     eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0  # the sampling seed, resolved once when the request is added (SamplingParams.seed or derived)
+    # Text and stop strings of the output; None when nobody wants text (the scheduler's own tests).
+    detokenizer: IncrementalDetokenizer | None = None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
@@ -107,5 +114,35 @@ class Request:
         """True while prompt tokens remain to be fed (ORCA's initiation phase)."""
         return self.num_computed_tokens < self.num_prompt_tokens
 
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids_at(self, start: int, count: int) -> list[int]:
+        """The token ids at positions [start, start + count) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if start + count <= num_prompt:
+            return self.prompt_token_ids[start:start + count]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:start - num_prompt + count]
+        return (self.prompt_token_ids + self.output_token_ids)[start:start + count]
+
+
+def stop_status(request: Request) -> RequestStatus | None:
+    """The one stop check, run once per newly appended output token; the finished status, or None.
+
+    EOS and stop tokens stop (the stop token's text is never emitted), then max_tokens, then a stop
+    string the detokenizer finds in the new text. The detokenizer is fed here, so stop strings are
+    decided in the same iteration as every other stop condition.
+    """
+    ids = request.output_token_ids
+    sampling = request.sampling
+    token = ids[-1]
+    hit_stop_token = token in sampling.stop_token_ids or \
+        (not sampling.ignore_eos and token in request.eos_token_ids)
+    hit_stop_string = False
+    if request.detokenizer is not None:
+        hit_stop_string = request.detokenizer.add(ids[:-1] if hit_stop_token else ids)
+    if hit_stop_token:
+        return RequestStatus.FINISHED_STOPPED
+    if len(ids) >= sampling.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if hit_stop_string:
+        return RequestStatus.FINISHED_STOPPED
+    return None

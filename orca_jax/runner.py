@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from orca_jax.batch import RaggedBatch
+from orca_jax.batch import RaggedBatch, empty_batch
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
@@ -186,7 +186,7 @@ class ModelRunner:
             for key in todo:
                 if key[0] == "forward":
                     _, t, s, p = key
-                    jax.block_until_ready(self.forward(padding_batch(t, s, p)))
+                    jax.block_until_ready(self.forward(empty_batch(t, s, p)))
         return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start)
 
     def _executable(self, key: ProgramKey) -> jax.stages.Compiled:
@@ -261,13 +261,3 @@ def _sample(logits, sampling: SamplingArrays, num_top_logprobs: int, all_greedy:
     """(packed i32[S, 2 + 2K] for the host, the sampled ids padded to i32[max_seqs] for the device)."""
     result = sample(logits, sampling, num_top_logprobs, all_greedy)
     return pack(result), jnp.pad(result.token_ids, (0, max_seqs - logits.shape[0]))
-
-
-def padding_batch(t: int, s: int, p: int) -> RaggedBatch:
-    """An all-padding batch of one bucket: no live sequence, every token writes to scratch page 0."""
-    z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)
-    return RaggedBatch(token_ids=z(t), positions=z(t), slot_mapping=z(t), cu_q_lens=z(s + 1), kv_lens=z(s),
-                       page_table=z(s, p), num_seqs=z(1), logits_indices=z(s),
-                       temperature=z(s, dtype=np.float32), top_k=z(s), top_p=np.ones(s, np.float32),
-                       seed=z(s, dtype=np.uint32), step=z(s), num_top_logprobs=0, all_greedy=True,
-                       num_real_tokens=0, num_real_seqs=0)

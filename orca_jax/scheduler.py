@@ -10,62 +10,55 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import types
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
-from orca_jax.config import SchedulerConfig, SchedulingPolicy
+from orca_jax.config import SchedulerConfig
 from orca_jax.kv_cache import KVCacheManager
-from orca_jax.request import Request, RequestStatus
+from orca_jax.policies import Policy, make_policy
+from orca_jax.request import Request, RequestStatus, SamplingParams, stop_status
 
 
 class QueueFullError(RuntimeError):
     """The request pool holds SchedulerConfig.max_waiting requests already; try again later."""
 
 
-# ---- ordering policies: a sort key per policy; ties keep insertion order (the sort is stable) ----
-SortKey = Callable[[Request], tuple]
-
-
-def fcfs_key(request: Request) -> tuple:
-    """ORCA's order: earliest arrival first."""
-    return (request.arrival_time,)
-
-
-def priority_key(request: Request) -> tuple:
-    """Higher priority first, arrival order within one priority."""
-    return (-request.priority, request.arrival_time)
-
-
-def deadline_key(request: Request) -> tuple:
-    """TCB's deadline-aware order: earliest deadline first, no deadline last, then arrival."""
-    no_deadline = request.deadline is None
-    return (no_deadline, 0.0 if no_deadline else request.deadline, request.arrival_time)
-
-
-POLICY_SORT_KEYS: types.MappingProxyType[SchedulingPolicy, SortKey] = types.MappingProxyType({
-    SchedulingPolicy.FCFS: fcfs_key,
-    SchedulingPolicy.PRIORITY: priority_key,
-    SchedulingPolicy.DEADLINE: deadline_key,
-})
-
-
 # ---- the plan handed to the batch builder ---------------------------------------------------------
 @dataclasses.dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    """One request's share of an iteration."""
+    """One request's share of an iteration: everything the batch builder needs, as plain data."""
 
-    request: Request
-    # Tokens fed this iteration: a prompt chunk (initiation) or 1 (increment). The first one sits at
-    # position request.num_computed_tokens, which stays unchanged until update().
-    num_new_tokens: int
+    request: Request  # for update() and the engine's outputs; build_batch never reads it
+    start: int  # position of the first token fed: tokens already in the KV cache
+    token_ids: tuple[int, ...]  # fed this iteration: a prompt chunk (initiation) or 1 token (increment)
+    page_ids: tuple[int, ...]  # the request's KV pages covering positions [0, start + len(token_ids))
+    seed: int  # the request's sampling seed (Request.seed)
+    sampling: SamplingParams
+    step: int  # output tokens generated so far, so each draw gets a fresh key
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens fed this iteration."""
+        return len(self.token_ids)
+
+
+def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager) -> ScheduledRequest:
+    """Allocate KV pages for a request's next num_new_tokens and return its share of the plan."""
+    start = request.num_computed_tokens
+    end = start + num_new_tokens
+    kv.allocate_up_to(request.request_id, end)
+    return ScheduledRequest(
+        request=request, start=start, token_ids=tuple(request.token_ids_at(start, num_new_tokens)),
+        page_ids=tuple(kv.page_ids(request.request_id)[:kv.num_pages_for(end)]), seed=request.seed,
+        sampling=request.sampling, step=len(request.output_token_ids))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    """The batch of one iteration, in the policy's order."""
+    """The whole plan of one iteration, in the policy's order."""
 
     scheduled: tuple[ScheduledRequest, ...]
     iteration: int  # counts non-empty batches; an empty output does not use up a number
+    page_size: int  # tokens per KV page, to place each token in its page
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +71,40 @@ class SchedulerOutput:
         return len(self.scheduled)
 
 
+class SchedulerInterface(Protocol):
+    """What the Engine calls on its scheduler, and nothing more."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def can_schedule(self) -> bool:
+        """Whether another batch may be put in flight now."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def add_request(self, request: Request) -> None:
+        """Put a request in the pool; ValueError if it can never run, QueueFullError if full."""
+        ...
+
+    def schedule(self) -> SchedulerOutput:
+        """This iteration's plan; an empty one means nothing can run now."""
+        ...
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
+               logprobs: Sequence[tuple[float, dict[int, float]] | None] | None = None) -> list[Request]:
+        """Take a batch's sampled tokens, apply stop conditions; return the requests it finished."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now and free its KV; False if unknown."""
+        ...
+
+
 class Scheduler:
     """ORCA Algorithm 1: select a batch each iteration; up to num_stages batches in flight.
 
@@ -85,7 +112,8 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 num_stages: int = 1, clock: Callable[[], float] = time.monotonic):
+                 num_stages: int = 1, clock: Callable[[], float] = time.monotonic,
+                 policy: Policy | None = None):
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if num_stages <= 0:
@@ -95,7 +123,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_stages = num_stages
         self._clock = clock
-        self._sort_key = POLICY_SORT_KEYS[config.policy]
+        self.policy = policy if policy is not None else make_policy(config.policy)
         # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
         self._requests: dict[str, Request] = {}
         self._num_waiting = 0
@@ -168,12 +196,12 @@ class Scheduler:
         """Pick this iteration's batch; an empty output means nothing can run now.
 
         Walk the requests not finished and not in flight in the policy's order, up to max_batch_size.
-        A request's first selection reserves KV for prompt + max_tokens; when that does not fit, no
-        later request is admitted either (strict order: a small late request must not overtake a big
+        A request's first selection reserves KV for prompt + max_tokens when the policy's may_admit
+        agrees; once it refuses, no later request is admitted either (strict order: a small late request must not overtake a big
         early one), but requests already holding a reservation still run, so a priority or deadline
         order can never starve the requests that would free the pool.
         Token budget: every increment-phase request gets its 1 token first; what remains of
-        max_tokens_per_iteration goes to initiation-phase requests as prompt chunks in batch order.
+        max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order.
         A request whose chunk comes out as 0 sits this iteration out but keeps its reservation.
         """
         if not self.can_schedule:
@@ -182,22 +210,22 @@ class Scheduler:
         batch: list[Request] = []
         can_admit = True
         pool = [r for r in self._requests.values() if r not in self._in_flight_requests]
-        for request in sorted(pool, key=self._sort_key):
+        for request in self.policy.order(pool, self._clock()):
             if len(batch) >= self.config.max_batch_size:
                 break
             if request.status is RequestStatus.WAITING:
                 if not can_admit:
                     continue
-                if not self.kv.can_reserve(request.max_total_tokens):
-                    can_admit = False
+                if not self.policy.may_admit(request, self.kv):
+                    can_admit = not self.policy.blocks_later_admissions
                     continue
                 self.kv.reserve(request.request_id, request.max_total_tokens)
                 request.status = RequestStatus.RUNNING
                 self._num_waiting -= 1
             batch.append(request)
 
-        # Increments first: SchedulerConfig guarantees max_tokens_per_iteration >= max_batch_size.
-        budget = self.config.max_tokens_per_iteration
+        # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_batch_size.
+        budget = self.config.max_num_batched_tokens
         budget -= sum(1 for r in batch if not r.in_initiation)
         scheduled: list[ScheduledRequest] = []
         for request in batch:
@@ -208,12 +236,11 @@ class Scheduler:
                     continue
             else:
                 num_new = 1
-            self.kv.allocate_up_to(request.request_id, request.num_computed_tokens + num_new)
-            scheduled.append(ScheduledRequest(request, num_new))
+            scheduled.append(plan_request(request, num_new, self.kv))
 
         if not scheduled:
-            return SchedulerOutput((), self._next_iteration)
-        output = SchedulerOutput(tuple(scheduled), self._next_iteration)
+            return SchedulerOutput((), self._next_iteration, self.kv.page_size)
+        output = SchedulerOutput(tuple(scheduled), self._next_iteration, self.kv.page_size)
         self._next_iteration += 1
         self._in_flight_iterations.add(output.iteration)
         self._in_flight_requests.update(s.request for s in scheduled)
@@ -257,7 +284,7 @@ class Scheduler:
                 request.output_top_logprobs.append(top)
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = _stop_status(request, token)
+            status = stop_status(request)
             if status is not None:
                 self._finish(request, status, now)
                 finished.append(request)
@@ -288,13 +315,3 @@ class Scheduler:
         self.kv.free(request.request_id)
         del self._requests[request.request_id]
 
-
-def _stop_status(request: Request, token: int) -> RequestStatus | None:
-    """The finished status a newly sampled token leads to, or None to go on."""
-    sampling = request.sampling
-    if token in sampling.stop_token_ids or \
-            (not sampling.ignore_eos and token in request.eos_token_ids):
-        return RequestStatus.FINISHED_STOPPED
-    if len(request.output_token_ids) >= sampling.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    return None

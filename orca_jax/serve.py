@@ -43,11 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-require-auth", action="store_true", help="put /metrics behind the key too")
     p.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_batch_size"),
                    help="requests per iteration (ORCA's max batch size)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_tokens_per_iteration"),
+    p.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"),
                    help="tokens per iteration; longer prompts are fed over several")
     p.add_argument("--max-waiting", type=int, default=_default(SchedulerConfig, "max_waiting"),
                    help="requests queued beyond the running batch; more get 503 + Retry-After")
-    p.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
+    p.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy] + ["deadline"],
                    default=SchedulingPolicy.PRIORITY.value,
                    help="priority lets interactive chat (high 'priority') overtake batch jobs")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
@@ -77,7 +77,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages,
                           kv_memory_gib=args.kv_cache_memory_gib),
         scheduler=SchedulerConfig(max_batch_size=args.max_num_seqs,
-                                  max_tokens_per_iteration=args.max_num_batched_tokens,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=SchedulingPolicy(args.scheduling_policy),
                                   max_waiting=args.max_waiting),
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size,

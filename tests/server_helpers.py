@@ -67,7 +67,7 @@ class FakeEngine:
         self.config = EngineConfig(
             model="fake", cache=CacheConfig(page_size=page_size, num_pages=num_pages),
             scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting,
-                                      max_tokens_per_iteration=max(512, max_batch_size)))
+                                      max_num_batched_tokens=max(512, max_batch_size)))
         self.model_config = ModelConfig(
             family=ModelFamily.LLAMA, vocab_size=256, hidden_size=8, num_layers=1, num_heads=1,
             num_kv_heads=1, head_dim=8, ffn_size=8, max_seq_len=max_model_len, eos_token_ids=(EOS,))

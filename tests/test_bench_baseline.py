@@ -21,9 +21,9 @@ def _step(scheduler):
     return output, finished
 
 
-def _scheduler(max_batch_size=3, token_budget=64, num_pages=200, page_size=4):
+def _scheduler(max_batch_size=3, max_num_batched_tokens=64, num_pages=200, page_size=4):
     kv = KVCacheManager(num_pages, page_size)
-    return RequestLevelScheduler(max_batch_size, token_budget, kv, max_model_len=256), kv
+    return RequestLevelScheduler(max_batch_size, max_num_batched_tokens, kv, max_model_len=256), kv
 
 
 def test_batch_is_padded_and_runs_in_lockstep_until_the_longest_finishes():
@@ -67,7 +67,7 @@ def test_no_request_joins_a_running_batch():
 
 
 def test_prompts_are_chunked_and_decoding_waits_for_every_prompt():
-    scheduler, _ = _scheduler(max_batch_size=2, token_budget=8)
+    scheduler, _ = _scheduler(max_batch_size=2, max_num_batched_tokens=8)
     a, b = _request("a", 6, 2), _request("b", 3, 2)
     scheduler.add_request(a)
     scheduler.add_request(b)
@@ -109,7 +109,7 @@ def test_abort_and_refusal():
 
 
 def test_baseline_on_the_engine_matches_the_arithmetic():
-    engine = tiny_engine(max_batch_size=8, token_budget=64, page_size=4, num_pages=512)
+    engine = tiny_engine(max_batch_size=8, max_num_batched_tokens=64, page_size=4, num_pages=512)
     scheduler = driver.use_scheduler(engine, driver.BASELINE, 4)
     trace = make_trace("uniform", 10, rate=None, seed=2, lengths=LengthSpec(prompt_range=(3, 20), gen_range=(1, 6)))
     run = driver.run_trace(engine, trace, "baseline", realtime=False)

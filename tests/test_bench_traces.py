@@ -70,5 +70,5 @@ def test_padding_arithmetic_by_hand():
     # Batches of 2: {(2,3),(4,1)} pads to prompt 4, gen 3 -> 2 x 6; {(3,3)} alone -> 5.
     assert padding.request_level_fed(lengths, 2) == 12 + 5
     assert padding.request_level_fed(lengths, 1) == real
-    real_ragged, padded, iterations = padding.ragged_fed(lengths, batch_size=4, token_budget=64, page_size=4)
+    real_ragged, padded, iterations = padding.ragged_fed(lengths, batch_size=4, max_num_batched_tokens=64, page_size=4)
     assert real_ragged == real and padded >= real and iterations == 3  # one prefill + two increments

@@ -20,7 +20,7 @@ def test_mixed_batch_equals_each_request_alone(model):
     """Requests joining at different iterations, chunked prompts included, change nobody's tokens."""
     rng = random.Random(0)
     requests = _random_requests(rng, 18 if model == "tiny-llama" else 10)
-    engine = tiny_engine(model, max_batch_size=6, token_budget=32)
+    engine = tiny_engine(model, max_batch_size=6, max_num_batched_tokens=32)
     alone = []
     for prompt, max_new, _ in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=max_new, ignore_eos=True), request_id="alone")
@@ -145,7 +145,7 @@ def test_bad_requests_are_refused_at_add_time():
 
 def test_full_waiting_pool_pushes_back():
     from orca_jax.config import SchedulerConfig
-    engine = tiny_engine(scheduler=SchedulerConfig(max_batch_size=2, max_tokens_per_iteration=16, max_waiting=3))
+    engine = tiny_engine(scheduler=SchedulerConfig(max_batch_size=2, max_num_batched_tokens=16, max_waiting=3))
     for _ in range(3):
         engine.add_request([5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(QueueFullError):
@@ -160,7 +160,7 @@ def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
     and S is 8 or 16, so 2 x 2 x 2 = 8 sampling programs: 16 in all. Two randomized 200-request
     runs then compile nothing more.
     """
-    engine = tiny_engine(max_batch_size=16, token_budget=64, num_pages=400, precompile=True)
+    engine = tiny_engine(max_batch_size=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
     assert engine.buckets.ladder == (8, 16, 24, 32, 40, 48, 56, 64)
     compiled = engine.runner.compiled_shapes
     assert len(compiled) == engine.runner.num_compiled_programs == 8 + 8

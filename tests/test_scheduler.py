@@ -21,11 +21,11 @@ class FakeClock:
         return self.now
 
 
-def make_scheduler(num_pages=65, page_size=4, max_batch_size=8, max_tokens_per_iteration=64,
+def make_scheduler(num_pages=65, page_size=4, max_batch_size=8, max_num_batched_tokens=64,
                    policy=SchedulingPolicy.FCFS, max_model_len=256, num_stages=1, max_waiting=1024):
     kv = KVCacheManager(num_pages, page_size)
     config = SchedulerConfig(max_batch_size=max_batch_size, policy=policy, max_waiting=max_waiting,
-                             max_tokens_per_iteration=max_tokens_per_iteration)
+                             max_num_batched_tokens=max_num_batched_tokens)
     clock = FakeClock()
     return Scheduler(config, kv, max_model_len, num_stages, clock=clock), kv, clock
 
@@ -61,7 +61,7 @@ def run_random_trace(seed, page_size, num_stages=1, num_requests=40):
     """Requests arrive at random iterations; checks the invariants after every iteration."""
     rng = random.Random(seed)
     sched, kv, clock = make_scheduler(num_pages=1 + 96 // page_size + 1, page_size=page_size,
-                                      max_batch_size=5, max_tokens_per_iteration=12,
+                                      max_batch_size=5, max_num_batched_tokens=12,
                                       num_stages=num_stages, max_model_len=64)
     arrivals = sorted(rng.randrange(60) for _ in range(num_requests))
     all_requests, in_flight, it = [], [], 0
@@ -218,7 +218,7 @@ def test_finish_from_outside_and_race_with_abort():
 
 # ---- chunked initiation under the token budget ---------------------------------------------------
 def test_long_prompt_is_chunked_while_increments_keep_running():
-    sched, kv, _ = make_scheduler(max_batch_size=4, max_tokens_per_iteration=8, page_size=4)
+    sched, kv, _ = make_scheduler(max_batch_size=4, max_num_batched_tokens=8, page_size=4)
     sched.add_request(make_request("short", prompt_len=3, max_tokens=10))
     step(sched)
     sched.add_request(make_request("long", prompt_len=20, max_tokens=3, arrival=1.0))
@@ -238,7 +238,7 @@ def test_long_prompt_is_chunked_while_increments_keep_running():
 
 
 def test_initiation_with_zero_budget_waits_but_keeps_reservation():
-    sched, kv, _ = make_scheduler(max_batch_size=2, max_tokens_per_iteration=4)
+    sched, kv, _ = make_scheduler(max_batch_size=2, max_num_batched_tokens=4)
     sched.add_request(make_request("a", prompt_len=10, max_tokens=2))
     sched.add_request(make_request("b", prompt_len=3, max_tokens=2, arrival=1.0))
     out, _ = step(sched)

@@ -28,7 +28,7 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "ORCA schedules at iterati
 def _engine(model: str = "tiny-llama", **cache) -> Engine:
     return Engine(EngineConfig(
         model=model, cache=CacheConfig(page_size=16, num_pages=cache.get("num_pages", 256)),
-        scheduler=SchedulerConfig(max_batch_size=MAX_BATCH, max_tokens_per_iteration=MAX_BATCH,
+        scheduler=SchedulerConfig(max_batch_size=MAX_BATCH, max_num_batched_tokens=MAX_BATCH,
                                   max_waiting=512, policy=SchedulingPolicy.PRIORITY)))
 
 

@@ -1,14 +1,14 @@
 """The paper's request-level baseline (FasterTransformer with its custom scheduler), on our engine.
 
-A scheduler with the same two calls as orca_jax.scheduler.Scheduler, plugged into an Engine in place
-of ORCA's, so the comparison isolates scheduling: same model code, runner, KV pool and batch builder.
+A scheduler behind orca_jax.scheduler.SchedulerInterface, injected into an Engine in place of ORCA's
+(Engine(scheduler_factory=...) or Engine.replace_scheduler), so the comparison isolates scheduling: same model code, runner, KV pool and batch builder.
 Request-level semantics, as in ORCA section 2.2 and 6:
 - when the engine is idle, up to max_batch_size waiting requests form a batch (dynamic batching);
 - every prompt is padded to the batch's longest prompt, and the pad tokens are really computed;
 - every request generates as many tokens as the batch's longest request: a finished request keeps
   its slot and keeps being computed, and is returned only when the whole batch ends;
 - no request joins a running batch.
-Prompts are fed in chunks of at most token_budget tokens (what fits one of our compiled buckets);
+Prompts are fed in chunks of at most max_num_batched_tokens tokens (what fits one of our compiled buckets);
 decoding starts once every prompt of the batch is in, and then all slots advance in lockstep.
 No jax here.
 """
@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.request import Request, RequestStatus
-from orca_jax.scheduler import ScheduledRequest, SchedulerOutput
+from orca_jax.scheduler import SchedulerOutput, plan_request
 
 PAD_TOKEN_ID = 0
 
@@ -36,16 +36,16 @@ class PaddedBatch:
 
 
 class RequestLevelScheduler:
-    """FT-style batching behind the Scheduler interface that Engine.step() drives."""
+    """FT-style batching behind the SchedulerInterface that Engine.step() drives."""
 
     num_stages = 1
 
-    def __init__(self, max_batch_size: int, token_budget: int, kv: KVCacheManager, max_model_len: int,
+    def __init__(self, max_batch_size: int, max_num_batched_tokens: int, kv: KVCacheManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic):
-        if max_batch_size <= 0 or token_budget <= 0:
-            raise ValueError("max_batch_size and token_budget must be positive")
+        if max_batch_size <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("max_batch_size and max_num_batched_tokens must be positive")
         self.max_batch_size = max_batch_size
-        self.token_budget = token_budget
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
         self.max_model_len = max_model_len
         self._clock = clock
@@ -55,6 +55,12 @@ class RequestLevelScheduler:
         self._in_flight: SchedulerOutput | None = None
         self._next_iteration = 0
         self.batches: list[tuple[int, int, int]] = []  # (size, padded prompt, padded gen) per batch
+
+    @classmethod
+    def for_engine(cls, max_batch_size: int, max_num_batched_tokens: int, kv: KVCacheManager,
+                   max_model_len: int, num_stages: int) -> "RequestLevelScheduler":
+        """The Engine's SchedulerFactory signature after the first two (request-level runs one batch)."""
+        return cls(max_batch_size, max_num_batched_tokens, kv, max_model_len)
 
     # ---- the queries Engine uses ----------------------------------------------------------------
     @property
@@ -105,21 +111,19 @@ class RequestLevelScheduler:
         if self._batch is None:
             self._batch = self._form_batch()
             if self._batch is None:
-                return SchedulerOutput((), self._next_iteration)
+                return SchedulerOutput((), self._next_iteration, self.kv.page_size)
         members = [r for r in self._batch.requests if not r.status.finished]  # aborted ones leave
         if any(r.in_initiation for r in members):
             # Prompt phase: padded prompts, chunked to the budget, no decoding until all are in.
-            budget, scheduled = self.token_budget, []
+            budget, scheduled = self.max_num_batched_tokens, []
             for r in members:
                 if r.in_initiation and budget > 0:
                     count = min(r.num_pending_tokens, budget)
                     budget -= count
-                    scheduled.append(ScheduledRequest(r, count))
+                    scheduled.append(plan_request(r, count, self.kv))
         else:
-            scheduled = [ScheduledRequest(r, 1) for r in members]
-        for s in scheduled:
-            self.kv.allocate_up_to(s.request.request_id, s.request.num_computed_tokens + s.num_new_tokens)
-        output = SchedulerOutput(tuple(scheduled), self._next_iteration)
+            scheduled = [plan_request(r, 1, self.kv) for r in members]
+        output = SchedulerOutput(tuple(scheduled), self._next_iteration, self.kv.page_size)
         self._next_iteration += 1
         self._in_flight = output
         return output

@@ -61,11 +61,11 @@ def dispatch_check(engine, shapes=((8, 8, 64), (128, 128, 64), (2048, 128, 64)),
     return vs the time until its result is ready, back to back as the engine runs them."""
     import time
 
-    from orca_jax.bench.warmup import _empty_batch
+    from orca_jax.batch import empty_batch
     runner = engine.runner
     rows = []
     for t, s, p in shapes:
-        batch = _empty_batch(t, s, p)
+        batch = empty_batch(t, s, p)
         np.asarray(runner.execute(batch))
         dispatch = total = 0.0
         for _ in range(reps):
@@ -83,36 +83,28 @@ def _split_dispatch(runner, batch, reps: int) -> dict:
     """The same, for the forward program alone and the sampling program alone."""
     import time
 
-    from orca_jax.models.attention import AttentionMetadata
-    from orca_jax.sampling import SamplingArrays
-    meta = AttentionMetadata(batch.cu_q_lens, batch.kv_lens, batch.page_table, batch.slot_mapping, batch.num_seqs)
-    sampling = SamplingArrays(batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.step)
     argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1))  # sampling without the greedy lax.cond
     fwd = fwd_total = smp = smp_total = chained = plain = 0.0
-    logits, runner.cache = runner._forward(runner.params, runner.cache, batch.token_ids, batch.positions, meta,
-                                           batch.logits_indices)
+    logits = runner.forward(batch)
     np.asarray(argmax(logits))  # compile outside the timing
     for _ in range(reps):
         start = time.perf_counter()
-        logits, runner.cache = runner._forward(runner.params, runner.cache, batch.token_ids, batch.positions, meta,
-                                               batch.logits_indices)
+        logits = runner.forward(batch)
         fwd += time.perf_counter() - start
         logits.block_until_ready()
         fwd_total += time.perf_counter() - start
         start = time.perf_counter()
-        out = runner._sample(logits, sampling, 0, True)
+        out = runner.sample(logits, batch)
         smp += time.perf_counter() - start
         np.asarray(out)
         smp_total += time.perf_counter() - start
         # Dispatched while the forward still runs, as the engine does: which one waits for it?
-        logits, runner.cache = runner._forward(runner.params, runner.cache, batch.token_ids, batch.positions, meta,
-                                               batch.logits_indices)
+        logits = runner.forward(batch)
         start = time.perf_counter()
-        out = runner._sample(logits, sampling, 0, True)
+        out = runner.sample(logits, batch)
         chained += time.perf_counter() - start
         np.asarray(out)
-        logits, runner.cache = runner._forward(runner.params, runner.cache, batch.token_ids, batch.positions, meta,
-                                               batch.logits_indices)
+        logits = runner.forward(batch)
         start = time.perf_counter()
         out = argmax(logits)
         plain += time.perf_counter() - start

@@ -27,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+from orca_jax.batch import empty_batch
 from orca_jax.bench import roofline
 from orca_jax.bench.traces import Trace, TraceKind, make_trace
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -35,7 +36,6 @@ from orca_jax.kv_cache import KVCacheManager
 from orca_jax.models.loader import LoadedModel
 from orca_jax.models.presets import PRESETS
 from orca_jax.request import Request, SamplingParams
-from orca_jax.runner import padding_batch
 from orca_jax.scheduler import Scheduler
 from orca_jax.tokenizer import ByteTokenizer
 
@@ -61,7 +61,7 @@ def engine_config(setup: CoreSetup, **overrides) -> EngineConfig:
     return EngineConfig(model=setup.model, dtype=setup.dtype,
                         cache=CacheConfig(kv_memory_gib=setup.kv_gib),
                         scheduler=SchedulerConfig(max_batch_size=setup.max_num_seqs,
-                                                  max_tokens_per_iteration=setup.max_num_batched_tokens,
+                                                  max_num_batched_tokens=setup.max_num_batched_tokens,
                                                   max_waiting=max(4096, setup.num_requests)),
                         **overrides)
 
@@ -134,7 +134,7 @@ def decode_latency(engine: Engine, batch_size: int, context: int = 512, steps: i
 def device_busy_ms(engine: Engine, tokens: int) -> float:
     """Forward + sampling of one padding batch of a bucket, replayed back to back: device time alone."""
     t, s, p = engine.buckets.bucket(tokens, min(tokens, engine.buckets.max_seqs), 1)
-    batch = padding_batch(t, s, p)
+    batch = empty_batch(t, s, p)
     jax.block_until_ready(engine.runner.execute(batch))
     start = time.perf_counter()
     for _ in range(20):

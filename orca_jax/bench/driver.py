@@ -2,58 +2,56 @@
 
 One Engine (one runner: params, KV pool, compiled programs) serves every configuration of a model:
 `use_scheduler` swaps in ORCA's scheduler at some max batch size, or the request-level baseline,
-while the engine is idle. `Probe` wraps the engine's scheduler and runner calls to time the host
-phases of each iteration and record its shape for the roofline.
+while the engine is idle (Engine.replace_scheduler). `Probe` is an engine observer: it records the
+host phases the engine times for each iteration and the batch's shape, for the roofline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 
 import numpy as np
 
-from orca_jax import engine as engine_module
+from orca_jax.batch import RaggedBatch
 from orca_jax.bench.baseline import RequestLevelScheduler
 from orca_jax.bench.traces import Trace
 from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
-from orca_jax.engine import Engine
+from orca_jax.engine import DispatchTiming, Engine
 from orca_jax.request import SamplingParams
-from orca_jax.scheduler import Scheduler
+from orca_jax.scheduler import Scheduler, SchedulerOutput
 
 ORCA, BASELINE = "orca", "baseline"
 
 
-def build_engine(model: str, *, max_batch_size: int, token_budget: int, page_size: int = 16,
+def build_engine(model: str, *, max_batch_size: int, max_num_batched_tokens: int, page_size: int = 16,
                  kv_gib: float | None = None, num_pages: int | None = None, max_model_len: int | None = None,
                  attention: AttentionBackend = AttentionBackend.AUTO, dtype: str | None = None,
                  loaded=None) -> Engine:
     """An engine whose buckets fit the largest configuration any later use_scheduler asks for."""
     config = EngineConfig(
         model=model, cache=CacheConfig(page_size=page_size, num_pages=num_pages, kv_memory_gib=kv_gib),
-        scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_tokens_per_iteration=token_budget),
+        scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens),
         attention=attention, dtype=dtype, max_model_len=max_model_len)
     return Engine(config, loaded)
 
 
 def use_scheduler(engine: Engine, policy: str, max_batch_size: int):
     """Swap the idle engine's scheduler: ORCA's (Algorithm 1) or the request-level baseline."""
-    if engine.has_unfinished():
-        raise RuntimeError("swap schedulers only on an idle engine")
     limits = engine.config.scheduler
     if max_batch_size > limits.max_batch_size:
         raise ValueError(f"max_batch_size {max_batch_size} exceeds the engine's {limits.max_batch_size}")
-    budget = limits.max_tokens_per_iteration
+    budget = limits.max_num_batched_tokens
     if policy == ORCA:
-        scheduler = Scheduler(SchedulerConfig(max_batch_size=max_batch_size, max_tokens_per_iteration=budget,
-                                              max_waiting=4096), engine.kv, engine.max_model_len)
+        factory = functools.partial(Scheduler, SchedulerConfig(
+            max_batch_size=max_batch_size, max_num_batched_tokens=budget, max_waiting=4096))
     elif policy == BASELINE:
-        scheduler = RequestLevelScheduler(max_batch_size, budget, engine.kv, engine.max_model_len)
+        factory = functools.partial(RequestLevelScheduler.for_engine, max_batch_size, budget)
     else:
         raise ValueError(f"unknown policy {policy!r}")
-    engine.scheduler = scheduler
-    return scheduler
+    return engine.replace_scheduler(factory)
 
 
 @dataclasses.dataclass(slots=True)
@@ -72,61 +70,31 @@ class IterationRecord:
 
 
 class Probe(contextlib.AbstractContextManager):
-    """Times the engine's schedule/build/dispatch/update calls and records batch shapes."""
+    """Records each dispatched batch's shape and the host phases the engine timed (an EngineObserver)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.records: list[IterationRecord] = []
-        self._pending: dict[str, float] = {}
+
+    def on_dispatch(self, batch: RaggedBatch, timing: DispatchTiming) -> None:
+        n = batch.num_real_seqs
+        q = np.diff(batch.cu_q_lens[:n + 1]).astype(np.int64)
+        k = batch.kv_lens[:n].astype(np.int64)
+        self.records.append(IterationRecord(
+            tokens=batch.num_real_tokens, padded_tokens=int(batch.token_ids.shape[0]), seqs=n,
+            kv_tokens=int(k.sum()), attn_pairs=int((q * k - q * (q - 1) // 2).sum()),
+            schedule_s=timing.schedule_s, build_s=timing.build_s, dispatch_s=timing.dispatch_s))
+
+    def on_update(self, output: SchedulerOutput, seconds: float) -> None:
+        if self.records:
+            self.records[-1].update_s += seconds
 
     def __enter__(self):
-        eng, probe = self.engine, self
-        sched, runner = eng.scheduler, eng.runner
-        orig_schedule, orig_update, orig_execute = sched.schedule, sched.update, runner.execute
-        orig_build = engine_module.build_batch
-
-        def timed(fn, key):
-            def wrapper(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    probe._pending[key] = probe._pending.get(key, 0.0) + time.perf_counter() - start
-            return wrapper
-
-        def execute(batch):
-            start = time.perf_counter()
-            out = orig_execute(batch)
-            n = batch.num_real_seqs
-            q = np.diff(batch.cu_q_lens[:n + 1]).astype(np.int64)
-            k = batch.kv_lens[:n].astype(np.int64)
-            pend = probe._pending
-            probe.records.append(IterationRecord(
-                tokens=batch.num_real_tokens, padded_tokens=int(batch.token_ids.shape[0]), seqs=n,
-                kv_tokens=int(k.sum()), attn_pairs=int((q * k - q * (q - 1) // 2).sum()),
-                schedule_s=pend.pop("schedule", 0.0), build_s=pend.pop("build", 0.0),
-                dispatch_s=time.perf_counter() - start))
-            return out
-
-        def update(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return orig_update(*args, **kwargs)
-            finally:
-                if probe.records:
-                    probe.records[-1].update_s += time.perf_counter() - start
-
-        self._restore = (sched, runner, orig_build)
-        sched.schedule = timed(orig_schedule, "schedule")
-        sched.update = update
-        runner.execute = execute
-        engine_module.build_batch = timed(orig_build, "build")
+        self.engine.add_observer(self)
         return self
 
     def __exit__(self, *exc):
-        sched, runner, orig_build = self._restore
-        del sched.schedule, sched.update, runner.execute  # the class methods show through again
-        engine_module.build_batch = orig_build
+        self.engine.remove_observer(self)
         return False
 
 

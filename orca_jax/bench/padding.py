@@ -29,15 +29,15 @@ def request_level_fed(lengths: list[tuple[int, int]], batch_size: int) -> int:
     return fed
 
 
-def ragged_fed(lengths: list[tuple[int, int]], batch_size: int, token_budget: int,
+def ragged_fed(lengths: list[tuple[int, int]], batch_size: int, max_num_batched_tokens: int,
                page_size: int = 16, buckets: BucketPolicy | None = None) -> tuple[int, int, int]:
     """(real tokens, bucket-padded tokens, iterations) when ORCA's scheduler runs the requests offline."""
     max_len = max(p + g for p, g in lengths)
     pages = len(lengths) * (-(-max_len // page_size)) + 1  # room for all: only batch_size limits
     kv = KVCacheManager(pages, page_size)
-    scheduler = Scheduler(SchedulerConfig(max_batch_size=batch_size, max_tokens_per_iteration=token_budget,
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens,
                                           max_waiting=len(lengths) + 1), kv, max_len)
-    buckets = buckets or BucketPolicy(token_budget, batch_size, -(-max_len // page_size))
+    buckets = buckets or BucketPolicy(max_num_batched_tokens, batch_size, -(-max_len // page_size))
     for i, (p, g) in enumerate(lengths):
         scheduler.add_request(Request(str(i), [5] * p, SamplingParams(max_tokens=g, ignore_eos=True),
                                       arrival_time=float(i)))
@@ -51,7 +51,7 @@ def ragged_fed(lengths: list[tuple[int, int]], batch_size: int, token_budget: in
     return real, padded, iterations
 
 
-def padding_report(trace: Trace, batch_sizes=(8, 16, 32, 64, 128), token_budget: int = 2048) -> dict:
+def padding_report(trace: Trace, batch_sizes=(8, 16, 32, 64, 128), max_num_batched_tokens: int = 2048) -> dict:
     """Waste = (fed - real) / real for naive, length-sorted and ragged batching at each batch size."""
     lengths = [(r.prompt_len, r.max_tokens) for r in trace.requests]
     real = _real(lengths)
@@ -60,9 +60,9 @@ def padding_report(trace: Trace, batch_sizes=(8, 16, 32, 64, 128), token_budget:
     for b in batch_sizes:
         naive = request_level_fed(lengths, b)
         sorted_fed = request_level_fed(by_length, b)
-        ragged_real, ragged_padded, iterations = ragged_fed(lengths, b, max(token_budget, b))
+        ragged_real, ragged_padded, iterations = ragged_fed(lengths, b, max(max_num_batched_tokens, b))
         assert ragged_real == real, (ragged_real, real)
         rows.append({"batch_size": b, "naive_waste": (naive - real) / real,
                      "sorted_waste": (sorted_fed - real) / real,
                      "ragged_bucket_waste": (ragged_padded - real) / real, "ragged_iterations": iterations})
-    return {"real_tokens": real, "token_budget": token_budget, "trace": trace.describe(), "rows": rows}
+    return {"real_tokens": real, "token_budget": max_num_batched_tokens, "trace": trace.describe(), "rows": rows}

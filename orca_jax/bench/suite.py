@@ -62,12 +62,12 @@ PROFILES = {
 
 # Engine sizing per model on one 80 GB GPU: KV pool, per-iteration token budget; all bf16.
 MODEL_SETTINGS = {
-    "smollm2-135m": dict(kv_gib=8.0, token_budget=2048),
-    "llama-1b": dict(kv_gib=16.0, token_budget=2048),
-    "llama-8b": dict(kv_gib=40.0, token_budget=2048),
-    "gpt3-13b": dict(kv_gib=40.0, token_budget=2048),
+    "smollm2-135m": dict(kv_gib=8.0, max_num_batched_tokens=2048),
+    "llama-1b": dict(kv_gib=16.0, max_num_batched_tokens=2048),
+    "llama-8b": dict(kv_gib=40.0, max_num_batched_tokens=2048),
+    "gpt3-13b": dict(kv_gib=40.0, max_num_batched_tokens=2048),
     # CPU runs of this file's own plumbing; its max_seq_len (512) needs shorter requests.
-    "tiny-llama": dict(kv_gib=0.25, token_budget=128, lengths=LengthSpec(prompt_range=(8, 200), gen_range=(1, 64))),
+    "tiny-llama": dict(kv_gib=0.25, max_num_batched_tokens=128, lengths=LengthSpec(prompt_range=(8, 200), gen_range=(1, 64))),
 }
 MAX_MODEL_LEN = 1024  # the trace's longest request is 640 tokens
 MAX_BATCH = 128
@@ -198,8 +198,8 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
     state = {}
 
     def make_engine(attention):
-        budget = settings["token_budget"] if attention is AttentionBackend.AUTO else 256
-        engine = driver.build_engine(model, max_batch_size=MAX_BATCH, token_budget=budget,
+        budget = settings["max_num_batched_tokens"] if attention is AttentionBackend.AUTO else 256
+        engine = driver.build_engine(model, max_batch_size=MAX_BATCH, max_num_batched_tokens=budget,
                                      kv_gib=settings["kv_gib"], max_model_len=MAX_MODEL_LEN, attention=attention,
                                      dtype="bfloat16", loaded=random_weights(model))
         info = warmup.precompile(engine, max_kv_tokens=max_kv_tokens)
@@ -220,7 +220,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
             backend = "jnp (fallback: the kernel failed)"
         state["engine"] = engine
         return {"attention": backend, "kernel_failure": state.get("kernel_failure"),
-                "token_budget": engine.config.scheduler.max_tokens_per_iteration,
+                "token_budget": engine.config.scheduler.max_num_batched_tokens,
                 "kv_pages": engine.runner.num_pages, "params_init_s": engine.runner.params_seconds,
                 "precompile": info, "seconds": time.perf_counter() - t}
 
@@ -236,7 +236,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
             config.num_heads, config.num_kv_heads, config.head_dim))
 
         def engine_check():
-            ref = driver.build_engine(model, max_batch_size=16, token_budget=256, kv_gib=2.0,
+            ref = driver.build_engine(model, max_batch_size=16, max_num_batched_tokens=256, kv_gib=2.0,
                                       max_model_len=MAX_MODEL_LEN, attention=AttentionBackend.JNP, dtype="bfloat16",
                                       loaded=random_weights(model))
             trace = make_trace(TraceKind.UNIFORM, 8, None, seed + 7, lengths)
@@ -298,7 +298,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
         return out
     res.section("e2e", sweep, deadline, 40)
 
-    res.section("padding", lambda: padding.padding_report(offline_trace, token_budget=settings["token_budget"]))
+    res.section("padding", lambda: padding.padding_report(offline_trace, max_num_batched_tokens=settings["max_num_batched_tokens"]))
     res.data["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     res.save()
     print_table(res.data)

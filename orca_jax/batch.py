@@ -156,6 +156,12 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:
     kv_lens[:num_seqs] = ends
     logits_indices = np.zeros(s_pad, np.int32)
     logits_indices[:num_seqs] = cu_q_lens[1:num_seqs + 1] - 1
+    token_sources = None  # async scheduling: tokens still on device, taken from the last samples
+    sources = [(i, item.token_source) for i, item in enumerate(scheduled) if item.token_source >= 0]
+    if sources:
+        token_sources = np.full(t_pad, -1, np.int32)
+        for i, source in sources:
+            token_sources[cu_q_lens[i]] = source
 
     temperature = np.zeros(s_pad, np.float32)
     top_k = np.zeros(s_pad, np.int32)
@@ -171,7 +177,8 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:
         kv_lens=kv_lens, page_table=page_table, num_seqs=np.array([num_seqs], np.int32),
         logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         step=step, num_top_logprobs=SamplingParams.MAX_TOP_LOGPROBS if wants_top_logprobs else 0,
-        all_greedy=not temperature.any(), num_real_tokens=num_tokens, num_real_seqs=num_seqs)
+        all_greedy=not temperature.any(), num_real_tokens=num_tokens, num_real_seqs=num_seqs,
+        token_sources=token_sources)
 
 
 def empty_batch(t: int, s: int, p: int) -> RaggedBatch:

@@ -109,6 +109,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget per iteration; longer prompts take several
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this
+    # Plan iteration k+1 while iteration k runs: a request of k that will sample a token feeds it in
+    # k+1 straight from the device (its id reaches the host one iteration later). Needs two batch
+    # slots; the engine turns it off for pipeline stages, where in-flight batches are disjoint.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.max_batch_size <= 0:
@@ -154,8 +158,16 @@ class EngineConfig:
     compilation_cache_dir: str | None = "auto"
 
     @property
+    def async_scheduling(self) -> bool:
+        """Overlapped planning (SchedulerConfig.async_scheduling) applies with one stage only."""
+        return self.scheduler.async_scheduling and self.parallel.num_stages == 1
+
+    @property
     def batches_in_flight(self) -> int:
-        return self.max_batches_in_flight or self.parallel.num_stages
+        """Algorithm 1's n_workers: one batch per stage, or two on one stage with async scheduling."""
+        if self.max_batches_in_flight is not None:
+            return self.max_batches_in_flight
+        return 2 if self.async_scheduling else self.parallel.num_stages
 
     def __post_init__(self):
         if self.max_batches_in_flight is not None and self.max_batches_in_flight <= 0:

@@ -112,7 +112,8 @@ class Engine:
                                   seed=config.seed, parallel=config.parallel,
                                   max_seqs=config.scheduler.max_batch_size)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
-        factory = scheduler_factory or functools.partial(Scheduler, config.scheduler)
+        scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
+        factory = scheduler_factory or functools.partial(Scheduler, scheduler_config)
         self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.batches_in_flight)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_seqs=config.scheduler.max_batch_size,
@@ -228,7 +229,7 @@ class Engine:
                      dict(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist())))
                     for i, s in enumerate(scheduled)]
         update_start = time.perf_counter()
-        self.scheduler.update(flight.output, result.token_ids.tolist(), logprobs)
+        finished_now = set(self.scheduler.update(flight.output, result.token_ids.tolist(), logprobs))
         seconds = time.perf_counter() - update_start
         for observer in self._observers:
             observer.on_update(flight.output, seconds)
@@ -238,8 +239,10 @@ class Engine:
             if request.status is RequestStatus.FINISHED_ABORTED:
                 continue  # aborted while in flight
             num_new = len(request.output_token_ids) - item.step
-            if num_new == 0 and not request.status.finished:
-                continue  # a prompt chunk that did not reach the end of the prompt
+            # Nothing new: a prompt chunk short of the prompt's end, or (async scheduling) a row
+            # planned before an earlier batch finished the request; its token is dropped.
+            if num_new <= 0 and request not in finished_now:
+                continue
             outputs.append(self._output_for(request, num_new))
         return outputs
 

@@ -33,7 +33,10 @@ class ScheduledRequest:
     page_ids: tuple[int, ...]  # the request's KV pages covering positions [0, start + len(token_ids))
     seed: int  # the request's sampling seed (Request.seed)
     sampling: SamplingParams
-    step: int  # output tokens generated so far, so each draw gets a fresh key
+    step: int  # output tokens generated before this iteration's, so each draw gets a fresh key
+    # Async scheduling: the row of the previous batch's samples (still on device) that holds the one
+    # token fed, whose id the host does not know yet (token_ids then holds a placeholder 0); -1: none.
+    token_source: int = -1
 
     @property
     def num_new_tokens(self) -> int:
@@ -41,15 +44,38 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
-def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager) -> ScheduledRequest:
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanningView:
+    """Where a request stands for planning: its own state, advanced past the batch it is in flight in."""
+
+    start: int  # tokens in the KV cache once every in-flight batch has run
+    step: int  # output tokens sampled once every in-flight batch has run
+    token_source: int  # row of the in-flight batch whose sample is the next token to feed; -1: none
+    num_prompt_tokens: int
+
+    @property
+    def in_initiation(self) -> bool:
+        return self.start < self.num_prompt_tokens
+
+
+def own_view(request: Request) -> PlanningView:
+    """A request planned from its own state (in no unreturned batch)."""
+    return PlanningView(request.num_computed_tokens, len(request.output_token_ids), -1,
+                        request.num_prompt_tokens)
+
+
+def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
+                 view: PlanningView | None = None) -> ScheduledRequest:
     """Allocate KV pages for a request's next num_new_tokens and return its share of the plan."""
-    start = request.num_computed_tokens
+    view = view or own_view(request)
+    start = view.start
     end = start + num_new_tokens
     kv.allocate_up_to(request.request_id, end)
+    tokens = (0,) if view.token_source >= 0 else tuple(request.token_ids_at(start, num_new_tokens))
     return ScheduledRequest(
-        request=request, start=start, token_ids=tuple(request.token_ids_at(start, num_new_tokens)),
+        request=request, start=start, token_ids=tokens,
         page_ids=tuple(kv.page_ids(request.request_id)[:kv.num_pages_for(end)]), seed=request.seed,
-        sampling=request.sampling, step=len(request.output_token_ids))
+        sampling=request.sampling, step=view.step, token_source=view.token_source)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,8 +153,9 @@ class Scheduler:
         # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
         self._requests: dict[str, Request] = {}
         self._num_waiting = 0
-        # Request objects (not ids: an id may be reused once finished) inside an unreturned batch.
-        self._in_flight_requests: set[Request] = set()
+        # Request objects (not ids: an id may be reused once finished) inside unreturned batches, with
+        # (iteration, row, tokens fed) of each such batch, oldest first.
+        self._in_flight_rows: dict[Request, list[tuple[int, int, int]]] = {}
         self._in_flight_iterations: set[int] = set()
         self._next_iteration = 0
 
@@ -195,7 +222,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this iteration's batch; an empty output means nothing can run now.
 
-        Walk the requests not finished and not in flight in the policy's order, up to max_batch_size.
+        Walk the requests not finished and not in flight (with async scheduling: not in flight but in
+        the batch planned last, see _planning_view) in the policy's order, up to max_batch_size.
         A request's first selection reserves KV for prompt + max_tokens when the policy's may_admit
         agrees; once it refuses, no later request is admitted either (strict order: a small late request must not overtake a big
         early one), but requests already holding a reservation still run, so a priority or deadline
@@ -209,8 +237,8 @@ class Scheduler:
                                f"(num_stages={self.num_stages}); call update() first")
         batch: list[Request] = []
         can_admit = True
-        pool = [r for r in self._requests.values() if r not in self._in_flight_requests]
-        for request in self.policy.order(pool, self._clock()):
+        views = {r: view for r in self._requests.values() if (view := self._planning_view(r)) is not None}
+        for request in self.policy.order(list(views), self._clock()):
             if len(batch) >= self.config.max_batch_size:
                 break
             if request.status is RequestStatus.WAITING:
@@ -226,25 +254,48 @@ class Scheduler:
 
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_batch_size.
         budget = self.config.max_num_batched_tokens
-        budget -= sum(1 for r in batch if not r.in_initiation)
+        budget -= sum(1 for r in batch if not views[r].in_initiation)
         scheduled: list[ScheduledRequest] = []
         for request in batch:
-            if request.in_initiation:
-                num_new = min(request.num_pending_tokens, budget)
+            view = views[request]
+            if view.in_initiation:
+                num_new = min(view.num_prompt_tokens - view.start, budget)
                 budget -= num_new
                 if num_new == 0:
                     continue
             else:
                 num_new = 1
-            scheduled.append(plan_request(request, num_new, self.kv))
+            scheduled.append(plan_request(request, num_new, self.kv, view))
 
         if not scheduled:
             return SchedulerOutput((), self._next_iteration, self.kv.page_size)
         output = SchedulerOutput(tuple(scheduled), self._next_iteration, self.kv.page_size)
         self._next_iteration += 1
         self._in_flight_iterations.add(output.iteration)
-        self._in_flight_requests.update(s.request for s in scheduled)
+        for row, s in enumerate(scheduled):
+            self._in_flight_rows.setdefault(s.request, []).append((output.iteration, row, s.num_new_tokens))
         return output
+
+    def _planning_view(self, request: Request) -> PlanningView | None:
+        """The request's state for the next plan, or None if it cannot be in it.
+
+        A request in no unreturned batch plans from its own state. With async scheduling, one in the
+        batch planned last (and in no other) plans as if that batch had run: past its tokens, and when
+        that batch samples its next token, feeding that token from the device; unless that token
+        may be its last (max_tokens), which would waste a row on a finished request.
+        """
+        rows = self._in_flight_rows.get(request)
+        if not rows:
+            return own_view(request)
+        if not self.config.async_scheduling or len(rows) > 1 or rows[0][0] != self._next_iteration - 1:
+            return None
+        _, row, num_fed = rows[0]
+        start = request.num_computed_tokens + num_fed
+        samples = start >= request.num_tokens  # that batch feeds the last known token
+        step = len(request.output_token_ids) + samples
+        if samples and step >= request.sampling.max_tokens:
+            return None
+        return PlanningView(start, step, row if samples else -1, request.num_prompt_tokens)
 
     # ---- Algorithm 1: after the engine ran a batch ---------------------------------------------
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
@@ -269,7 +320,10 @@ class Scheduler:
         finished: list[Request] = []
         for i, s in enumerate(output.scheduled):
             request = s.request
-            self._in_flight_requests.discard(request)
+            rows = self._in_flight_rows[request]
+            rows.pop(0)  # batches return in the order they were planned
+            if not rows:
+                del self._in_flight_rows[request]
             if request.status.finished:
                 continue  # aborted or finished from outside while in flight: drop its token
             request.num_computed_tokens += s.num_new_tokens

@@ -46,7 +46,9 @@ def test_mixed_batch_equals_each_request_alone(model):
 
 
 def test_late_request_joins_at_next_iteration_and_finished_leaves_at_once():
-    engine = tiny_engine()
+    # Algorithm 1 exactly: with async scheduling the next batch is already planned when step() returns,
+    # so a late request's first token reaches the host one step later (test_async_scheduling_*).
+    engine = tiny_engine(async_scheduling=False)
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), request_id="early")
     engine.step()
     engine.add_request([8, 9], SamplingParams(max_tokens=2, ignore_eos=True), request_id="late")
@@ -195,3 +197,43 @@ def test_pallas_backend_gives_the_jnp_backend_tokens():
             engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True), request_id=str(i))
         results.append(drain(engine))
     assert results[0] == results[1]
+
+
+def test_async_scheduling_plans_ahead_and_changes_no_token():
+    """Iteration k+1 is dispatched before k's tokens reach the host (its increment tokens come from
+    the device), and every request's tokens equal the synchronous engine's, stop tokens included."""
+    rng = random.Random(7)
+    requests = _random_requests(rng, 12, max_prompt=20, max_new=9)
+
+    def run(overlap: bool, stops: dict[int, int]):
+        engine = tiny_engine(async_scheduling=overlap)
+        planned_ahead = []
+
+        class Watch:
+            def on_dispatch(self, batch, timing):
+                planned_ahead.append(batch.token_sources is not None)
+
+            def on_update(self, output, seconds):
+                pass
+
+        engine.add_observer(Watch())
+        for i, (prompt, max_new, _) in enumerate(requests):
+            sampling = SamplingParams(max_tokens=max_new, temperature=0.7 if i % 3 == 0 else 0.0,
+                                      stop_token_ids=(stops[i],) if i in stops else ())
+            engine.add_request(prompt, sampling, request_id=str(i))
+        outputs = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.request_id not in outputs, "one finished output per request"
+                if out.finished:
+                    outputs[out.request_id] = (out.output_token_ids, out.finish_reason)
+        assert engine.stats().kv_pages_used == 0 and engine.stats().kv_pages_reserved == 0
+        assert any(planned_ahead) == overlap
+        return outputs
+
+    free = run(False, {})
+    # Stop every other request at its third token: a stop decided one iteration late under async.
+    stops = {i: free[str(i)][0][2] for i in range(0, 12, 2) if len(free[str(i)][0]) > 3}
+    expected = run(False, stops)
+    assert expected == run(True, stops)
+    assert {reason for _, reason in expected.values()} == {"stop", "length"}

@@ -22,10 +22,12 @@ class FakeClock:
 
 
 def make_scheduler(num_pages=65, page_size=4, max_batch_size=8, max_num_batched_tokens=64,
-                   policy=SchedulingPolicy.FCFS, max_model_len=256, num_stages=1, max_waiting=1024):
+                   policy=SchedulingPolicy.FCFS, max_model_len=256, num_stages=1, max_waiting=1024,
+                   async_scheduling=False):
+    # Algorithm 1 as the paper has it: num_stages batches in flight hold disjoint requests.
     kv = KVCacheManager(num_pages, page_size)
     config = SchedulerConfig(max_batch_size=max_batch_size, policy=policy, max_waiting=max_waiting,
-                             max_num_batched_tokens=max_num_batched_tokens)
+                             max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling)
     clock = FakeClock()
     return Scheduler(config, kv, max_model_len, num_stages, clock=clock), kv, clock
 
@@ -383,3 +385,24 @@ def test_request_id_reused_while_old_one_is_in_flight():
     assert sched.update(out, [TOKEN]) == [] and old.output_token_ids == []
     out, _ = step(sched)
     assert [s.request for s in out.scheduled] == [new] and new.output_token_ids == [TOKEN]
+
+
+def test_async_scheduling_plans_the_next_batch_from_the_one_in_flight():
+    """With async scheduling, batch k+1 is planned before k returns: a request whose chunk in k ends
+    its prompt feeds k's sample from the device (token_source), one mid-prompt continues its prompt,
+    and one that k may finish by length waits."""
+    sched, _, _ = make_scheduler(max_num_batched_tokens=8, num_stages=2, async_scheduling=True)
+    sched.add_request(make_request(0, prompt_len=3, max_tokens=5, arrival=0.0))
+    sched.add_request(make_request(1, prompt_len=12, max_tokens=5, arrival=1.0))
+    sched.add_request(make_request(2, prompt_len=2, max_tokens=1, arrival=2.0))
+    first = sched.schedule()
+    assert [(s.request.request_id, s.start, s.num_new_tokens) for s in first.scheduled] == \
+        [("0", 0, 3), ("1", 0, 5)]
+    second = sched.schedule()  # first is still in flight
+    got = {s.request.request_id: s for s in second.scheduled}
+    assert (got["0"].start, got["0"].token_source, got["0"].step) == (3, 0, 1)  # row 0 of `first`
+    assert (got["1"].start, got["1"].token_ids, got["1"].token_source) == (5, tuple(range(15, 22)), -1)
+    assert "2" not in got or got["2"].start == 0  # 2 was never in flight: planned from its own state
+    sched.update(first, [7, 8])
+    sched.update(second, [9] * second.num_requests)
+    assert sched.get("0").output_token_ids == [7, 9]

@@ -20,7 +20,7 @@ import numpy as np
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from orca_jax.batch import RaggedBatch
+from orca_jax.batch import MIN_PAGES_BUCKET, MIN_TOKENS_BUCKET, RaggedBatch, empty_batch, round_up_pow2
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.models import decoder
@@ -179,6 +179,31 @@ class ModelRunner:
         if exe is not None:  # compiled with k and greedy baked in: they leave the signature
             return exe(logits, sampling)
         return self._sample(logits, sampling, k, greedy)
+
+    def prompt_logits(self, token_ids) -> np.ndarray:
+        """f32[T, V] next-token logits at every position of one prompt (for parity tests).
+
+        One forward pass of a one-request batch whose pages are 1..ceil(T / page_size): it overwrites
+        their K/V, so call it only on a runner no engine is using.
+        """
+        n = len(token_ids)
+        num_pages = -(-n // self.page_size)
+        if n == 0 or num_pages >= self.num_pages:
+            raise ValueError(f"{n} tokens need 1..{self.num_pages - 1} pages, not {num_pages}")
+        t = s = round_up_pow2(n, MIN_TOKENS_BUCKET)
+        p = round_up_pow2(num_pages, MIN_PAGES_BUCKET)
+        batch = empty_batch(t, s, p)
+        positions = np.arange(n, dtype=np.int32)
+        batch.token_ids[:n] = token_ids
+        batch.positions[:n] = positions
+        batch.page_table[0, :num_pages] = np.arange(1, num_pages + 1)
+        batch.slot_mapping[:n] = batch.page_table[0, positions // self.page_size] * self.page_size \
+            + positions % self.page_size
+        batch.cu_q_lens[1:] = n
+        batch.kv_lens[0] = n
+        batch.num_seqs[0] = 1
+        batch.logits_indices[:] = np.minimum(np.arange(s), n - 1)  # a row per position: S = T here
+        return np.asarray(self.forward(batch))[:n]
 
     def precompile(self, shape_keys, progress=None, threads: int | None = None) -> float:
         """Compile ahead of time the programs of RaggedBatch.shape_key tuples (T, S, P, K, greedy).

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orca_jax.batch import MIN_PAGES_BUCKET, MIN_TOKENS_BUCKET, RaggedBatch, empty_batch, round_up_pow2
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.kernels import ragged_attention as ragged
+from orca_jax.kv_cache import pages_for_budget
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, KVCache
 from orca_jax.sampling import SamplingArrays, pack, sample
@@ -41,11 +42,8 @@ def choose_attention(backend: AttentionBackend, platform: str):
         backend = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.JNP
     if backend is AttentionBackend.JNP:
         return ragged.ragged_attention_reference
-    kernel = getattr(ragged, "ragged_attention", None)
-    if kernel is None:
-        raise ValueError("the Pallas ragged attention kernel is not available in this build")
     # Off GPU the kernel can only run in interpret mode (slow, for tests).
-    return functools.partial(kernel, interpret=platform != "gpu")
+    return functools.partial(ragged.ragged_attention, interpret=platform != "gpu")
 
 
 def shard_over_heads(attention_fn, mesh: Mesh):
@@ -72,7 +70,7 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
         budget = max(free, 0) * _GPU_KV_FRACTION * num_devices
     else:
         budget = _CPU_DEFAULT_KV_GIB * 2**30
-    return max(2, int(budget // (config.kv_bytes_per_token * cache.page_size)))
+    return max(2, pages_for_budget(config.kv_bytes_per_token, cache.page_size, int(budget)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

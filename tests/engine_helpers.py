@@ -9,13 +9,14 @@ from orca_jax.engine import Engine
 
 
 def tiny_engine(model: str = "tiny-llama", *, max_batch_size: int = 8, max_num_batched_tokens: int = 64,
-                page_size: int = 4, num_pages: int = 256, seed: int = 0, **overrides) -> Engine:
+                page_size: int = 4, num_pages: int = 256, seed: int = 0, scheduler_factory=None,
+                **overrides) -> Engine:
     config = EngineConfig(
         model=model,
         cache=CacheConfig(page_size=page_size, num_pages=num_pages),
         scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens),
         seed=seed)
-    return Engine(dataclasses.replace(config, **overrides))
+    return Engine(dataclasses.replace(config, **overrides), scheduler_factory=scheduler_factory)
 
 
 def drain(engine: Engine, max_iterations: int = 10_000) -> dict[str, list[int]]:

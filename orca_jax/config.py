@@ -147,11 +147,11 @@ class EngineConfig:
     # Batches in flight at once (Algorithm 1's n_workers); None means one per pipeline stage. On one
     # device, 2 lets the host build iteration k+1 while the device runs iteration k.
     max_batches_in_flight: int | None = None
-    # Unroll the layer loop in the compiled step. A rolled loop streams stacked weights at ~1/3 of
-    # HBM bandwidth on an H200 (it copies each layer's slice), but unrolled, XLA keeps a second KV
-    # cache (no in-place update) and compiles for minutes, so it stays off until the cache is split
-    # per layer.
-    unroll_layers: bool = False
+    # Compile every bucket's programs when the engine starts, so nothing compiles while serving.
+    precompile: bool = True
+    # JAX's persistent compilation cache: "auto" keeps jax's own setting if one is made, else a
+    # per-user directory (compilation_cache.default_cache_dir()); a path uses it; None turns it off.
+    compilation_cache_dir: str | None = "auto"
 
     @property
     def batches_in_flight(self) -> int:

@@ -22,7 +22,8 @@ from orca_jax.kv_cache import KVCacheManager
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.runner import ModelRunner, StepResult
+from orca_jax.compilation_cache import configure_compilation_cache
+from orca_jax.runner import ModelRunner, PrecompileReport, ProgressFn, StepResult
 from orca_jax.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -99,15 +100,17 @@ class Engine:
     """ORCA's engine: add requests at any time, call step() to run one iteration."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
-                 scheduler_factory: SchedulerFactory | None = None):
+                 scheduler_factory: SchedulerFactory | None = None,
+                 precompile_progress: ProgressFn | None = None):
         self.config = config
+        configure_compilation_cache(config.compilation_cache_dir)
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.tokenizer = loaded.tokenizer
         self.model_config = model_config_for(config, loaded)
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
-                                  unroll_layers=config.unroll_layers)
+                                  max_seqs=config.scheduler.max_batch_size)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         factory = scheduler_factory or functools.partial(Scheduler, config.scheduler)
         self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.batches_in_flight)
@@ -119,8 +122,28 @@ class Engine:
         self._schedule_s = 0.0  # schedule() time not yet reported with a dispatch
         self._ids = itertools.count()
         self._stats = EngineStats(kv_pages_total=self.kv.num_usable_pages)
+        if config.precompile:
+            self.precompile(precompile_progress)
         log.info("engine ready: %s, %d KV pages of %d tokens", config.model, self.runner.num_pages,
                  self.runner.page_size)
+
+    # ---- compiled programs ----
+
+    def program_keys(self) -> tuple[tuple, ...]:
+        """Every program an iteration can need: a forward per bucket, sampling per (S, K, greedy)."""
+        buckets = self.buckets.all_buckets()
+        forward = tuple(("forward", t, s, p) for t, s, p in buckets)
+        sample = tuple(("sample", s, k, greedy) for s in sorted({s for _, s, _ in buckets})
+                       for k in (0, SamplingParams.MAX_TOP_LOGPROBS) for greedy in (True, False))
+        return forward + sample
+
+    def precompile(self, progress: ProgressFn | None = None) -> PrecompileReport:
+        """Compile every program in program_keys() now (what EngineConfig.precompile does at start)."""
+        start = time.perf_counter()
+        report = self.runner.precompile(self.program_keys(), progress)
+        log.info("compiled %d programs in %.1fs (%.1fs compiling, %.1fs first runs)", report.num_programs,
+                 time.perf_counter() - start, report.compile_seconds, report.warm_seconds)
+        return report
 
     # ---- requests in and out ----
 

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     if loaded.params is None:
         print(f"note: {args.model} has no weights file; using random weights", file=sys.stderr)
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype), loaded)
+    # One request meets few buckets: compile those on first use rather than all at start.
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, precompile=False), loaded)
 
     tokenizer = engine.tokenizer
     text = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])

@@ -1,9 +1,12 @@
-"""Owns the params and the KV pages on device and runs one jitted iteration per bucket.
+"""Owns the params and the per-layer KV pages on device, and the compiled programs of each bucket.
 
 An iteration is two programs dispatched back to back: the ragged forward pass with the K/V writes
-into the (donated) cache, compiled per (T, S, P) bucket, and sampling, compiled per (S, K) only (its
-sorts and random draws are slow to compile, so they stay out of the many forward buckets). Logits
-stay on device; only a small packed i32[S, 2 + 2K] array of token ids and logprobs reaches the host.
+into the (donated) per-layer pages, one program per (T, S, P) bucket, and sampling, one per (S, K,
+greedy) (its sorts and random draws are slow to compile, so they stay out of the forward buckets).
+Programs are compiled ahead of time by `precompile` (on a thread pool: XLA compiles outside the
+GIL) and called as compiled executables, so nothing compiles while serving; a shape that was not
+precompiled still runs, compiled on the spot and logged as a warning. Logits stay on device; only a
+small packed i32[S, 2 + 2K] array of token ids and logprobs reaches the host.
 """
 
 from __future__ import annotations
@@ -13,19 +16,22 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
+from typing import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from orca_jax.batch import MIN_PAGES_BUCKET, MIN_TOKENS_BUCKET, RaggedBatch, empty_batch, round_up_pow2
+from orca_jax.batch import RaggedBatch, empty_batch, next_power_of_two
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kv_cache import pages_for_budget
+from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
-from orca_jax.models.attention import AttentionMetadata, KVCache
+from orca_jax.models.attention import AttentionMetadata, LayerKV
 from orca_jax.sampling import SamplingArrays, pack, sample
 from orca_jax.sharding import rules
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_mesh
@@ -35,13 +41,18 @@ log = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_GIB = 0.5
 _GPU_KV_FRACTION = 0.85  # of the memory left after the weights
 
+# Program keys: ("forward", T, S, P) and ("sample", S, K, all_greedy).
+ProgramKey = tuple
+# progress(done, total, key, seconds): called as each program finishes compiling.
+ProgressFn = Callable[[int, int, ProgramKey, float], None]
+
 
 def choose_attention(backend: AttentionBackend, platform: str):
     """The ragged attention implementation for a backend choice on a platform."""
     if backend is AttentionBackend.AUTO:
         backend = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.JNP
     if backend is AttentionBackend.JNP:
-        return ragged.ragged_attention_reference
+        return ragged_attention_blocked
     # Off GPU the kernel can only run in interpret mode (slow, for tests).
     return functools.partial(ragged.ragged_attention, interpret=platform != "gpu")
 
@@ -53,7 +64,7 @@ def shard_over_heads(attention_fn, mesh: Mesh):
     replicated = P()
     return jax.shard_map(
         attention_fn, mesh=mesh,
-        in_specs=(rules.HEADS_SPEC, rules.KV_CACHE_SPEC, rules.KV_CACHE_SPEC) + (replicated,) * 5,
+        in_specs=(rules.HEADS_SPEC, rules.KV_CACHE_SPEC, rules.KV_CACHE_SPEC) + (replicated,) * 4,
         out_specs=rules.HEADS_SPEC, check_vma=False)
 
 
@@ -89,108 +100,167 @@ class StepResult:
                    top_ids=packed[:, 2:2 + k], top_logprobs=packed[:, 2 + k:].view(np.float32))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrecompileReport:
+    """What `precompile` compiled and how long it took."""
+
+    num_programs: int  # compiled by this call (already compiled ones are skipped)
+    compile_seconds: float  # wall time of the (parallel) compilation
+    warm_seconds: float  # one run of every new forward program (module load, first-call costs)
+
+
 class ModelRunner:
-    """Params + KV cache on device; `execute` dispatches a step, `fetch` waits for its tokens."""
+    """Params + per-layer KV on device; `execute` dispatches a step, `fetch` waits for its tokens."""
 
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
-                 unroll_layers: bool = False):
+                 max_seqs: int = 256):
         check_parallel_fits(parallel, config)
         self.config = config
+        self.max_seqs = max_seqs  # the most sequences one batch holds: the width of next_tokens
         self.mesh = make_mesh(parallel, devices)
         self.device = self.mesh.devices.flat[0]
         self.attention_fn = shard_over_heads(choose_attention(backend, self.device.platform), self.mesh)
+        self.decoder = decoder.Decoder(config, self.attention_fn)
         start = time.perf_counter()
-        shardings = rules.param_shardings(decoder.param_shapes(config, self.attention_fn), self.mesh)
+        shardings = rules.param_shardings(decoder.param_shapes(config), self.mesh)
         if params is None:
-            self.params = decoder.init_params(config, self.attention_fn, seed, out_shardings=shardings)
+            self.params = decoder.init_params(config, seed, out_shardings=shardings)
         else:
-            self.params = jax.device_put(params, shardings)
+            self.params = jax.device_put(decoder.unstack_layers(params), shardings)
         jax.block_until_ready(self.params)
         self.params_seconds = time.perf_counter() - start
-        params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+        self.params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
         self.page_size = cache_config.page_size
-        self.num_pages = num_pages_for(config, cache_config, params_bytes // self.mesh.size, self.device,
-                                       self.mesh.size)
-        # Made on device, already sharded and committed like every later cache (so no second compile).
-        cache_sharding = NamedSharding(self.mesh, rules.KV_CACHE_SPEC)
-        self.cache = jax.jit(lambda: decoder.empty_cache(config, self.num_pages, self.page_size),
-                             out_shardings=KVCache(cache_sharding, cache_sharding))()
-        self._compiled_shapes: set[tuple[int, ...]] = set()
-        self._executables: dict[tuple, object] = {}  # ahead-of-time compiled programs (precompile)
-        model = decoder.Decoder(config, self.attention_fn, scan_unroll=config.num_layers if unroll_layers else 1)
-        # The cache goes out with the sharding it came in with; else the second call recompiles.
-        self._forward = jax.jit(functools.partial(_forward, model), donate_argnums=(1,),
-                                out_shardings=(NamedSharding(self.mesh, P()),
-                                               KVCache(cache_sharding, cache_sharding)))
-        self._sample = jax.jit(lambda logits, sampling, k, greedy: pack(sample(logits, sampling, k, greedy)),
-                               static_argnums=(2, 3))
+        self.num_pages = num_pages_for(config, cache_config, self.params_bytes // self.mesh.size,
+                                       self.device, self.mesh.size)
+        layer_sharding = NamedSharding(self.mesh, rules.KV_CACHE_SPEC)
+        self._kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in range(config.num_layers))
+        self._replicated = NamedSharding(self.mesh, P())
+        # Made on device, already sharded like every later cache (so the first step does not recompile).
+        self.kv = jax.jit(lambda: decoder.empty_cache(config, self.num_pages, self.page_size),
+                          out_shardings=self._kv_shardings)()
+        # The pages go out with the sharding they came in with; else the second call would recompile.
+        self._forward_fn = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2,),
+                                   out_shardings=(self._replicated, self._kv_shardings))
+        self._sample_fn = jax.jit(_sample, static_argnums=(2, 3, 4))
+        # The last sampled token of every row, on device, for a batch dispatched before they reach the
+        # host (see RaggedBatch.token_sources). Nothing sampled yet: zeros.
+        self._next_tokens = jax.device_put(np.zeros(max_seqs, np.int32), self._replicated)
+        self._executables: dict[ProgramKey, jax.stages.Compiled] = {}
+        self._compile_lock = threading.Lock()
+
+    # ---- compiled programs ----
+
+    @property
+    def compiled_shapes(self) -> frozenset[ProgramKey]:
+        """Keys of every compiled program: ("forward", T, S, P) and ("sample", S, K, greedy)."""
+        return frozenset(self._executables)
+
+    @property
+    def num_compiled_programs(self) -> int:
+        """Programs compiled so far; executables never recompile (a mismatched call raises)."""
+        return len(self._executables)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Device bytes of the whole KV pool, all layers and shards."""
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.kv))
+
+    def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
+                   threads: int | None = None, warm: bool = True) -> PrecompileReport:
+        """Compile every program in `keys` ahead of time; then run each new forward once on padding."""
+        todo = [key for key in dict.fromkeys(keys) if key not in self._executables]
+        start = time.perf_counter()
+        workers = threads or min(8, os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = {pool.submit(self._lower_and_compile, key): key for key in todo}
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                key = futures[future]
+                self._executables[key] = future.result()
+                if progress is not None:
+                    progress(done, len(todo), key, time.perf_counter() - start)
+        compile_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        if warm:
+            for key in todo:
+                if key[0] == "forward":
+                    _, t, s, p = key
+                    jax.block_until_ready(self.forward(empty_batch(t, s, p)))
+        return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start)
+
+    def _executable(self, key: ProgramKey) -> jax.stages.Compiled:
+        executable = self._executables.get(key)
+        if executable is None:
+            with self._compile_lock:
+                if key not in self._executables:
+                    log.warning("compiling %s on demand (not precompiled); %d programs so far",
+                                key, len(self._executables) + 1)
+                    self._executables[key] = self._lower_and_compile(key)
+            executable = self._executables[key]
+        return executable
+
+    def _lower_and_compile(self, key: ProgramKey) -> jax.stages.Compiled:
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._replicated)
+        if key[0] == "forward":
+            _, t, s, p = key
+            meta = AttentionMetadata(cu_q_lens=i32(s + 1), kv_lens=i32(s), page_table=i32(s, p),
+                                     slot_mapping=i32(t), num_seqs=i32(1))
+            lowered = self._forward_fn.lower(self.decoder, self.params, self.kv, i32(t), i32(t),
+                                             i32(self.max_seqs), i32(t), meta, i32(s))
+        else:
+            _, s, k, greedy = key
+            sampling = SamplingArrays(f32(s), i32(s), f32(s),
+                                      jax.ShapeDtypeStruct((s,), jnp.uint32, sharding=self._replicated),
+                                      i32(s))
+            lowered = self._sample_fn.lower(f32(s, self.config.vocab_size), sampling, k, greedy, self.max_seqs)
+        return lowered.compile()
+
+    # ---- one iteration ----
+
+    def forward(self, batch: RaggedBatch) -> jax.Array:
+        """Dispatch the forward pass (asynchronous); returns f32[S, V] logits on device."""
+        t, s, p = batch.token_ids.shape[0], batch.kv_lens.shape[0], batch.page_table.shape[1]
+        meta = AttentionMetadata(cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
+                                 page_table=batch.page_table, slot_mapping=batch.slot_mapping,
+                                 num_seqs=batch.num_seqs)
+        sources = batch.token_sources if batch.token_sources is not None else np.full(t, -1, np.int32)
+        logits, self.kv = self._executable(("forward", t, s, p))(
+            self.params, self.kv, batch.token_ids, sources, self._next_tokens, batch.positions, meta,
+            batch.logits_indices)
+        return logits
+
+    def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:
+        """Dispatch sampling of a forward's logits; returns the packed i32[S, 2 + 2K] device array."""
+        sampling = SamplingArrays(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
+                                  seed=batch.seed, step=batch.step)
+        key = ("sample", logits.shape[0], batch.num_top_logprobs, batch.all_greedy)
+        packed, self._next_tokens = self._executable(key)(logits, sampling)
+        return packed
 
     def execute(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch one iteration (asynchronous); returns the packed device result."""
         return self.sample(self.forward(batch), batch)
-
-    @property
-    def num_compiled_programs(self) -> int:
-        """What jax itself has compiled; equals the buckets seen unless something recompiles."""
-        return self._forward._cache_size() + self._sample._cache_size()
 
     @staticmethod
     def fetch(packed: jax.Array, batch: RaggedBatch) -> StepResult:
         """Block until the step's tokens are on the host."""
         return StepResult.unpack(np.asarray(packed), batch.num_real_seqs, batch.num_top_logprobs)
 
-    # ---- seams: the two programs apart, precompilation, compiled-shape view ----------------------
-    @property
-    def compiled_shapes(self) -> frozenset[tuple]:
-        """("forward", T, S, P) and ("sample", S, K, greedy) keys of every program used or precompiled."""
-        return frozenset(self._compiled_shapes)
-
-    def _note_shape(self, key: tuple) -> None:
-        if key not in self._compiled_shapes:
-            self._compiled_shapes.add(key)
-            log.info("compiling %s for bucket %s; %d programs so far", key[0], key[1:],
-                     len(self._compiled_shapes))
-
-    def forward(self, batch: RaggedBatch) -> jax.Array:
-        """Dispatch the forward pass (K/V written into the donated cache); f32[S, V] logits on device."""
-        t, s, p, _, _ = batch.shape_key
-        key = ("forward", t, s, p)
-        self._note_shape(key)
-        meta = AttentionMetadata(cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
-                                 page_table=batch.page_table, slot_mapping=batch.slot_mapping,
-                                 num_seqs=batch.num_seqs)
-        fn = self._executables.get(key, self._forward)
-        logits, self.cache = fn(self.params, self.cache, batch.token_ids, batch.positions, meta,
-                                batch.logits_indices)
-        return logits
-
-    def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:
-        """Dispatch sampling of forward()'s logits; the packed i32[S, 2 + 2K] device result."""
-        _, s, _, k, greedy = batch.shape_key
-        key = ("sample", s, k, greedy)
-        self._note_shape(key)
-        sampling = SamplingArrays(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
-                                  seed=batch.seed, step=batch.step)
-        exe = self._executables.get(key)
-        if exe is not None:  # compiled with k and greedy baked in: they leave the signature
-            return exe(logits, sampling)
-        return self._sample(logits, sampling, k, greedy)
-
     def prompt_logits(self, token_ids) -> np.ndarray:
         """f32[T, V] next-token logits at every position of one prompt (for parity tests).
 
-        One forward pass of a one-request batch whose pages are 1..ceil(T / page_size): it overwrites
-        their K/V, so call it only on a runner no engine is using.
+        One forward pass of a one-request batch on pages 1..ceil(T / page_size), logits at every row:
+        it overwrites those pages' K/V, so call it only on a runner no engine is using.
         """
         n = len(token_ids)
         num_pages = -(-n // self.page_size)
         if n == 0 or num_pages >= self.num_pages:
             raise ValueError(f"{n} tokens need 1..{self.num_pages - 1} pages, not {num_pages}")
-        t = s = round_up_pow2(n, MIN_TOKENS_BUCKET)
-        p = round_up_pow2(num_pages, MIN_PAGES_BUCKET)
-        batch = empty_batch(t, s, p)
+        t = s = next_power_of_two(max(n, 8))  # S = T: one logits row per token
+        batch = empty_batch(t, s, next_power_of_two(num_pages))
         positions = np.arange(n, dtype=np.int32)
         batch.token_ids[:n] = token_ids
         batch.positions[:n] = positions
@@ -200,45 +270,19 @@ class ModelRunner:
         batch.cu_q_lens[1:] = n
         batch.kv_lens[0] = n
         batch.num_seqs[0] = 1
-        batch.logits_indices[:] = np.minimum(np.arange(s), n - 1)  # a row per position: S = T here
+        batch.logits_indices[:] = np.minimum(np.arange(s), n - 1)
         return np.asarray(self.forward(batch))[:n]
 
-    def precompile(self, shape_keys, progress=None, threads: int | None = None) -> float:
-        """Compile ahead of time the programs of RaggedBatch.shape_key tuples (T, S, P, K, greedy).
 
-        Lowered and compiled on a thread pool (XLA compiles outside the GIL); later calls of those
-        shapes run the kept executables. progress(done, total) is called as programs finish.
-        Returns the seconds it took.
-        """
-        keys = sorted(set(shape_keys))
-        forwards = sorted({("forward", t, s, p) for t, s, p, _, _ in keys} - set(self._executables))
-        samples = sorted({("sample", s, k, g) for _, s, _, k, g in keys} - set(self._executables))
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)  # noqa: E731
-
-        def lower_forward(key):
-            _, t, s, p = key
-            meta = AttentionMetadata(cu_q_lens=i32(s + 1), kv_lens=i32(s), page_table=i32(s, p),
-                                     slot_mapping=i32(t), num_seqs=i32(1))
-            return self._forward.lower(self.params, self.cache, i32(t), i32(t), meta, i32(s)).compile()
-
-        def lower_sample(key):
-            _, s, k, greedy = key
-            sampling = SamplingArrays(f32(s), i32(s), f32(s), jax.ShapeDtypeStruct((s,), np.uint32), i32(s))
-            return self._sample.lower(f32(s, self.config.vocab_size), sampling, k, greedy).compile()
-
-        start = time.perf_counter()
-        jobs = [(key, lower_forward) for key in forwards] + [(key, lower_sample) for key in samples]
-        with concurrent.futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
-            futures = {pool.submit(fn, key): key for key, fn in jobs}
-            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
-                key = futures[future]
-                self._executables[key] = future.result()
-                self._compiled_shapes.add(key)
-                if progress is not None:
-                    progress(done, len(jobs))
-        return time.perf_counter() - start
+def _forward(model: decoder.Decoder, params, kv, token_ids, token_sources, prev_tokens, positions, meta,
+             logits_indices):
+    # token_ids: i32[T] from the host; token_sources: i32[T], -1 or the row of prev_tokens
+    # (i32[max_seqs], the previous iteration's samples, still on device) that holds the token.
+    token_ids = jnp.where(token_sources >= 0, prev_tokens[jnp.maximum(token_sources, 0)], token_ids)
+    return model(params, kv, token_ids, positions, meta, logits_indices)
 
 
-def _forward(model: decoder.Decoder, params, cache: KVCache, token_ids, positions, meta, logits_indices):
-    return model.apply({"params": params}, token_ids, positions, cache, meta, logits_indices)
+def _sample(logits, sampling: SamplingArrays, num_top_logprobs: int, all_greedy: bool, max_seqs: int):
+    """(packed i32[S, 2 + 2K] for the host, the sampled ids padded to i32[max_seqs] for the device)."""
+    result = sample(logits, sampling, num_top_logprobs, all_greedy)
+    return pack(result), jnp.pad(result.token_ids, (0, max_seqs - logits.shape[0]))

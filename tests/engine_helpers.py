@@ -15,7 +15,7 @@ def tiny_engine(model: str = "tiny-llama", *, max_batch_size: int = 8, max_num_b
         model=model,
         cache=CacheConfig(page_size=page_size, num_pages=num_pages),
         scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens),
-        seed=seed)
+        seed=seed, precompile=False)  # most tests meet few buckets: compile those on first use
     return Engine(dataclasses.replace(config, **overrides), scheduler_factory=scheduler_factory)
 
 

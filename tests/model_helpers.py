@@ -22,7 +22,7 @@ def our_engine(loaded) -> Engine:
     if key not in _ENGINES:
         config = EngineConfig(cache=CacheConfig(page_size=PAGE_SIZE, num_pages=64),
                               scheduler=SchedulerConfig(max_batch_size=4, max_num_batched_tokens=128),
-                              attention=AttentionBackend.JNP)
+                              attention=AttentionBackend.JNP, precompile=False)
         _ENGINES[key] = (loaded, Engine(config, loaded))  # loaded kept so its id stays unique
     return _ENGINES[key][1]
 

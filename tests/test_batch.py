@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from orca_jax.batch import BucketPolicy, build_batch, empty_batch, pow2_ladder, round_up_pow2
+from orca_jax.batch import BucketPolicy, build_batch, empty_batch
 from orca_jax.request import Request, SamplingParams
 from orca_jax.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -31,7 +31,7 @@ def test_ragged_layout_of_a_prompt_chunk_and_two_increments():
                              item("b", 9, [21], [2, 5, 6], seed=6, step=3, temperature=0.5, top_k=4),
                              item("c", 0, [31], [4], top_p=0.9)), BUCKETS)
     assert batch.num_real_tokens == 7 and batch.num_real_seqs == 3
-    assert batch.token_ids.shape == (8,) and batch.kv_lens.shape == (8,) and batch.page_table.shape == (8, 4)
+    assert batch.token_ids.shape == (8,) and batch.kv_lens.shape == (8,) and batch.page_table.shape == (8, 16)
     assert batch.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 31, 0]
     assert batch.positions.tolist() == [0, 1, 2, 3, 4, 9, 0, 0]
     # a's position 4 is the first slot of its second page (3); b's position 9 is slot 1 of its third page (6).
@@ -39,14 +39,15 @@ def test_ragged_layout_of_a_prompt_chunk_and_two_increments():
     assert batch.cu_q_lens.tolist() == [0, 5, 6, 7, 7, 7, 7, 7, 7]
     assert batch.kv_lens.tolist() == [5, 10, 1, 0, 0, 0, 0, 0]
     assert batch.logits_indices.tolist() == [4, 5, 6, 0, 0, 0, 0, 0]
-    assert batch.page_table[:3].tolist() == [[7, 3, 0, 0], [2, 5, 6, 0], [4, 0, 0, 0]]
+    assert batch.page_table[:3, :4].tolist() == [[7, 3, 0, 0], [2, 5, 6, 0], [4, 0, 0, 0]]
+    assert not batch.page_table[:, 4:].any()  # the table's width is fixed at max_pages
     assert batch.num_seqs.tolist() == [3]
     assert batch.seed[:3].tolist() == [5, 6, 0] and batch.step[:3].tolist() == [0, 3, 0]
     np.testing.assert_allclose(batch.temperature[:3], [0.0, 0.5, 0.0])
     assert batch.top_k[:3].tolist() == [0, 4, 0]
     np.testing.assert_allclose(batch.top_p[:3], [1.0, 1.0, 0.9])
     assert not batch.all_greedy and batch.num_top_logprobs == 0
-    assert batch.shape_key == (8, 8, 4, 0, False)
+    assert batch.shape_key == (8, 8, 16, 0, False)
 
 
 def test_padding_rows_and_sequences_point_at_the_scratch_page():
@@ -60,8 +61,8 @@ def test_padding_rows_and_sequences_point_at_the_scratch_page():
 
 
 @pytest.mark.parametrize("num_tokens, num_pages, expected", [
-    (1, 1, (8, 8, 4)), (8, 4, (8, 8, 4)), (9, 5, (16, 8, 8)), (40, 9, (64, 8, 16)), (64, 16, (64, 8, 16))])
-def test_buckets_round_up_to_powers_of_two_with_s_tied_to_t(num_tokens, num_pages, expected):
+    (1, 1, (8, 8, 16)), (8, 4, (8, 8, 16)), (9, 5, (16, 8, 16)), (40, 9, (40, 8, 16)), (64, 16, (64, 8, 16))])
+def test_buckets_follow_the_token_ladder_with_s_tied_to_t(num_tokens, num_pages, expected):
     assert BUCKETS.bucket(num_tokens, 1, num_pages) == expected
     start = num_pages * PAGE - 1  # the last token lands on page num_pages
     batch = build_batch(plan(item("a", start - num_tokens + 1, [3] * num_tokens, range(1, num_pages + 1))), BUCKETS)
@@ -73,13 +74,9 @@ def test_top_logprobs_is_static_per_batch():
     assert batch.num_top_logprobs == SamplingParams.MAX_TOP_LOGPROBS
 
 
-def test_round_up_and_the_bucket_ladder():
-    assert [round_up_pow2(n, 8, 64) for n in (1, 8, 9, 33, 64, 65)] == [8, 8, 16, 64, 64, 128]
-    assert pow2_ladder(8, 48) == [8, 16, 32, 48] and pow2_ladder(4, 2) == [4]
+def test_every_batch_lands_in_a_listed_bucket():
     small = BucketPolicy(max_num_batched_tokens=16, max_seqs=4, max_pages=8)
-    assert small.all_buckets() == [(8, 4, 4), (8, 4, 8), (16, 4, 4), (16, 4, 8)]
-    assert small.all_buckets(max_pages=3) == [(8, 4, 4), (16, 4, 4)]
-    # Every bucket a real batch can land in is listed.
+    assert small.all_buckets() == ((8, 4, 8), (16, 4, 8))
     listed = set(small.all_buckets())
     assert all(small.bucket(t, min(t, 4), p) in listed for t in range(1, 17) for p in range(1, 9))
 

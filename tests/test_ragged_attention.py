@@ -1,6 +1,6 @@
 """The Pallas ragged paged attention kernel (interpret mode on CPU) against the jnp reference.
 
-Every case runs the kernel on a poisoned cache (NaN in layer 0, in pages no request owns, and in the
+Every case runs the kernel on a poisoned cache (NaN in pages no request owns and in the
 slots past each request's K/V length) and the reference on the same cache with those slots finite:
 the kernel must never read them. Interpret mode fills outputs with NaN before the kernel runs, so a
 finite output also shows that every row was written.
@@ -42,7 +42,6 @@ class Config:
     num_tokens: int = 48
     num_slots: int = 6
     max_kv: int = 80
-    num_layers: int = 2
 
     @property
     def pages_per_seq(self) -> int:
@@ -88,7 +87,7 @@ def make_inputs(cfg: Config, q_lens, kv_lens, rng):
     num_live = len(q_lens)
     assert sum(q_lens) < cfg.num_tokens and num_live < cfg.num_slots  # leave padding
     dtype = jnp.dtype(cfg.dtype)
-    cache_shape = (cfg.num_layers, cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim)
+    cache_shape = (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim)  # one layer's pages
     k = rng.standard_normal(cache_shape, np.float32)
     v = rng.standard_normal(cache_shape, np.float32)
     q = rng.standard_normal((cfg.num_tokens, cfg.num_heads, cfg.head_dim), np.float32)
@@ -96,7 +95,7 @@ def make_inputs(cfg: Config, q_lens, kv_lens, rng):
     # Pages in scattered order; page 0 (scratch) stays in the unused table entries.
     order = rng.permutation(np.arange(1, cfg.num_pages))
     page_table = np.zeros((cfg.num_slots, cfg.pages_per_seq), np.int32)
-    poison = np.ones(cache_shape[1:4], bool)  # [KVH, num_pages, page_size] of the attended layer
+    poison = np.ones(cache_shape[:3], bool)  # [KVH, num_pages, page_size]
     poison[:, 0] = False  # the reference reads the scratch page through unused table entries
     cursor = 0
     for s, kv in enumerate(kv_lens):
@@ -108,15 +107,14 @@ def make_inputs(cfg: Config, q_lens, kv_lens, rng):
         poison[:, page_table[s, :n]] = ~owned.reshape(n, cfg.page_size)
     k_bad, v_bad = k.copy(), v.copy()
     for cache in (k_bad, v_bad):
-        cache[0] = np.nan  # another layer
-        cache[1][poison] = np.nan
+        cache[poison] = np.nan
 
     cu = np.zeros(cfg.num_slots + 1, np.int32)
     cu[1:num_live + 1] = np.cumsum(q_lens)
     cu[num_live + 1:] = cu[num_live]
     kv_arr = np.zeros(cfg.num_slots, np.int32)
     kv_arr[:num_live] = kv_lens
-    meta = (jnp.int32(1), jnp.asarray(cu), jnp.asarray(kv_arr), jnp.asarray(page_table),
+    meta = (jnp.asarray(cu), jnp.asarray(kv_arr), jnp.asarray(page_table),
             jnp.asarray([num_live], jnp.int32))
     as_dev = functools.partial(jnp.asarray, dtype=dtype)
     kernel_args = (as_dev(q), as_dev(k_bad), as_dev(v_bad)) + meta
@@ -130,9 +128,9 @@ def compiled_kernel(cfg: Config):
     dtype = jnp.dtype(cfg.dtype)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     cache = jax.ShapeDtypeStruct(
-        (cfg.num_layers, cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim), dtype)
+        (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim), dtype)
     specs = (jax.ShapeDtypeStruct((cfg.num_tokens, cfg.num_heads, cfg.head_dim), dtype), cache, cache,
-             i32(()), i32((cfg.num_slots + 1,)), i32((cfg.num_slots,)),
+             i32((cfg.num_slots + 1,)), i32((cfg.num_slots,)),
              i32((cfg.num_slots, cfg.pages_per_seq)), i32((1,)))
     lowered = ra.ragged_attention.lower(*specs, sm_scale=cfg.sm_scale, block_sizes=cfg.block_sizes,
                                         interpret=True)
@@ -239,8 +237,8 @@ def test_plan_splits_only_small_short_passes():
 
 
 def _good_args(**over):
-    args = dict(q=jnp.zeros((8, 4, 64), jnp.bfloat16), k_cache=jnp.zeros((2, 2, 5, 16, 64), jnp.bfloat16),
-                v_cache=jnp.zeros((2, 2, 5, 16, 64), jnp.bfloat16), layer=jnp.int32(0),
+    args = dict(q=jnp.zeros((8, 4, 64), jnp.bfloat16), k_cache=jnp.zeros((2, 5, 16, 64), jnp.bfloat16),
+                v_cache=jnp.zeros((2, 5, 16, 64), jnp.bfloat16),
                 cu_q_lens=jnp.zeros((4,), jnp.int32), kv_lens=jnp.zeros((3,), jnp.int32),
                 page_table=jnp.zeros((3, 2), jnp.int32), num_seqs=jnp.ones((1,), jnp.int32))
     args.update(over)
@@ -249,21 +247,22 @@ def _good_args(**over):
 
 @pytest.mark.parametrize("bad", [
     dict(q=jnp.zeros((8, 256), jnp.bfloat16)),
-    dict(v_cache=jnp.zeros((2, 2, 6, 16, 64), jnp.bfloat16)),
+    dict(v_cache=jnp.zeros((2, 6, 16, 64), jnp.bfloat16)),
     dict(q=jnp.zeros((8, 4, 64), jnp.float32)),
-    dict(q=jnp.zeros((8, 4, 64), jnp.int32), k_cache=jnp.zeros((2, 2, 5, 16, 64), jnp.int32),
-         v_cache=jnp.zeros((2, 2, 5, 16, 64), jnp.int32)),
+    dict(q=jnp.zeros((8, 4, 64), jnp.int32), k_cache=jnp.zeros((2, 5, 16, 64), jnp.int32),
+         v_cache=jnp.zeros((2, 5, 16, 64), jnp.int32)),
     dict(q=jnp.zeros((8, 3, 64), jnp.bfloat16)),
     dict(q=jnp.zeros((8, 4, 32), jnp.bfloat16)),
-    dict(q=jnp.zeros((8, 4, 48), jnp.bfloat16), k_cache=jnp.zeros((2, 2, 5, 16, 48), jnp.bfloat16),
-         v_cache=jnp.zeros((2, 2, 5, 16, 48), jnp.bfloat16)),
+    dict(q=jnp.zeros((8, 4, 48), jnp.bfloat16), k_cache=jnp.zeros((2, 5, 16, 48), jnp.bfloat16),
+         v_cache=jnp.zeros((2, 5, 16, 48), jnp.bfloat16)),
     dict(cu_q_lens=jnp.zeros((3,), jnp.int32)),
     dict(kv_lens=jnp.zeros((3,), jnp.float32)),
     dict(page_table=jnp.zeros((3,), jnp.int32)),
     dict(num_seqs=jnp.ones((2,), jnp.int32)),
-    dict(layer=jnp.zeros((1,), jnp.int32)),
+    dict(k_cache=jnp.zeros((1, 2, 5, 16, 64), jnp.bfloat16),
+         v_cache=jnp.zeros((1, 2, 5, 16, 64), jnp.bfloat16)),
 ], ids=["q-2d", "kv-shapes", "dtype-mix", "int-dtype", "heads", "head-dim-mismatch", "head-dim-48",
-        "cu-len", "kv-dtype", "page-table-1d", "num-seqs-shape", "layer-shape"])
+        "cu-len", "kv-dtype", "page-table-1d", "num-seqs-shape", "stacked-layers-cache"])
 def test_rejects_bad_inputs(bad):
     with pytest.raises(ValueError):
         ra.ragged_attention(**_good_args(**bad), interpret=True)
@@ -276,3 +275,21 @@ def test_rejects_bad_tiles():
         Tile(rows=16, block_k=8)
     with pytest.raises(ValueError):
         BlockSizes(short=Tile(16, 16), long=Tile(16, 16), kv_splits=0)
+
+
+@pytest.mark.parametrize("kind", ["prompts", "increments", "chunked", "mixed"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_blocked_jnp_path_matches_reference(name, kind):
+    """The off-GPU serving path (blocks of pages, online softmax, dynamic trip count)."""
+    from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
+
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(zlib.crc32(f"blocked/{name}/{kind}".encode()))
+    q_lens, kv_lens = draw_batch(kind, cfg, rng)
+    _, reference_args, num_valid = make_inputs(cfg, q_lens, kv_lens, rng)
+    out = np.asarray(ragged_attention_blocked(*reference_args, sm_scale=cfg.sm_scale, pages_per_block=3)
+                     .astype(jnp.float32))
+    ref = np.asarray(compiled_reference(cfg)(*reference_args).astype(jnp.float32))
+    assert (out[num_valid:] == 0).all(), "padding rows must be zero"
+    assert np.abs(out - ref).max() <= ATOL[cfg.dtype], (q_lens, kv_lens)
+    assert np.linalg.norm(out - ref) <= REL_L2[cfg.dtype] * np.linalg.norm(ref)

@@ -21,9 +21,9 @@ SCRIPT = textwrap.dedent("""
     for model in ("tiny-llama", "tiny-gpt"):
         for tp in (1, 2):
             engine = tiny_engine(model, parallel=ParallelConfig(tensor_parallel=tp))
-            q = engine.runner.params["layers"]["attn"]["q"]["kernel"]
-            shard_heads = {s.data.shape[2] for s in q.addressable_shards}
-            cache_heads = {s.data.shape[1] for s in engine.runner.cache.k.addressable_shards}
+            q = engine.runner.params["layers"][0]["attn"]["q"]["kernel"]  # [H, N, D]
+            shard_heads = {s.data.shape[1] for s in q.addressable_shards}
+            cache_heads = {s.data.shape[0] for s in engine.runner.kv[-1].k.addressable_shards}
             for i, prompt in enumerate(([5, 6, 7], list(range(10, 40)), [99] * 9)):
                 engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True), request_id=str(i))
             results[f"{model}/{tp}"] = {"tokens": drain(engine), "q_heads_per_shard": sorted(shard_heads),

@@ -1,33 +1,28 @@
 """Compile every bucket an engine can meet before timing starts, so compile time stays out of the runs.
 
-The runner compiles lazily (one program per bucket on first use); here every (T, S, P) bucket of the
-engine's BucketPolicy up to a KV length goes through ModelRunner.precompile, which keeps the
-executables, and each forward program is run once so first-call costs are paid here too.
+Engines compile all their programs at start (EngineConfig.precompile); this reports what that took,
+or does it now for an engine built with precompile off.
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
-
-from orca_jax.batch import empty_batch
 from orca_jax.engine import Engine
 
 
-def bucket_shapes(engine: Engine, max_kv_tokens: int) -> list[tuple[int, int, int]]:
-    """Every (T, S, P) bucket an iteration can land in when no sequence exceeds max_kv_tokens."""
-    return engine.buckets.all_buckets(max_pages=engine.kv.num_pages_for(max_kv_tokens))
+def precompile(engine: Engine, max_kv_tokens: int | None = None, threads: int | None = None) -> dict:
+    """Compile (if not yet) and run once every program of the engine; what and how long.
 
-
-def precompile(engine: Engine, max_kv_tokens: int, threads: int | None = None) -> dict:
-    """Compile all buckets' programs (the all-greedy sampler benchmarks call); what and how long."""
-    runner = engine.runner
-    shapes = bucket_shapes(engine, max_kv_tokens)
+    max_kv_tokens and threads are accepted for older callers: the page-table width is fixed now, so
+    one program per token bucket covers every KV length.
+    """
+    del max_kv_tokens, threads
     start = time.perf_counter()
-    seconds = runner.precompile([(t, s, p, 0, True) for t, s, p in shapes], threads=threads)
-    for t, s, p in shapes:
-        np.asarray(runner.execute(empty_batch(t, s, p)))
-    return {"num_forward_programs": len(shapes), "num_sample_programs": len({s for _, s, _ in shapes}),
-            "compile_s": seconds, "total_s": time.perf_counter() - start,
-            "shapes": [list(x) for x in shapes]}
+    report = engine.precompile()
+    keys = engine.program_keys()
+    return {"num_forward_programs": sum(k[0] == "forward" for k in keys),
+            "num_sample_programs": sum(k[0] == "sample" for k in keys),
+            "newly_compiled": report.num_programs, "compile_s": report.compile_seconds,
+            "total_s": time.perf_counter() - start,
+            "shapes": [list(k[1:]) for k in keys if k[0] == "forward"]}

@@ -70,11 +70,10 @@ def _dot(a, b, *, trans_b: bool = False):
 
 def _ragged_attention_kernel(
     sched_ref,  # i32[4, num_programs]: q_start, q_count, kv_end, seq of each program
-    layer_ref,  # i32[1]
     page_table_ref,  # i32[S * P]
     q_ref,  # [T * N, D]
-    k_ref,  # [L * KVH * num_pages * page_size, D]
-    v_ref,  # [L * KVH * num_pages * page_size, D]
+    k_ref,  # [KVH * num_pages * page_size, D]: one layer's pages
+    v_ref,  # [KVH * num_pages * page_size, D]
     *out_refs,  # see below
     num_heads: int,
     num_kv_heads: int,
@@ -111,8 +110,7 @@ def _ragged_attention_kernel(
         q_rows = (q_start + tok) * num_heads + kv_head * group + jnp.minimum(g, group - 1)  # [rows]
         q = q_ref[q_rows, :]  # [rows, D]
         pos = kv_end - q_count + tok  # [rows] absolute position of each query
-        layer = layer_ref[0]
-        head_base = (layer * num_kv_heads + kv_head) * num_pages  # first page of this (layer, head)
+        head_base = kv_head * num_pages  # first page of this KV head
         scale = sm_scale * _LOG2E  # softmax in base 2
 
         def step(kb, carry, masked: bool):
@@ -212,11 +210,10 @@ def _schedule(
 
 def _ragged_attention_pass(
     sched: jax.Array,  # i32[4, num_programs]
-    layer: jax.Array,  # i32[1]
     page_table: jax.Array,  # i32[S * P]
     q: jax.Array,  # [T * N, D]
-    k: jax.Array,  # [L * KVH * num_pages * page_size, D]
-    v: jax.Array,  # [L * KVH * num_pages * page_size, D]
+    k: jax.Array,  # [KVH * num_pages * page_size, D]
+    v: jax.Array,  # [KVH * num_pages * page_size, D]
     out: jax.Array | None,  # [T * N, D] rows of an earlier pass, updated in place; None: first pass
     *,
     step: Pass,
@@ -227,7 +224,7 @@ def _ragged_attention_pass(
     tile, splits = step.tile, step.kv_splits
     kernel = functools.partial(_ragged_attention_kernel, block_q=step.block_q, block_k=tile.block_k,
                                kv_splits=splits, **dims)
-    args = [sched, layer, page_table, q, k, v]
+    args = [sched, page_table, q, k, v]
     aliases = {}
     if splits > 1:
         assert out is None, "only the first pass splits"
@@ -273,9 +270,9 @@ def _combine_splits(
 # ---------------------------------------------------------------------------------- public entry
 
 
-def _check_inputs(q, k_cache, v_cache, layer, cu_q_lens, kv_lens, page_table, num_seqs):
-    if q.ndim != 3 or k_cache.ndim != 5:
-        raise ValueError(f"q must be [T, N, D] and k_cache [L, KVH, NP, PS, D]; got {q.shape}, "
+def _check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, num_seqs):
+    if q.ndim != 3 or k_cache.ndim != 4:
+        raise ValueError(f"q must be [T, N, D] and k_cache [KVH, NP, PS, D]; got {q.shape}, "
                          f"{k_cache.shape}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
@@ -283,9 +280,9 @@ def _check_inputs(q, k_cache, v_cache, layer, cu_q_lens, kv_lens, page_table, nu
         raise ValueError(f"q, k_cache, v_cache must share one of {SUPPORTED_DTYPES}; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    if k_cache.shape[4] != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and of the cache ({k_cache.shape[4]}) differ")
+    num_kv_heads = k_cache.shape[0]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) and of the cache ({k_cache.shape[3]}) differ")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if num_heads % num_kv_heads:
@@ -296,8 +293,7 @@ def _check_inputs(q, k_cache, v_cache, layer, cu_q_lens, kv_lens, page_table, nu
         raise ValueError(f"page_table must be [S, P] with S, P >= 1, got {page_table.shape}")
     num_slots = page_table.shape[0]
     expected = {"cu_q_lens": (cu_q_lens, (num_slots + 1,)), "kv_lens": (kv_lens, (num_slots,)),
-                "page_table": (page_table, page_table.shape), "num_seqs": (num_seqs, (1,)),
-                "layer": (layer, ())}
+                "page_table": (page_table, page_table.shape), "num_seqs": (num_seqs, (1,))}
     for name, (array, shape) in expected.items():
         if array.shape != shape or array.dtype != jnp.int32:
             raise ValueError(f"{name} must be i32{list(shape)}, got {array.dtype}{list(array.shape)}")
@@ -306,9 +302,8 @@ def _check_inputs(q, k_cache, v_cache, layer, cu_q_lens, kv_lens, page_table, nu
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
 def ragged_attention(
     q: jax.Array,  # [T, N, D]
-    k_cache: jax.Array,  # [L, KVH, num_pages, page_size, D]
-    v_cache: jax.Array,  # [L, KVH, num_pages, page_size, D]
-    layer: jax.Array,  # i32[]
+    k_cache: jax.Array,  # [KVH, num_pages, page_size, D]: one layer's pages
+    v_cache: jax.Array,  # [KVH, num_pages, page_size, D]
     cu_q_lens: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
     page_table: jax.Array,  # i32[S, P]
@@ -319,9 +314,9 @@ def ragged_attention(
     interpret: bool = False,
 ) -> jax.Array:  # [T, N, D]
     """Pallas ragged paged attention; same contract as ragged_attention_reference."""
-    _check_inputs(q, k_cache, v_cache, layer, cu_q_lens, kv_lens, page_table, num_seqs)
+    _check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, num_seqs)
     num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, num_pages, page_size, _ = k_cache.shape
+    num_kv_heads, num_pages, page_size, _ = k_cache.shape
     num_slots, pages_per_seq = page_table.shape
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
@@ -329,8 +324,8 @@ def ragged_attention(
     dims = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, num_pages=num_pages,
                 page_size=page_size, pages_per_seq=pages_per_seq, group=group, group_pad=group_pad,
                 sm_scale=head_dim ** -0.5 if sm_scale is None else sm_scale)
-    # Reshapes that merge leading dims of contiguous arrays are free: no layer slice is copied.
-    operands = (layer.reshape(1), page_table.reshape(-1), q.reshape(num_tokens * num_heads, head_dim),
+    # Reshapes that merge leading dims of contiguous arrays are free: the pages are not copied.
+    operands = (page_table.reshape(-1), q.reshape(num_tokens * num_heads, head_dim),
                 k_cache.reshape(-1, head_dim), v_cache.reshape(-1, head_dim))
     out = None
     passes = plan_passes(num_tokens=num_tokens, num_slots=num_slots, num_heads=num_heads,
@@ -358,9 +353,8 @@ def token_to_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.
 
 def ragged_attention_reference(
     q: jax.Array,  # [T, N, D]
-    k_cache: jax.Array,  # [L, KVH, num_pages, page_size, D]
-    v_cache: jax.Array,  # [L, KVH, num_pages, page_size, D]
-    layer: jax.Array,  # i32[]
+    k_cache: jax.Array,  # [KVH, num_pages, page_size, D]: one layer's pages
+    v_cache: jax.Array,  # [KVH, num_pages, page_size, D]
     cu_q_lens: jax.Array,  # i32[S + 1]
     kv_lens: jax.Array,  # i32[S]
     page_table: jax.Array,  # i32[S, P]
@@ -371,7 +365,7 @@ def ragged_attention_reference(
     """Plain-jnp ragged paged attention; the ground truth for the kernel, and the CPU path."""
     del num_seqs
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[3]
+    num_kv_heads, page_size = k_cache.shape[0], k_cache.shape[2]
     group = num_heads // num_kv_heads
     scale = head_dim ** -0.5 if sm_scale is None else sm_scale
 
@@ -382,8 +376,8 @@ def ragged_attention_reference(
 
     pages = page_table[seq]  # [T, P]
     max_kv = pages.shape[1] * page_size
-    k = k_cache[layer][:, pages].reshape(num_kv_heads, num_tokens, max_kv, head_dim)  # [KVH, T, J, D]
-    v = v_cache[layer][:, pages].reshape(num_kv_heads, num_tokens, max_kv, head_dim)
+    k = k_cache[:, pages].reshape(num_kv_heads, num_tokens, max_kv, head_dim)  # [KVH, T, J, D]
+    v = v_cache[:, pages].reshape(num_kv_heads, num_tokens, max_kv, head_dim)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,ktjd->tkgj", qg, k, preferred_element_type=jnp.float32) * scale

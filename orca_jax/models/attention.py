@@ -1,7 +1,9 @@
-"""The one attention entry point the decoder calls: write new K/V into pages, then ragged attention.
+"""The one attention entry point a layer calls: write new K/V into its pages, then ragged attention.
 
 Everything the attention needs besides q/k/v travels in AttentionMetadata, built on the host by
-batch.py. Swapping the implementation (jnp reference or Pallas kernel) changes nothing else.
+batch.py. The KV cache is one LayerKV per layer (no layer index anywhere): the unit an unrolled
+layer loop updates in place, and the unit a pipeline stage owns. Swapping the attention
+implementation (jnp reference or Pallas kernel) changes nothing else.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 
 class AttentionMetadata(NamedTuple):
@@ -21,41 +24,50 @@ class AttentionMetadata(NamedTuple):
     num_seqs: jax.Array  # i32[1]: live sequences; rows past it are padding
 
 
-class KVCache(NamedTuple):
-    """Device K/V pages for every layer; page 0 is a scratch page that padding tokens write to."""
+class LayerKV(NamedTuple):
+    """One layer's K/V pages; page 0 is a scratch page that padding tokens write to."""
 
-    k: jax.Array  # [L, KVH, num_pages, page_size, D]
-    v: jax.Array  # [L, KVH, num_pages, page_size, D]
+    k: jax.Array  # [KVH, num_pages, page_size, D]
+    v: jax.Array  # [KVH, num_pages, page_size, D]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[2]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[1]
 
 
-# (q[T, N, D], k_cache[L, KVH, NP, PS, D], v_cache[...], layer i32[], meta) -> out[T, N, D]
+# The whole model's cache: one LayerKV per layer, in layer order (a pytree; donated as a whole).
+KVCache = tuple[LayerKV, ...]
+
+# (q[T, N, D], k_pages[KVH, NP, PS, D], v_pages[...], cu_q_lens, kv_lens, page_table, num_seqs)
+#   -> out[T, N, D]
 RaggedAttentionFn = Callable[..., jax.Array]
 
 
-def write_kv(cache: KVCache, layer: jax.Array, slot_mapping: jax.Array,
-             k: jax.Array, v: jax.Array) -> KVCache:
-    """Scatter this step's K/V (k, v: [T, KVH, D]) into their slots of one layer."""
-    page_size = cache.page_size
+def empty_layer_kv(num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype) -> LayerKV:
+    """Zeroed pages of one layer."""
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    return LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def write_kv(layer_kv: LayerKV, slot_mapping: jax.Array, k: jax.Array, v: jax.Array) -> LayerKV:
+    """Scatter this step's K/V (k, v: [T, KVH, D]) into their slots (slot_mapping: i32[T])."""
+    page_size = layer_kv.page_size
     pages = slot_mapping // page_size  # [T]
     offsets = slot_mapping % page_size  # [T]
-    # Advanced indices split by a slice put the token axis first: the update has shape [T, KVH, D].
-    new_k = cache.k.at[layer, :, pages, offsets].set(k.astype(cache.k.dtype))
-    new_v = cache.v.at[layer, :, pages, offsets].set(v.astype(cache.v.dtype))
-    return KVCache(new_k, new_v)
+    # Adjacent advanced indices after a slice keep the head axis first: the update is [KVH, T, D].
+    new_k = layer_kv.k.at[:, pages, offsets].set(k.swapaxes(0, 1).astype(layer_kv.k.dtype))
+    new_v = layer_kv.v.at[:, pages, offsets].set(v.swapaxes(0, 1).astype(layer_kv.v.dtype))
+    return LayerKV(new_k, new_v)
 
 
-def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, layer: jax.Array,
-                    meta: AttentionMetadata, attention_fn: RaggedAttentionFn) -> tuple[jax.Array, KVCache]:
-    """Write k, v ([T, KVH, D]) to the cache, then attend q ([T, N, D]); returns ([T, N, D], cache)."""
-    cache = write_kv(cache, layer, meta.slot_mapping, k, v)
-    out = attention_fn(q, cache.k, cache.v, layer, meta.cu_q_lens, meta.kv_lens, meta.page_table,
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer_kv: LayerKV, meta: AttentionMetadata,
+                    attention_fn: RaggedAttentionFn) -> tuple[jax.Array, LayerKV]:
+    """Write k, v ([T, KVH, D]) to the layer's pages, then attend q ([T, N, D]); returns ([T, N, D], pages)."""
+    layer_kv = write_kv(layer_kv, meta.slot_mapping, k, v)
+    out = attention_fn(q, layer_kv.k, layer_kv.v, meta.cu_q_lens, meta.kv_lens, meta.page_table,
                        meta.num_seqs)
-    return out, cache
+    return out, layer_kv

@@ -1,21 +1,31 @@
-"""One Flax decoder for GPT-2/GPT-3 and Llama-style models, built for ragged token-flattened batches.
+"""One decoder for GPT-2/GPT-3 and Llama-style models, built for ragged token-flattened batches.
 
 Every op but attention sees one flat [T, H] tensor holding all requests' new tokens (ORCA's selective
-batching). Per-layer weights are stacked on a leading axis and applied with a scan, so compile time
-does not grow with depth. Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim,
-F ffn, V vocab, S sequences.
+batching). A layer is a Flax `Block` with its own params and its own KV pages; the forward pass is a
+plain Python loop over layers, so under jit it is unrolled: each layer reads its weights where they
+lie (a scan over stacked weights copies every layer's slice first, ~1/3 of HBM bandwidth on an H200)
+and updates its donated K/V pages in place. A contiguous range of layers is also a pipeline stage.
+
+Params, on device: {"embed", "pos_embed" (GPT), "final_norm", "lm_head" (untied), "layers": [one
+dict per layer]}. Files and checkpoints hold the same tree with the layers stacked on a leading axis
+("stacked" layout, what loaders return); `unstack_layers` / `stack_layers` convert.
+
+Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, F ffn, V vocab, S sequences.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from orca_jax.config import ModelConfig, ModelFamily
-from orca_jax.models.attention import AttentionMetadata, KVCache, RaggedAttentionFn, paged_attention
+from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKV, RaggedAttentionFn,
+                                       empty_layer_kv, paged_attention)
 
 _init_weight = nn.initializers.normal(stddev=0.02)
 
@@ -80,7 +90,7 @@ class Attention(nn.Module):
     attention_fn: RaggedAttentionFn
 
     @nn.compact
-    def __call__(self, x, positions, cache: KVCache, layer, meta: AttentionMetadata):
+    def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata):
         cfg = self.config
         h, n, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = Linear(cfg, "TH,HND->TND", (h, n, d), (n, d), name="q")(x)  # [T, N, D]
@@ -89,8 +99,8 @@ class Attention(nn.Module):
         if cfg.family is ModelFamily.LLAMA:
             q = apply_rope(q, positions, cfg.rope_theta)
             key = apply_rope(key, positions, cfg.rope_theta)
-        out, cache = paged_attention(q, key, value, cache, layer, meta, self.attention_fn)
-        return Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out), cache
+        out, layer_kv = paged_attention(q, key, value, layer_kv, meta, self.attention_fn)
+        return Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out), layer_kv
 
 
 class Mlp(nn.Module):
@@ -110,91 +120,146 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer; scanned over the stacked layer axis."""
+    """One pre-norm transformer layer: [T, H] and its K/V pages in, [T, H] and the pages out."""
 
     config: ModelConfig
     attention_fn: RaggedAttentionFn
 
     @nn.compact
-    def __call__(self, carry, layer, positions, meta):
-        x, cache = carry
-        attn_out, cache = Attention(self.config, self.attention_fn, name="attn")(
-            Norm(self.config, name="attn_norm")(x), positions, cache, layer, meta)
+    def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata):
+        attn_out, layer_kv = Attention(self.config, self.attention_fn, name="attn")(
+            Norm(self.config, name="attn_norm")(x), positions, layer_kv, meta)
         x = x + attn_out
         x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
-        return (x, cache), None
+        return x, layer_kv
 
 
-class Decoder(nn.Module):
-    """Ragged forward pass: new tokens of all requests in, logits at the requested rows out."""
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """The ragged forward pass as three pieces a pipeline stage can pick from: embed, layers, logits."""
 
     config: ModelConfig
     attention_fn: RaggedAttentionFn
-    # Layers unrolled per loop step; the param layout stays stacked either way (see
-    # EngineConfig.unroll_layers for what each choice costs on GPU).
-    scan_unroll: int = 1
 
-    @nn.compact
+    @property
+    def block(self) -> Block:
+        return Block(self.config, self.attention_fn)
+
+    def embed(self, params, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """i32[T] token ids and positions -> [T, H] hidden states."""
+        x = params["embed"][token_ids]  # [T, H]
+        if self.config.family is ModelFamily.GPT:
+            x = x + params["pos_embed"][positions]
+        return x
+
+    def layers(self, layer_params, kv: KVCache, x: jax.Array, positions: jax.Array,
+               meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        """Run layers in order (one params dict and one LayerKV each); a Python loop, unrolled by jit."""
+        if len(layer_params) != len(kv):
+            raise ValueError(f"{len(layer_params)} layers of params but {len(kv)} of KV pages")
+        new_kv = []
+        for params, layer_kv in zip(layer_params, kv):
+            x, layer_kv = self.block.apply({"params": params}, x, positions, layer_kv, meta)
+            new_kv.append(layer_kv)
+        return x, tuple(new_kv)
+
+    def logits(self, params, x: jax.Array) -> jax.Array:
+        """[S, H] hidden states at the rows to sample from -> f32[S, V]."""
+        x = Norm(self.config).apply({"params": params["final_norm"]}, x)
+        if self.config.tie_embeddings:
+            return jnp.einsum("SH,VH->SV", x, params["embed"], preferred_element_type=jnp.float32)
+        return jnp.einsum("SH,HV->SV", x, params["lm_head"], preferred_element_type=jnp.float32)
+
     def __call__(
         self,
+        params,
+        kv: KVCache,
         token_ids: jax.Array,  # i32[T]
         positions: jax.Array,  # i32[T]
-        cache: KVCache,
         meta: AttentionMetadata,
         logits_indices: jax.Array,  # i32[S]: the row of each request's last new token
-    ) -> tuple[jax.Array, KVCache]:  # (f32[S, V], cache)
-        cfg = self.config
-        embed = self.param("embed", _init_weight, (cfg.vocab_size, cfg.hidden_size), _dtype(cfg))  # [V, H]
-        x = embed[token_ids]  # [T, H]
-        if cfg.family is ModelFamily.GPT:
-            pos_embed = self.param("pos_embed", nn.initializers.normal(0.01),
-                                   (cfg.max_seq_len, cfg.hidden_size), _dtype(cfg))
-            x = x + pos_embed[positions]
-        layers = nn.scan(
-            Block,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast),
-            length=cfg.num_layers,
-            unroll=self.scan_unroll,
-        )(cfg, self.attention_fn, name="layers")
-        (x, cache), _ = layers((x, cache), jnp.arange(cfg.num_layers, dtype=jnp.int32), positions, meta)
-        x = Norm(cfg, name="final_norm")(x[logits_indices])  # [S, H]
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("SH,VH->SV", x, embed, preferred_element_type=jnp.float32)
-        else:
-            head = self.param("lm_head", _init_weight, (cfg.hidden_size, cfg.vocab_size), _dtype(cfg))
-            logits = jnp.einsum("SH,HV->SV", x, head, preferred_element_type=jnp.float32)
-        return logits, cache
+    ) -> tuple[jax.Array, KVCache]:  # (f32[S, V], kv)
+        """The whole model: new tokens of all requests in, logits at the requested rows out."""
+        x = self.embed(params, token_ids, positions)
+        x, kv = self.layers(params["layers"], kv, x, positions, meta)
+        return self.logits(params, x[logits_indices]), kv
 
 
-def empty_cache(config: ModelConfig, num_pages: int, page_size: int) -> KVCache:
-    """Zeroed K/V pages for every layer: [L, KVH, num_pages, page_size, D] each."""
-    shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
-    return KVCache(jnp.zeros(shape, _dtype(config)), jnp.zeros(shape, _dtype(config)))
+def empty_cache(config: ModelConfig, num_pages: int, page_size: int,
+                layers: range | None = None) -> KVCache:
+    """Zeroed K/V pages for each layer (all layers, or a stage's range): [KVH, num_pages, page_size, D]."""
+    layers = range(config.num_layers) if layers is None else layers
+    return tuple(empty_layer_kv(config.num_kv_heads, num_pages, page_size, config.head_dim,
+                                _dtype(config)) for _ in layers)
 
 
 def _dummy_inputs(config: ModelConfig):
-    cache = empty_cache(config, num_pages=2, page_size=1)
+    x = jnp.zeros((1, config.hidden_size), _dtype(config))
+    layer_kv = empty_layer_kv(config.num_kv_heads, 2, 1, config.head_dim, _dtype(config))
     meta = AttentionMetadata(
         cu_q_lens=jnp.array([0, 1], jnp.int32), kv_lens=jnp.array([1], jnp.int32),
         page_table=jnp.array([[1]], jnp.int32), slot_mapping=jnp.array([1], jnp.int32),
         num_seqs=jnp.array([1], jnp.int32))
-    return jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), cache, meta, jnp.zeros((1,), jnp.int32)
+    return x, jnp.zeros((1,), jnp.int32), layer_kv, meta
 
 
-def param_shapes(config: ModelConfig, attention_fn: RaggedAttentionFn):
-    """The params pytree as ShapeDtypeStructs, computed without allocating anything."""
-    model = Decoder(config, attention_fn)
-    return jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy_inputs(config))["params"])
+def _init_all(config: ModelConfig, key: jax.Array):
+    """Random params in the device layout (one dict per layer), in the config's dtype."""
+    from orca_jax.kernels.ragged_attention import ragged_attention_reference  # init runs it once
+
+    block = Block(config, ragged_attention_reference)
+    keys = jax.random.split(key, config.num_layers + 3)
+    dummy = _dummy_inputs(config)
+    dtype = _dtype(config)
+    h = config.hidden_size
+    params = {
+        "embed": _init_weight(keys[0], (config.vocab_size, h), dtype),
+        "final_norm": Norm(config).init(keys[1], dummy[0])["params"],
+        "layers": [block.init(keys[3 + i], *dummy)["params"] for i in range(config.num_layers)],
+    }
+    if config.family is ModelFamily.GPT:
+        params["pos_embed"] = nn.initializers.normal(0.01)(keys[2], (config.max_seq_len, h), dtype)
+    if not config.tie_embeddings:
+        params["lm_head"] = _init_weight(jax.random.fold_in(keys[0], 1), (h, config.vocab_size), dtype)
+    return params
 
 
-def init_params(config: ModelConfig, attention_fn: RaggedAttentionFn, seed: int = 0, out_shardings=None):
+def param_shapes(config: ModelConfig):
+    """The device-layout params tree as ShapeDtypeStructs, computed without allocating anything."""
+    return jax.eval_shape(lambda: _init_all(config, jax.random.key(0)))
+
+
+def stacked_param_shapes(config: ModelConfig):
+    """The stacked (file) layout: what loaders return and checkpoints hold; layers on a leading axis."""
+    shapes = param_shapes(config)
+    layer = shapes["layers"][0]
+    stacked = dict(shapes)
+    stacked["layers"] = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct((config.num_layers, *s.shape), s.dtype), layer)
+    return stacked
+
+
+def init_params(config: ModelConfig, seed: int = 0, out_shardings=None):
     """Random weights made on device inside jit, in the config's dtype (the paper's evaluation setup)."""
-    model = Decoder(config, attention_fn)
+    return jax.jit(functools.partial(_init_all, config), out_shardings=out_shardings)(jax.random.key(seed))
 
-    @functools.partial(jax.jit, out_shardings=out_shardings)
-    def _init(key):
-        return model.init(key, *_dummy_inputs(config))["params"]
 
-    return _init(jax.random.key(seed))
+def unstack_layers(params):
+    """Stacked layout -> device layout: layer i's arrays are views x[i] (no copy for numpy input)."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    num_layers = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    out = dict(params)
+    out["layers"] = [jax.tree_util.tree_map(lambda x, i=i: x[i], layers) for i in range(num_layers)]
+    return out
+
+
+def stack_layers(params):
+    """Device layout -> stacked layout, on the host (numpy), for checkpoints and checks."""
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        return params
+    out = dict(params)
+    out["layers"] = jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
+    return out

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from orca_jax.config import ModelConfig
-from orca_jax.models import presets, weights
+from orca_jax.models import decoder, presets, weights
 from orca_jax.models.weights import WeightsError
 from orca_jax.tokenizer import BaseTokenizer, ByteTokenizer, Tokenizer, TokenizerError
 
@@ -36,7 +36,7 @@ class LoadedModel:
     """A model ready for the runner: params None means random-initialise on device."""
 
     config: ModelConfig
-    params: dict | None  # numpy arrays in config.dtype, laid out as decoder.param_shapes
+    params: dict | None  # numpy arrays in config.dtype, laid out as decoder.stacked_param_shapes
     tokenizer: BaseTokenizer
 
 
@@ -142,6 +142,7 @@ def _directory_tokenizer(directory: str, config: ModelConfig) -> BaseTokenizer:
 
 def save_model(directory: str, config: ModelConfig, params, tokenizer: BaseTokenizer | None = None) -> None:
     """Write params (orbax), config (json) and a real tokenizer so that load_model(directory) restores all."""
+    params = decoder.stack_layers(params)
     weights.check_params(jax.tree_util.tree_map(np.asarray, params), config, directory)
     os.makedirs(directory, exist_ok=True)
     weights.save_params(os.path.join(directory, CHECKPOINT_PARAMS), params)

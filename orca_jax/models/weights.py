@@ -1,7 +1,8 @@
 """Weights from files into our params pytree: GGUF (Llama), GPT-2 safetensors, and our own orbax checkpoints.
 
-Every loader returns numpy arrays in the config's dtype, laid out as `decoder.param_shapes` says
-(per-layer weights stacked on a leading [L] axis, einsum layouts), and checks every shape on the way.
+Every loader returns numpy arrays in the config's dtype, in the stacked layout that
+`decoder.stacked_param_shapes` says (per-layer weights stacked on a leading [L] axis, einsum layouts),
+and checks every shape on the way; the runner unstacks them per layer on the way to the device.
 Anything missing, truncated or mismatched raises WeightsError naming the file and what is wrong.
 """
 
@@ -15,7 +16,6 @@ import jax
 import numpy as np
 
 from orca_jax.config import ModelConfig, ModelFamily
-from orca_jax.kernels.ragged_attention import ragged_attention_reference
 from orca_jax.models import decoder
 
 Params = dict  # nested dict of np.ndarray, the Decoder's "params" collection
@@ -28,8 +28,8 @@ class WeightsError(ValueError):
 # --- shared helpers ------------------------------------------------------------------------------
 
 def expected_shapes(config: ModelConfig) -> dict:
-    """The params pytree as nested dicts of shape tuples."""
-    shapes = decoder.param_shapes(config, ragged_attention_reference)
+    """The stacked params pytree as nested dicts of shape tuples."""
+    shapes = decoder.stacked_param_shapes(config)
     return jax.tree_util.tree_map(lambda s: tuple(s.shape), shapes)
 
 
@@ -346,14 +346,14 @@ def load_gpt2_params(directory: str, config: ModelConfig) -> Params:
 # --- our own checkpoints (orbax) ------------------------------------------------------------------
 
 def save_params(path: str, params: Params) -> None:
-    """Write a params pytree with orbax (path must not exist yet)."""
+    """Write a params pytree with orbax, in the stacked layout (path must not exist yet)."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)
     if os.path.exists(path):
         raise WeightsError(f"{path}: already exists; refusing to overwrite a checkpoint")
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path, jax.tree_util.tree_map(np.asarray, params))
+    checkpointer.save(path, jax.tree_util.tree_map(np.asarray, decoder.stack_layers(params)))
     checkpointer.wait_until_finished()
 
 

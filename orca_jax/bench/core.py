@@ -1,0 +1,214 @@
+"""The engine-core benchmark: one model, one process, every number next to its bound.
+
+`python -m orca_jax.bench core --model llama-8b --out DIR` measures, in one run on one GPU:
+- cold start: process start -> every bucket compiled, with an empty and with a warm compilation
+  cache (two child processes), and the program count;
+- decode time per iteration at batch 1, 8 and 32 (context ~512) against the weight-read bound
+  (weight bytes / the copy bandwidth measured in this run);
+- offline throughput on the paper's uniform trace and on its homogeneous trace (Figure 11), the
+  trace's roofline bound from a host replay of the same schedule, and fed/real tokens;
+- the GPU's idle fraction between iterations with host/device overlap on and off (device-busy time
+  of the same batch shapes replayed back to back, over the engine's wall time);
+- transformers' continuous batching on the same uniform trace (its own process; --no-hf skips).
+Results go to DIR/<model>_core.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from orca_jax.batch import empty_batch
+from orca_jax.bench import roofline
+from orca_jax.bench.traces import Trace, TraceKind, make_trace
+from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+from orca_jax.engine import Engine
+from orca_jax.kv_cache import KVCacheManager
+from orca_jax.models.loader import LoadedModel
+from orca_jax.models.presets import PRESETS
+from orca_jax.request import Request, SamplingParams
+from orca_jax.scheduler import Scheduler
+from orca_jax.tokenizer import ByteTokenizer
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CoreSetup:
+    """The engine shape every section uses (the issue's: 128 sequences, 2048 tokens per iteration)."""
+
+    model: str
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    num_requests: int = 512
+    kv_gib: float | None = None  # None: the runner's share of free memory
+    dtype: str = "bfloat16"
+
+
+def random_model(model: str, dtype: str) -> LoadedModel:
+    config = dataclasses.replace(PRESETS[model], dtype=dtype)
+    return LoadedModel(config, None, ByteTokenizer(config.eos_token_ids, config.bos_token_id))
+
+
+def engine_config(setup: CoreSetup, **overrides) -> EngineConfig:
+    return EngineConfig(model=setup.model, dtype=setup.dtype,
+                        cache=CacheConfig(kv_memory_gib=setup.kv_gib),
+                        scheduler=SchedulerConfig(max_batch_size=setup.max_num_seqs,
+                                                  max_num_batched_tokens=setup.max_num_batched_tokens,
+                                                  max_waiting=max(4096, setup.num_requests)),
+                        **overrides)
+
+
+def _run_trace(engine: Engine, trace: Trace) -> dict:
+    """All requests at t=0 (offline), EOS ignored; generated tokens per second over the drain."""
+    vocab = engine.model_config.vocab_size
+    before = engine.stats()
+    start = time.perf_counter()
+    for i, r in enumerate(trace.requests):
+        engine.add_request(trace.prompt_ids(i, vocab), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+    generated = 0
+    while engine.has_unfinished():
+        generated += sum(len(out.new_token_ids) for out in engine.step())
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    iterations = after.iterations - before.iterations
+    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
+            "iterations": iterations, "ms_per_iteration": 1e3 * seconds / max(iterations, 1),
+            "host_s": after.host_seconds_total - before.host_seconds_total,
+            "device_wait_s": after.device_wait_seconds_total - before.device_wait_seconds_total}
+
+
+def trace_bound(setup: CoreSetup, engine: Engine, trace: Trace, peaks: roofline.Peaks) -> dict:
+    """The roofline bound of the trace's schedule, replayed on the host with the engine's own scheduler."""
+    config = engine.model_config
+    max_len = max(r.prompt_len + r.max_tokens for r in trace.requests)
+    kv = KVCacheManager(len(trace.requests) * -(-max_len // 16) + 1, 16)
+    scheduler = Scheduler(engine.config.scheduler, kv, config.max_seq_len)
+    for i, r in enumerate(trace.requests):
+        scheduler.add_request(Request(str(i), [5] * r.prompt_len,
+                                      SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), arrival_time=float(i)))
+    costs = roofline.ModelCosts.of(config)
+    bound = fed = real = 0
+    while scheduler.has_unfinished():
+        output = scheduler.schedule()
+        q = np.array([s.num_new_tokens for s in output.scheduled], np.int64)
+        k = np.array([s.request.num_computed_tokens for s in output.scheduled], np.int64) + q
+        memory, compute = roofline.iteration_bound(costs, peaks, int(q.sum()), len(q), int(k.sum()),
+                                                   int((q * k - q * (q - 1) // 2).sum()))
+        bound += max(memory, compute)
+        real += int(q.sum())
+        fed += engine.buckets.bucket(int(q.sum()), len(q), 1)[0]
+        scheduler.update(output, [7] * output.num_requests)
+    generated = sum(r.max_tokens for r in trace.requests)
+    return {"bound_s": bound, "bound_tokens_per_s": generated / bound, "fed_over_real": fed / real}
+
+
+def decode_latency(engine: Engine, batch_size: int, context: int = 512, steps: int = 20) -> dict:
+    """Median wall time of an iteration where batch_size requests each feed one token."""
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(batch_size)
+    ids = [engine.add_request(rng.integers(3, vocab, context).tolist(),
+                              SamplingParams(max_tokens=steps + 8, ignore_eos=True)) for _ in range(batch_size)]
+    seen: set[str] = set()
+    while len(seen) < batch_size:  # until every prompt is in and each has its first token
+        seen.update(out.request_id for out in engine.step())
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return {"batch_size": batch_size, "context": context, "ms_per_iteration": 1e3 * statistics.median(times)}
+
+
+def device_busy_ms(engine: Engine, tokens: int) -> float:
+    """Forward + sampling of one padding batch of a bucket, replayed back to back: device time alone."""
+    t, s, p = engine.buckets.bucket(tokens, min(tokens, engine.buckets.max_seqs), 1)
+    batch = empty_batch(t, s, p)
+    jax.block_until_ready(engine.runner.execute(batch))
+    start = time.perf_counter()
+    for _ in range(20):
+        out = engine.runner.execute(batch)
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - start) / 20
+
+
+def cold_start(setup: CoreSetup) -> dict:
+    """Two child processes with one fresh cache directory: the empty-cache start, then the warm one."""
+    with tempfile.TemporaryDirectory(prefix="orca_jax_cache_") as cache_dir:
+        runs = []
+        for label in ("empty_cache", "warm_cache"):
+            cmd = [sys.executable, "-m", "orca_jax.bench", "core-start", "--model", setup.model,
+                   "--max-num-seqs", str(setup.max_num_seqs),
+                   "--max-num-batched-tokens", str(setup.max_num_batched_tokens), "--cache-dir", cache_dir]
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            wall = time.perf_counter() - start
+            if proc.returncode != 0:
+                runs.append({"label": label, "error": proc.stderr[-2000:]})
+                continue
+            child = json.loads(proc.stdout.strip().splitlines()[-1])
+            runs.append({"label": label, "process_to_ready_s": wall, **child})
+        return {"runs": runs}
+
+
+def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
+    """What `core-start` prints: the engine built and every program compiled, timed inside the child."""
+    start = time.perf_counter()
+    engine = Engine(engine_config(setup, compilation_cache_dir=cache_dir), random_model(setup.model, setup.dtype))
+    return {"engine_ready_s": time.perf_counter() - start,
+            "num_programs": engine.runner.num_compiled_programs, "params_init_s": engine.runner.params_seconds}
+
+
+def run_core(setup: CoreSetup, out_dir: str, hf: bool = True, hf_timeout_s: float = 400.0) -> dict:
+    """Every section in order; the JSON is rewritten after each, so a cut-off run keeps what it got."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{setup.model}_core.json")
+    result: dict = {"setup": dataclasses.asdict(setup), "device": jax.devices()[0].device_kind,
+                    "command": " ".join(sys.argv)}
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    result["cold_start"] = cold_start(setup)
+    save()
+    peaks = roofline.measure_peaks()
+    result["peaks"] = peaks.as_dict()
+    for overlap in (True, False):
+        engine = Engine(engine_config(setup, overlap=overlap), random_model(setup.model, setup.dtype))
+        label = "overlap" if overlap else "no_overlap"
+        section: dict = {"num_programs": engine.runner.num_compiled_programs}
+        weight_bound_ms = 1e3 * engine.runner.params_bytes / peaks.hbm_bytes_per_s
+        section["decode"] = [dict(decode_latency(engine, b), weight_bound_ms=weight_bound_ms) for b in (1, 8, 32)]
+        for kind in (TraceKind.UNIFORM, TraceKind.HOMOGENEOUS):
+            trace = make_trace(kind, setup.num_requests, None, 0)
+            runs = [_run_trace(engine, trace) for _ in range(2)]  # the second is the warm one
+            bound = trace_bound(setup, engine, trace, peaks)
+            warm = runs[-1]
+            section[kind.value] = {"runs": runs, **bound,
+                                   "fraction_of_bound": bound["bound_s"] / warm["seconds"]}
+        section["idle"] = {"ms_per_iteration_decode_b32": section["decode"][2]["ms_per_iteration"],
+                           "device_busy_ms_b32": device_busy_ms(engine, 32)}
+        section["idle"]["idle_fraction"] = 1 - section["idle"]["device_busy_ms_b32"] / \
+            section["idle"]["ms_per_iteration_decode_b32"]
+        result[label] = section
+        save()
+        del engine
+    if hf:
+        from orca_jax.bench.suite import run_hf_subprocess
+        result["hf"] = run_hf_subprocess(setup.model, setup.num_requests, 0,
+                                         os.path.join(out_dir, f"{setup.model}_core_hf.json"), hf_timeout_s,
+                                         micro=False)
+        save()
+    return result

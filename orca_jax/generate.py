@@ -1,18 +1,19 @@
 """One-shot greedy generation: `python -m orca_jax.generate --model smollm2-135m "Once upon a time"`.
 
-Runs the decoder directly on one sequence (no engine); the text goes to stdout, timings to stderr.
+Runs one request through the engine (the same path as the server); the text goes to stdout as it
+is generated, timings to stderr. A preset without a weights file runs on random weights.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 
-from orca_jax.models.greedy import greedy_stream
+from orca_jax.config import EngineConfig
+from orca_jax.engine import Engine
 from orca_jax.models.loader import load_model
-from orca_jax.tokenizer import StreamDecoder
+from orca_jax.request import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,28 +26,29 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype)
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
-    if model.params is None:
+    if loaded.params is None:
         print(f"note: {args.model} has no weights file; using random weights", file=sys.stderr)
-        from orca_jax.models.decoder import init_params
-        model = dataclasses.replace(model, params=init_params(model.config))
+    # One request meets few buckets: compile those on first use rather than all at start.
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, precompile=False), loaded)
 
-    tokenizer = model.tokenizer
+    tokenizer = engine.tokenizer
     text = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
             if args.chat else args.prompt)
     prompt_ids = tokenizer.encode(text)
-    stream = StreamDecoder(tokenizer)
+    max_tokens = min(args.max_tokens, engine.max_model_len - len(prompt_ids))
     if not args.chat:
         sys.stdout.write(args.prompt)
     start = time.perf_counter()
-    token_times = []
-    for token in greedy_stream(model.config, model.params, prompt_ids, args.max_tokens,
-                               tokenizer.eos_token_ids):
-        token_times.append(time.perf_counter())
-        sys.stdout.write(stream.push(token))
-        sys.stdout.flush()
-    sys.stdout.write(stream.flush() + "\n")
+    token_times: list[float] = []
+    engine.add_request(prompt_ids, SamplingParams(max_tokens=max_tokens))
+    while engine.has_unfinished():
+        for out in engine.step():
+            token_times += [time.perf_counter()] * len(out.new_token_ids)
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
     _report(len(prompt_ids), start, token_times)
 
 

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from orca_jax.batch import RaggedBatch, empty_batch
+from orca_jax.batch import RaggedBatch, empty_batch, next_power_of_two
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.kernels import ragged_attention as ragged
+from orca_jax.kv_cache import pages_for_budget
 from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
@@ -80,7 +81,7 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
         budget = max(free, 0) * _GPU_KV_FRACTION * num_devices
     else:
         budget = _CPU_DEFAULT_KV_GIB * 2**30
-    return max(2, int(budget // (config.kv_bytes_per_token * cache.page_size)))
+    return max(2, pages_for_budget(config.kv_bytes_per_token, cache.page_size, int(budget)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -247,6 +248,30 @@ class ModelRunner:
     def fetch(packed: jax.Array, batch: RaggedBatch) -> StepResult:
         """Block until the step's tokens are on the host."""
         return StepResult.unpack(np.asarray(packed), batch.num_real_seqs, batch.num_top_logprobs)
+
+    def prompt_logits(self, token_ids) -> np.ndarray:
+        """f32[T, V] next-token logits at every position of one prompt (for parity tests).
+
+        One forward pass of a one-request batch on pages 1..ceil(T / page_size), logits at every row:
+        it overwrites those pages' K/V, so call it only on a runner no engine is using.
+        """
+        n = len(token_ids)
+        num_pages = -(-n // self.page_size)
+        if n == 0 or num_pages >= self.num_pages:
+            raise ValueError(f"{n} tokens need 1..{self.num_pages - 1} pages, not {num_pages}")
+        t = s = next_power_of_two(max(n, 8))  # S = T: one logits row per token
+        batch = empty_batch(t, s, next_power_of_two(num_pages))
+        positions = np.arange(n, dtype=np.int32)
+        batch.token_ids[:n] = token_ids
+        batch.positions[:n] = positions
+        batch.page_table[0, :num_pages] = np.arange(1, num_pages + 1)
+        batch.slot_mapping[:n] = batch.page_table[0, positions // self.page_size] * self.page_size \
+            + positions % self.page_size
+        batch.cu_q_lens[1:] = n
+        batch.kv_lens[0] = n
+        batch.num_seqs[0] = 1
+        batch.logits_indices[:] = np.minimum(np.arange(s), n - 1)
+        return np.asarray(self.forward(batch))[:n]
 
 
 def _forward(model: decoder.Decoder, params, kv, token_ids, token_sources, prev_tokens, positions, meta,

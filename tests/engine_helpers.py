@@ -10,6 +10,7 @@ from orca_jax.engine import Engine
 
 def tiny_engine(model: str = "tiny-llama", *, max_batch_size: int = 8, max_num_batched_tokens: int = 64,
                 page_size: int = 4, num_pages: int = 256, seed: int = 0, async_scheduling: bool = True,
+                scheduler_factory=None,
                 **overrides) -> Engine:
     config = EngineConfig(
         model=model,
@@ -17,7 +18,7 @@ def tiny_engine(model: str = "tiny-llama", *, max_batch_size: int = 8, max_num_b
         scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
                                   async_scheduling=async_scheduling),
         seed=seed, precompile=False)  # most tests meet few buckets: compile those on first use
-    return Engine(dataclasses.replace(config, **overrides))
+    return Engine(dataclasses.replace(config, **overrides), scheduler_factory=scheduler_factory)
 
 
 def drain(engine: Engine, max_iterations: int = 10_000) -> dict[str, list[int]]:

@@ -1,4 +1,4 @@
-"""Run our decoder and a transformers model on the same token ids (logits at every position, greedy)."""
+"""Run our engine and a transformers model on the same token ids (logits at every position, greedy)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,40 @@ from typing import Sequence
 
 import numpy as np
 
-from orca_jax.models.greedy import greedy_generate, prompt_logits  # noqa: F401  (re-exported)
+from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
+from orca_jax.engine import Engine
 from orca_jax.models.loader import SMOLLM2_GGUF, smollm2_gguf_path  # noqa: F401
+from orca_jax.request import SamplingParams
 
 PAGE_SIZE = 16  # several pages per test sequence, so page-table indexing is exercised
+_ENGINES: dict[int, tuple[object, Engine]] = {}  # id(loaded) -> (loaded, its engine)
+
+
+def our_engine(loaded) -> Engine:
+    """One engine per loaded model (jnp attention, fp32 as loaded), built once per test session."""
+    key = id(loaded)
+    if key not in _ENGINES:
+        config = EngineConfig(cache=CacheConfig(page_size=PAGE_SIZE, num_pages=64),
+                              scheduler=SchedulerConfig(max_batch_size=4, max_num_batched_tokens=128),
+                              attention=AttentionBackend.JNP, precompile=False)
+        _ENGINES[key] = (loaded, Engine(config, loaded))  # loaded kept so its id stays unique
+    return _ENGINES[key][1]
 
 
 def our_logits(loaded, token_ids: Sequence[int]) -> np.ndarray:
-    """f32[T, V] from one prefill of our decoder through the jnp attention path."""
-    return prompt_logits(loaded.config, loaded.params, token_ids, page_size=PAGE_SIZE)
+    """f32[T, V] from one prefill of our runner through the jnp attention path."""
+    return our_engine(loaded).runner.prompt_logits(token_ids)
 
 
 def our_greedy(loaded, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    return greedy_generate(loaded.config, loaded.params, token_ids, max_new_tokens,
-                           loaded.tokenizer.eos_token_ids, page_size=PAGE_SIZE)
+    """The engine's greedy continuation (eos included when reached)."""
+    engine = our_engine(loaded)
+    request_id = engine.add_request(list(token_ids), SamplingParams(max_tokens=max_new_tokens))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished and out.request_id == request_id:
+                return out.output_token_ids
+    raise AssertionError("the engine finished without the request")
 
 
 def hf_logits(model, token_ids: Sequence[int]) -> np.ndarray:

@@ -237,3 +237,40 @@ def test_async_scheduling_plans_ahead_and_changes_no_token():
     expected = run(False, stops)
     assert expected == run(True, stops)
     assert {reason for _, reason in expected.values()} == {"stop", "length"}
+
+
+def test_injected_scheduler_and_observer_seams():
+    """A scheduler factory with its own policy object goes in through the constructor; an observer
+    sees each dispatched batch and update, with the engine's own phase timings."""
+    import functools
+
+    from orca_jax.config import SchedulerConfig
+    from orca_jax.policies import FCFS
+    from orca_jax.scheduler import Scheduler
+
+    class LastArrivalFirst(FCFS):
+        def sort_key(self, request):
+            return (-request.arrival_time,)
+
+    class Recorder:
+        def __init__(self):
+            self.dispatched, self.updates = [], 0
+
+        def on_dispatch(self, batch, timing):
+            self.dispatched.append((batch.num_real_seqs, timing.build_s >= 0 and timing.dispatch_s >= 0))
+
+        def on_update(self, output, seconds):
+            self.updates += 1
+
+    config = SchedulerConfig(max_batch_size=1, max_num_batched_tokens=64)
+    engine = tiny_engine(scheduler_factory=lambda kv, max_len, stages: Scheduler(
+        config, kv, max_len, stages, policy=LastArrivalFirst()))
+    recorder = Recorder()
+    engine.add_observer(recorder)
+    engine.add_request([5, 6], SamplingParams(max_tokens=2, ignore_eos=True), request_id="first")
+    engine.add_request([7, 8], SamplingParams(max_tokens=2, ignore_eos=True), request_id="second")
+    assert [o.request_id for o in engine.step()] == ["second"]  # the injected policy's order
+    drain(engine)
+    assert recorder.dispatched == [(1, True)] * 4 and recorder.updates == 4
+    engine.remove_observer(recorder)
+    assert isinstance(engine.replace_scheduler(functools.partial(Scheduler, config)), Scheduler)

@@ -1,10 +1,11 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,report}`: see each subcommand's --help."""
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,report,kernels,iteration}`: see each subcommand's --help."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 
 
 def main(argv=None) -> None:
@@ -45,6 +46,17 @@ def main(argv=None) -> None:
     report = sub.add_parser("report", help="plots and summary.md from a results directory")
     report.add_argument("results_dir")
 
+    # Its own parser takes the rest of the line (see the dispatch below); listed here for --help.
+    sub.add_parser("kernels", help="ragged attention kernel vs the jnp reference on a GPU")
+
+    iteration = sub.add_parser("iteration", help="one llama-8b engine iteration at batch 64: Pallas vs jnp")
+    iteration.add_argument("out_file")
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["kernels"]:
+        from orca_jax.bench.kernels import main as kernels_main
+        kernels_main(argv[1:])
+        return
     args = parser.parse_args(argv)
     if args.command == "suite":
         from orca_jax.bench.suite import run_suite
@@ -75,6 +87,9 @@ def main(argv=None) -> None:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "padding.json"), "w") as f:
                 json.dump(result, f, indent=1)
+    elif args.command == "iteration":
+        from orca_jax.bench.iteration import main as iteration_main
+        iteration_main(args.out_file)
     elif args.command == "report":
         from orca_jax.bench.report import write_report
         print(write_report(args.results_dir))

@@ -13,7 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_TOP_LOGPROBS = 20  # SamplingParams.MAX_TOP_LOGPROBS
+from orca_jax.request import SamplingParams
+
+MAX_TOP_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
 MAX_SEED = 2**32 - 1  # the engine keeps seeds as uint32
 MAX_INT32 = 2**31 - 1
 

@@ -1,6 +1,6 @@
 """Ragged paged attention on a GPU: correctness against the jnp reference, then timings.
 
-Run from the repository root:  PYTHONPATH=. python3 benchmarks/kernel_bench.py --out DIR [--sweep]
+Run:  python -m orca_jax.bench kernels --out DIR [--sweep]
 Writes DIR/kernel_bench.json and prints a short table last. Timings are jax-side: warm-up, then the
 median over repetitions of (back-to-back calls / count), so host dispatch overlaps device work; a call
 runs about five kernels (schedule, passes, split combine), so rows under ~70 us may be bounded by
@@ -308,12 +308,12 @@ def sweep(deadline: float) -> list[dict]:
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(prog="python -m orca_jax.bench kernels", )
     parser.add_argument("--out", default=".")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles")
     parser.add_argument("--sweep-seconds", type=float, default=180.0)
-    parsed = parser.parse_args()
+    parsed = parser.parse_args(argv)
     os.makedirs(parsed.out, exist_ok=True)
     path = os.path.join(parsed.out, "kernel_bench.json")
     dev = jax.devices()[0]

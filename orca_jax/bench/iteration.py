@@ -3,7 +3,7 @@
 Random bf16 weights. Each backend: 64 requests with 1000-token prompts are fed (chunked) until every request
 is in its increment phase, then the median wall time of whole engine iterations (schedule, batch, dispatch,
 device, tokens back) is taken over 20 iterations after 3 warm-up ones.
-Run: PYTHONPATH=. python3 benchmarks/engine_iteration_bench.py $OUT/engine_iteration.json
+Run: python -m orca_jax.bench iteration $OUT/engine_iteration.json
 """
 
 import json
@@ -42,16 +42,16 @@ def measure(backend: str) -> dict:
             "tokens": stats.last_num_tokens}
 
 
-def main():
+def main(out_path: str):
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "model": "llama-8b (random, bf16)",
                "rows": []}
     for backend in ("pallas", "jnp"):
         results["rows"].append(measure(backend))
         print(results["rows"][-1], flush=True)
         jax.clear_caches()
-    with open(sys.argv[1], "w") as f:
+    with open(out_path, "w") as f:
         json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])

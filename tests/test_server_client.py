@@ -1,6 +1,7 @@
 """`python -m orca_jax.client` against a live server over the fake engine."""
 
 import asyncio
+import io
 import json
 import signal
 import time
@@ -123,3 +124,20 @@ def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation(monkeypatch, 
     first, second = (bytes(p).decode() for p in engine.prompts)
     partial = out.split("assistant> ")[1].split("\n")[0]
     assert "hello" in second and partial in second and "go on" in second
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_batch_mode_shows_a_progress_bar_on_a_terminal(served, tmp_path, monkeypatch):
+    _, server = served
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\n")
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert client.main(["--url", server.url, "--api-key", "k", "batch", str(prompts), "--max-tokens", "2"]) == 0
+    shown = terminal.getvalue()
+    assert "3/3" in shown and "req" in shown and "tokens=6" in shown
+    assert shown.splitlines()[-1].startswith("3 requests, 0 failed, 6 tokens generated in ")

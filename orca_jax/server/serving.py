@@ -58,8 +58,8 @@ class OpenAIServing:
         self.check_model(body.model)
         prompts = [self.tokenizer.encode(p, split_special_tokens=self.split_special_tokens)
                    if isinstance(p, str) else list(p) for p in body.prompts()]
-        choices = self._choices(body, prompts, requested=body.max_tokens, default=COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                logprobs=body.logprobs, param="prompt")
+        choices = self._choices(body, prompts, requested=body.max_tokens,
+                                default=COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=body.logprobs, param="prompt")
         request_id = new_id("cmpl")
         formatter = CompletionFormatter(request_id, self.served_model_name, unix_now(), self.tokenizer,
                                         include_usage=body.include_usage_in_stream)

@@ -1,12 +1,15 @@
 """`python -m orca_jax.client`: FineInfer-style command-line client of an orca_jax server.
 
   chat   interactive, streamed, history kept, sent with high priority (chat overtakes batch work
-         when the server runs --scheduling-policy priority). /reset clears the history, /exit quits.
+         when the server runs --scheduling-policy priority). Ctrl-C stops the reply under way and
+         keeps the conversation; /reset clears the history, /exit or Ctrl-D quits.
   batch  a file of prompts (one per line, or JSONL objects with "prompt" or "messages" and any
-         request fields), all sent concurrently with low priority; each result is printed as it
-         finishes, with its time to first token, total time and token count.
+         request fields), sent concurrently with low priority; each result is printed as it
+         finishes, with its time to first token, total time and token count; a progress bar on a
+         terminal, a summary at the end, and with --output all results as JSON lines.
 
-Only httpx and the standard library: no jax is imported.
+Every request names max_tokens (--max-tokens), so none runs to the end of the context.
+Only httpx, tqdm and the standard library: no jax is imported.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import httpx
+import tqdm
 
 CHAT_PRIORITY = 10
 BATCH_PRIORITY = 0
 MAX_RETRIES_WHEN_BUSY = 5
+DEFAULT_MAX_TOKENS = 256
 
 
 class ServerError(Exception):
@@ -118,17 +124,28 @@ def _write_now(text: str) -> None:
     sys.stdout.flush()  # streamed tokens should appear as they arrive, not at the next newline
 
 
-async def run_chat(client: Client, args: argparse.Namespace, read_line: Callable[[str], str] | None = None,
-                   write: Callable[[str], None] = _write_now) -> None:
-    """Read-eval-print loop; each turn's reply streams to `write` as it is generated."""
+def reply_or_interrupt(runner: asyncio.Runner, reply: Coroutine[Any, Any, Reply]) -> Reply | None:
+    """Run one streamed reply to its end, or None when Ctrl-C stopped it.
+
+    The runner turns Ctrl-C into a cancellation of `reply`, whose `async with` then closes the
+    stream: the server sees the client leave and aborts the request. The session goes on.
+    """
+    try:
+        return runner.run(reply)
+    except KeyboardInterrupt:
+        return None
+
+
+def run_chat(runner: asyncio.Runner, client: Client, args: argparse.Namespace,
+             read_line: Callable[[str], str] | None = None, write: Callable[[str], None] = _write_now) -> None:
+    """Read-eval-print loop; each turn's reply streams to `write`, and Ctrl-C stops just that reply."""
     read_line = read_line or input  # looked up per call, so a replaced builtins.input is honoured
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    write("chat with the model; /reset clears the history, /exit or Ctrl-D quits\n")
+    write("chat with the model; Ctrl-C stops a reply, /reset clears the history, /exit or Ctrl-D quits\n")
     while True:
         try:
-            # In a thread: input() blocks, and the event loop should keep serving the connection.
-            line = (await asyncio.to_thread(read_line, "you> ")).strip()
-        except EOFError:
+            line = read_line("you> ").strip()
+        except (EOFError, KeyboardInterrupt):  # at the prompt, Ctrl-C quits as Ctrl-D does
             write("\n")
             return
         if line in ("/exit", "/quit"):
@@ -140,14 +157,28 @@ async def run_chat(client: Client, args: argparse.Namespace, read_line: Callable
             continue
         history.append({"role": "user", "content": line})
         write("assistant> ")
-        body = {"messages": history, "priority": args.priority, "temperature": args.temperature}
-        if args.max_tokens:
-            body["max_tokens"] = args.max_tokens
+        body = {"messages": history, "priority": args.priority, "temperature": args.temperature,
+                "max_tokens": args.max_tokens}
+        shown: list[str] = []
+
+        def show(text: str) -> None:
+            shown.append(text)
+            write(text)
+
         try:
-            reply = await client.stream("/v1/chat/completions", body, on_text=write)
+            reply = reply_or_interrupt(runner, client.stream("/v1/chat/completions", body, on_text=show))
         except (ServerError, httpx.HTTPError) as error:
             history.pop()
             write(f"\n[error: {error}]\n")
+            continue
+        if reply is None:
+            # Keep what the user saw, so the next turn can refer to it; a reply cut before any
+            # text leaves no turn behind (two user turns in a row would confuse the template).
+            if shown:
+                history.append({"role": "assistant", "content": "".join(shown)})
+            else:
+                history.pop()
+            write("\n[stopped]\n")
             continue
         history.append({"role": "assistant", "content": reply.text})
         write(f"\n[{reply.completion_tokens} tokens, first after {_seconds(reply.seconds_to_first_token)}, "
@@ -177,39 +208,71 @@ def read_batch(path: str) -> list[dict]:
     return bodies
 
 
+@dataclasses.dataclass(slots=True)
+class BatchSummary:
+    num_requests: int
+    num_failed: int
+    completion_tokens: int
+    seconds: float
+
+    def line(self) -> str:
+        rate = self.completion_tokens / self.seconds if self.seconds else 0.0
+        return (f"{self.num_requests} requests, {self.num_failed} failed, {self.completion_tokens} tokens "
+                f"generated in {self.seconds:.2f}s ({rate:.1f} tokens/s)")
+
+
 async def run_batch(client: Client, args: argparse.Namespace,
-                    write: Callable[[str], None] = _write_now) -> int:
-    """Sends every prompt at once; returns how many failed."""
+                    write: Callable[[str], None] = _write_now) -> BatchSummary:
+    """Sends the prompts (at most args.concurrency at once), with a progress bar on a terminal.
+
+    Each result is printed as it finishes; with --output, all of them are also written there as
+    JSON lines in the file's order.
+    """
     bodies = read_batch(args.file)
+    results: list[dict] = [{} for _ in bodies]
+    limit = asyncio.Semaphore(args.concurrency or len(bodies) or 1)
+    progress = tqdm.tqdm(total=len(bodies), unit="req", file=sys.stderr, dynamic_ncols=True,
+                         disable=args.no_progress or not sys.stderr.isatty())
+    tokens = failures = 0
     start = time.monotonic()
-    failures = 0
 
     async def one(index: int, body: dict) -> None:
-        nonlocal failures
-        body = {"priority": args.priority, "temperature": args.temperature, **body}
-        if args.max_tokens:
-            body.setdefault("max_tokens", args.max_tokens)
+        nonlocal tokens, failures
+        body = {"priority": args.priority, "temperature": args.temperature, "max_tokens": args.max_tokens,
+                **body}
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-        try:
-            reply = await client.stream(path, body)
-        except (ServerError, httpx.HTTPError) as error:
+        async with limit:
+            try:
+                reply = await client.stream(path, body)
+            except (ServerError, httpx.HTTPError) as error:
+                reply, result = None, {"index": index, "error": str(error)}
+            else:
+                result = {"index": index, "text": reply.text, "finish_reason": reply.finish_reason,
+                          "completion_tokens": reply.completion_tokens,
+                          "seconds_to_first_token": reply.seconds_to_first_token, "seconds": reply.seconds}
+        results[index] = result
+        if reply is None:
             failures += 1
-            write(json.dumps({"index": index, "error": str(error)}) + "\n" if args.jsonl
-                  else f"[{index}] error: {error}\n")
-            return
-        if args.jsonl:
-            write(json.dumps({"index": index, "text": reply.text, "finish_reason": reply.finish_reason,
-                              "completion_tokens": reply.completion_tokens,
-                              "seconds_to_first_token": reply.seconds_to_first_token,
-                              "seconds": reply.seconds}) + "\n")
+            line = f"[{index}] error: {result['error']}"
         else:
-            write(f"[{index}] {reply.seconds:.2f}s (first token {_seconds(reply.seconds_to_first_token)}), "
-                  f"{reply.completion_tokens} tokens, {reply.finish_reason}: {reply.text!r}\n")
+            tokens += reply.completion_tokens
+            line = (f"[{index}] {reply.seconds:.2f}s (first token {_seconds(reply.seconds_to_first_token)}), "
+                    f"{reply.completion_tokens} tokens, {reply.finish_reason}: {reply.text!r}")
+        with progress.external_write_mode():  # the bar is redrawn below the line, not through it
+            write((json.dumps(result) if args.jsonl else line) + "\n")
+        progress.set_postfix(tokens=tokens, failed=failures, refresh=False)
+        progress.update()
 
-    await asyncio.gather(*(one(i, body) for i, body in enumerate(bodies)))
-    total = time.monotonic() - start
-    sys.stderr.write(f"{len(bodies)} requests in {total:.2f}s, {failures} failed\n")
-    return failures
+    try:
+        await asyncio.gather(*(one(i, body) for i, body in enumerate(bodies)))
+    finally:
+        progress.close()
+    summary = BatchSummary(len(bodies), failures, tokens, time.monotonic() - start)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(result) + "\n" for result in results)
+    sys.stderr.write(summary.line() + (f"; results in {args.output}" if args.output else "") + "\n")
+    return summary
 
 
 def _seconds(value: float | None) -> str:
@@ -230,30 +293,49 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("file", help="one prompt per line, or JSONL request bodies")
     batch.add_argument("--priority", type=int, default=BATCH_PRIORITY)
     batch.add_argument("--jsonl", action="store_true", help="print results as JSON lines")
+    batch.add_argument("-o", "--output", default=None, help="also write every result to this JSONL file")
+    batch.add_argument("--concurrency", type=int, default=0, help="requests at once (0: all)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     for mode in (chat, batch):
-        mode.add_argument("--max-tokens", type=int, default=None)
+        # Sent with every request: a server's own default may be the whole context.
+        mode.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
         mode.add_argument("--temperature", type=float, default=0.0)
     return p
 
 
-async def main_async(args: argparse.Namespace) -> int:
+def _http_client(args: argparse.Namespace) -> httpx.AsyncClient:
     api_key = args.api_key or os.environ.get("ORCA_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # Batch mode opens one connection per prompt; no pool limit, or prompts would queue client-side.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=20)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout,
-                                 limits=limits) as http:
-        client = Client(http, args.model)
-        if args.mode == "chat":
-            await run_chat(client, args)
-            return 0
-        return 1 if await run_batch(client, args) else 0
+    return httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits)
+
+
+async def _batch(args: argparse.Namespace) -> int:
+    async with _http_client(args) as http:
+        summary = await run_batch(Client(http, args.model), args)
+    return 1 if summary.num_failed else 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    # One event loop for the whole session (the connection stays open between turns), entered once
+    # per reply so that Ctrl-C can cancel just that reply.
+    with asyncio.Runner() as runner:
+        http = _http_client(args)
+        try:
+            run_chat(runner, Client(http, args.model), args)
+        finally:
+            runner.run(http.aclose())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.max_tokens < 1:
+        sys.stderr.write("error: --max-tokens must be at least 1\n")
+        return 2
     try:
-        return asyncio.run(main_async(args))
+        return _chat(args) if args.mode == "chat" else asyncio.run(_batch(args))
     except (OSError, ValueError) as error:  # unreadable batch file, bad JSONL
         sys.stderr.write(f"error: {error}\n")
         return 2

@@ -21,6 +21,8 @@ import uvicorn
 
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
                              SchedulingPolicy)
+from orca_jax.server.app import LOCAL_HOSTS
+from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("orca_jax.serve")
 
@@ -61,13 +63,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="ORCA inter-layer stages")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ORCA intra-layer split")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="chat max_tokens when a request names none (default: the rest of the context)")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="max_tokens of a chat request that names none, capped by the context left; 0: the "
+                   "rest of the context (each such request then reserves KV for all of it)")
+    p.add_argument("--allow-special-tokens-in-text", action="store_true",
+                   help="let control tokens typed in prompts and messages (e.g. <|im_end|>) act as control "
+                   "tokens; only for trusted callers, who can then forge conversation turns")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header values to answer besides localhost's (checked when "
+                   "bound to a loopback address, or whenever this is given); '*' turns the check off")
     p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024)
     p.add_argument("--shutdown-grace-seconds", type=float, default=0.0,
                    help="on SIGTERM, let in-flight requests run this long before aborting them")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def allowed_hosts_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """The Host header values to answer, or None for any.
+
+    A loopback server answers only to local names (DNS rebinding); one bound elsewhere answers to
+    any unless --allowed-hosts names some.
+    """
+    extra = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
+    if "*" in extra:
+        return None
+    if args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127."):
+        return LOCAL_HOSTS + (args.host,) + extra
+    return extra or None
+
+
+def startup_summary(engine) -> str:
+    """The log line naming the device and the KV pool, counted as /metrics counts it."""
+    import jax  # local: `--help` stays free of jax
+
+    device = jax.devices()[0]
+    memory = (device.memory_stats() or {}).get("bytes_limit") if hasattr(device, "memory_stats") else None
+    stats = engine.stats()
+    page_size = engine.config.cache.page_size
+    return (f"device: {jax.device_count()} x {device.device_kind}"
+            + (f" ({memory / 2**30:.1f} GiB)" if memory else "")
+            + f"; KV cache: {stats.kv_pages_total} pages of {page_size} tokens "
+            f"({stats.kv_pages_total * page_size} tokens) for requests, plus one scratch page")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -112,6 +149,8 @@ class _Server(uvicorn.Server):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.default_max_tokens < 0:
+        parser.error("--default-max-tokens must be 0 (the rest of the context) or more")
     try:
         config = engine_config_from_args(args)
     except ValueError as error:
@@ -123,10 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     from orca_jax.server import AsyncEngine, create_app
 
     log.info("loading %s", args.model)
-    async_engine = AsyncEngine(Engine(config), shutdown_grace_seconds=args.shutdown_grace_seconds)
-    app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"), served_model_name=args.served_model_name,
-                     max_body_bytes=args.max_body_bytes, metrics_require_auth=args.metrics_require_auth,
-                     default_max_tokens=args.default_max_tokens)
+    engine = Engine(config)
+    log.info("%s", startup_summary(engine))
+    async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds)
+    app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
+                     served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                     metrics_require_auth=args.metrics_require_auth,
+                     default_max_tokens=args.default_max_tokens or None,
+                     allow_special_tokens_in_text=args.allow_special_tokens_in_text,
+                     allowed_hosts=allowed_hosts_from_args(args))
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=args.shutdown_grace_seconds + 10)
     # uvicorn re-raises the shutdown signal once it is done, with the handlers it found installed;

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import uuid
 from typing import Protocol, Sequence
 
 import jinja2
@@ -44,6 +45,10 @@ _BYTE_CHAT_TEMPLATE = (
 
 class TokenizerError(ValueError):
     """A tokenizer description is missing or unusable; the message names the file."""
+
+
+class ControlTokenError(ValueError):
+    """Message content holds a control token that cannot be kept apart from the template's own."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,9 +92,12 @@ class BaseTokenizer(Protocol):
     bos_token_id: int | None
     vocab_size: int
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False,
+               split_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    split_special_tokens: bool = True) -> list[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def is_special(self, token_id: int) -> bool: ...
 
@@ -179,9 +187,65 @@ class Tokenizer:
             json.dump(config, f, ensure_ascii=False, indent=2)
 
     # --- use ----------------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are always recognised."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False,
+               split_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`.
+
+        Special tokens written in the text are recognised unless `split_special_tokens`, which
+        encodes them as the plain text they are (transformers' flag of the same name).
+        """
+        backend = self._plain_backend if split_special_tokens else self.backend
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    split_special_tokens: bool = True) -> list[int]:
+        """Token ids of the chat prompt; control tokens typed in message content stay plain text.
+
+        Only the template's own control tokens become control tokens, so no message can forge a
+        turn. With `split_special_tokens=False` the rendered prompt is encoded as a whole (trusted
+        callers). ControlTokenError when the template rewrites content so that it cannot be found
+        in the prompt and some content holds a control token.
+        """
+        prompt = self.apply_chat_template(messages, add_generation_prompt)
+        encoding = self.backend.encode(prompt, add_special_tokens=False)
+        if not split_special_tokens:
+            return encoding.ids
+        spans = _content_spans(self, messages, add_generation_prompt, prompt)
+        if spans is None:
+            typed = next((token for m in messages for token in self._special_texts
+                          if token in (m.get("content") or "")), None)
+            if typed is not None:
+                raise ControlTokenError(
+                    f"message content contains the control token {typed!r}, and this model's chat "
+                    "template changes message content, so it cannot be kept apart from the template's "
+                    "own control tokens; remove it from the content")
+            return encoding.ids
+        specials = [(token_id, start, end) for token_id, (start, end) in zip(encoding.ids, encoding.offsets)
+                    if token_id in self._special_ids]
+        if not any(_overlaps(start, end, spans) for _, start, end in specials):
+            return encoding.ids
+        # Added tokens cut the text before BPE runs, so the pieces between the template's own control
+        # tokens encode independently; in them, typed control tokens are plain text.
+        ids: list[int] = []
+        cursor = 0
+        for token_id, start, end in specials:
+            if not _overlaps(start, end, spans):
+                ids += self._plain_backend.encode(prompt[cursor:start], add_special_tokens=False).ids
+                ids.append(token_id)
+                cursor = end
+        return ids + self._plain_backend.encode(prompt[cursor:], add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads special tokens as text (built once, on first use)."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @functools.cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        return tuple(added.content for added in self.backend.get_added_tokens_decoder().values()
+                     if added.special)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -227,9 +291,15 @@ class ByteTokenizer:
         self.bos_token_id = bos_token_id
         self.chat_template = _BYTE_CHAT_TEMPLATE
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False,
+               split_special_tokens: bool = False) -> list[int]:
+        # No text spells a special token here: every byte is its own id.
         prefix = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
         return prefix + list(text.encode("utf-8"))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    split_special_tokens: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         kept = [i for i in ids if not (skip_special_tokens and self.is_special(i))]
@@ -277,6 +347,43 @@ class StreamDecoder:
     def flush(self) -> str:
         text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
         return text
+
+
+def _content_spans(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
+                   prompt: str) -> list[tuple[int, int]] | None:
+    """Where each message's content lies in `prompt` as [start, end) character spans, or None.
+
+    Renders the template once more with a unique marker in place of each content, then checks that
+    putting the contents back (as is, or stripped, for templates that `trim`) gives `prompt`
+    exactly. None when it does not: the template rewrites content in a way we cannot follow.
+    """
+    nonce = uuid.uuid4().hex
+    markers = [f"\ue000{nonce}:{index}\ue001" for index in range(len(messages))]
+    marked = [{**message, "content": marker} for message, marker in zip(messages, markers)]
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt)
+    places = []
+    for marker, message in zip(markers, messages):
+        if rendered.count(marker) > 1:
+            return None
+        at = rendered.find(marker)
+        if at >= 0:
+            places.append((at, marker, message.get("content") or ""))
+    places.sort()
+    for transform in (lambda text: text, str.strip):
+        spans, pieces, cursor, shift = [], [], 0, 0
+        for at, marker, content in places:
+            content = transform(content)
+            pieces += [rendered[cursor:at], content]
+            spans.append((at + shift, at + shift + len(content)))
+            shift += len(content) - len(marker)
+            cursor = at + len(marker)
+        if "".join(pieces) + rendered[cursor:] == prompt:
+            return spans
+    return None
+
+
+def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
+    return any(start < span_end and span_start < end for span_start, span_end in spans)
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int], pre: str,

@@ -20,14 +20,16 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
+import tokenizers
 import uvicorn
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, SchedulerConfig
 from orca_jax.engine import EngineStats
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
 from orca_jax.scheduler import QueueFullError
-from orca_jax.tokenizer import ByteTokenizer
+from orca_jax.tokenizer import ByteTokenizer, Tokenizer, byte_to_unicode
 
 FIRST_LETTER, NUM_LETTERS = ord("a"), 26
 EOS = 2
@@ -63,15 +65,15 @@ class FakeEngine:
 
     def __init__(self, *, max_batch_size: int = 8, max_waiting: int = 64, num_pages: int = 256,
                  page_size: int = 4, max_model_len: int = 128, step_seconds: float = 0.0,
-                 fail_at_iteration: int | None = None):
+                 fail_at_iteration: int | None = None, tokenizer=None):
         self.config = EngineConfig(
             model="fake", cache=CacheConfig(page_size=page_size, num_pages=num_pages),
             scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting,
                                       max_num_batched_tokens=max(512, max_batch_size)))
         self.model_config = ModelConfig(
-            family=ModelFamily.LLAMA, vocab_size=256, hidden_size=8, num_layers=1, num_heads=1,
+            family=ModelFamily.LLAMA, vocab_size=tokenizer.vocab_size if tokenizer else 256, hidden_size=8, num_layers=1, num_heads=1,
             num_kv_heads=1, head_dim=8, ffn_size=8, max_seq_len=max_model_len, eos_token_ids=(EOS,))
-        self.tokenizer = ByteTokenizer(eos_token_ids=(EOS,), bos_token_id=1)
+        self.tokenizer = tokenizer or ByteTokenizer(eos_token_ids=(EOS,), bos_token_id=1)
         self.max_model_len = max_model_len
         self.step_seconds = step_seconds
         self.fail_at_iteration = fail_at_iteration
@@ -85,6 +87,7 @@ class FakeEngine:
         self.num_calls = 0  # grows while anyone polls the engine
         self.priorities: list[int] = []  # of every request added, in order
         self.prompts: list[list[int]] = []
+        self.samplings: list[SamplingParams] = []  # of every request added, in order
         self._stats = EngineStats(kv_pages_total=num_pages)
         self._arrivals = 0
 
@@ -96,8 +99,8 @@ class FakeEngine:
                     priority: int = 0, deadline: float | None = None) -> str:
         self._enter()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids or not all(0 <= t < 256 for t in ids):
-            raise ValueError("prompt must be non-empty ids in [0, 256)")
+        if not ids or not all(0 <= t < self.model_config.vocab_size for t in ids):
+            raise ValueError("prompt must be non-empty ids in the vocabulary")
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens > max_model_len ({self.max_model_len})")
         if self._pages_for(len(ids) + sampling.max_tokens) > self.num_pages:
@@ -108,6 +111,7 @@ class FakeEngine:
         self._arrivals += 1
         self.priorities.append(priority)
         self.prompts.append(ids)
+        self.samplings.append(sampling)
         self.waiting.append(_FakeRequest(request_id, ids, sampling, priority, self._arrivals))
         self._stats.prompt_tokens_total += len(ids)
         return request_id
@@ -201,6 +205,21 @@ class FakeEngine:
             request_id=request.request_id, new_token_ids=[token], new_text=new_text,
             output_token_ids=list(request.output), text=text, num_prompt_tokens=len(request.prompt),
             finished=finish_reason is not None, finish_reason=finish_reason, new_logprobs=logprobs)
+
+
+CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def chatml_tokenizer(template: str = CHATML_TEMPLATE) -> Tokenizer:
+    """A byte-level tokenizer (ids 0..255 are bytes) with ChatML's control tokens: 256, 257."""
+    alphabet = byte_to_unicode()
+    backend = tokenizers.Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in ("<|im_start|>", "<|im_end|>")])
+    return Tokenizer(backend, chat_template=template, bos_token_id=256, eos_token_ids=(257,))
 
 
 # ---- running an app -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 
 from orca_jax.server import AsyncEngine, create_app
 
-from server_helpers import FakeEngine, asgi_client, expected_text, parse_sse
+from server_helpers import FakeEngine, asgi_client, expected_text, parse_sse, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -21,6 +21,11 @@ def _app(**kwargs):
     engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in
                      ("max_batch_size", "max_waiting", "max_model_len", "step_seconds", "num_pages")}
     return create_app(FakeEngine(**engine_kwargs), **kwargs)
+
+
+async def _post(client, path, body):
+    # json.dumps escapes lone surrogates ("\\ud800") as a JSON text may; httpx's json= cannot send them.
+    return await client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
 
 
 def _assert_openai_error(response, status, param=None):
@@ -145,24 +150,34 @@ async def test_models_endpoint_and_unknown_model():
     ({"prompt": "x", "max_tokens": "16"}, "max_tokens"),
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "seed": 2**40}, "seed"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "max_token": 5}, "max_token"),
+    ({"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}}, "stream_options"),
+    ({"prompt": "\ud800"}, "prompt"),
+    ({"prompt": ["ok", "bad \udfff"]}, "prompt"),
+    ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    ({"prompt": "x", "stream": True, "user": "\udc00"}, "user"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "priority": 2**40}, "priority"),
-    ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": [1, 300]}, "prompt"),
     ({"prompt": [1, -1]}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": [[1], [300]]}, "prompt"),
     ({}, "prompt"),
 ])
 async def test_invalid_completion_fields_are_400_naming_the_param(body, param):
     async with asgi_client(_app()) as client:
-        _assert_openai_error(await client.post("/v1/completions", json=body), 400, param)
+        _assert_openai_error(await _post(client, "/v1/completions", body), 400, param)
 
 
 @pytest.mark.parametrize("body, param", [
@@ -174,10 +189,18 @@ async def test_invalid_completion_fields_are_400_naming_the_param(body, param):
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -3}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "\ud800"}], "stream": True}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udbff"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "temprature": 0.5}, "temprature"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
 ])
 async def test_invalid_chat_fields_are_400(body, param):
     async with asgi_client(_app()) as client:
-        _assert_openai_error(await client.post("/v1/chat/completions", json=body), 400, param)
+        _assert_openai_error(await _post(client, "/v1/chat/completions", body), 400, param)
 
 
 async def test_malformed_json_and_wrong_shapes_are_400():
@@ -241,18 +264,35 @@ async def test_metrics_can_require_the_key():
 
 
 async def test_metrics_report_engine_and_latencies():
-    async with asgi_client(_app()) as client:
+    async with asgi_client(_app(served_model_name="m")) as client:
         await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         text = (await client.get("/metrics")).text
-    for name in ("orca_num_requests_running", "orca_num_requests_waiting", "orca_kv_pages_used",
-                 "orca_kv_pages_total", "orca_time_to_first_token_seconds_bucket",
-                 "orca_inter_token_latency_seconds_bucket", "orca_e2e_request_latency_seconds_bucket",
-                 "orca_iteration_seconds_bucket", "orca_batch_size_bucket"):
-        assert name in text, name
-    assert "orca_prompt_tokens_total 5.0" in text
-    assert "orca_generation_tokens_total 3.0" in text
-    assert 'orca_requests_finished_total{finish_reason="length"} 1.0' in text
-    assert "orca_inter_token_latency_seconds_count 2.0" in text
+    # vLLM's names with our prefix, every series labelled with the model.
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "kv_cache_used_pages", "kv_cache_total_pages", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "time_per_output_token_seconds_bucket",
+                 "request_time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "iteration_seconds_bucket", "batch_size_bucket", "iteration_tokens_total_bucket",
+                 "request_prompt_tokens_bucket", "request_generation_tokens_bucket"):
+        assert f"orca_jax:{name}{{" in text, name
+    assert 'orca_jax:prompt_tokens_total{model_name="m"} 5.0' in text
+    assert 'orca_jax:generation_tokens_total{model_name="m"} 3.0' in text
+    assert 'orca_jax:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
+    assert 'orca_jax:inter_token_latency_seconds_count{model_name="m"} 2.0' in text
+    assert 'orca_jax:time_to_first_token_seconds_count{model_name="m"} 1.0' in text
+    assert 'orca_jax:request_generation_tokens_sum{model_name="m"} 3.0' in text
+    assert 'orca_jax:kv_cache_usage_perc{model_name="m"} 0.0' in text  # all freed again
+
+
+async def test_kv_cache_usage_counts_used_and_reserved_pages():
+    engine = FakeEngine(num_pages=100, page_size=4, step_seconds=0.02)
+    async with asgi_client(create_app(engine, served_model_name="m")) as client:
+        request = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "abcd", "max_tokens": 36}))
+        await wait_until(lambda: engine.num_iterations > 0)
+        text = (await client.get("/metrics")).text
+        await request
+    # The fake reserves (4 + 36) / 4 = 10 of 100 pages as soon as the request runs.
+    assert 'orca_jax:kv_cache_usage_perc{model_name="m"} 0.1' in text
 
 
 async def test_two_apps_keep_separate_metrics():
@@ -261,7 +301,7 @@ async def test_two_apps_keep_separate_metrics():
         await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     async with asgi_client(second) as client:
         text = (await client.get("/metrics")).text
-    assert "orca_generation_tokens_total 0.0" in text
+    assert 'orca_jax:generation_tokens_total{model_name="fake"} 0.0' in text
 
 
 async def test_queue_full_is_503_with_retry_after():

@@ -94,6 +94,39 @@ def test_seeded_sampling_is_reproducible_over_http(engine):
     assert texts[0] == texts[1]
 
 
+def test_openai_client_gets_n_distinct_seeded_choices_streamed_and_not(engine):
+    with live_server(create_app(engine)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        kwargs = dict(model="tiny-llama", messages=_messages("Tell me a story"), max_tokens=8,
+                      temperature=1.0, seed=1234, n=3)
+        full = client.chat.completions.create(**kwargs)
+        streamed = list(client.chat.completions.create(**kwargs, stream=True,
+                                                       stream_options={"include_usage": True}))
+        single = client.chat.completions.create(**{**kwargs, "n": 1})
+    texts = [choice.message.content for choice in full.choices]
+    assert [choice.index for choice in full.choices] == [0, 1, 2]
+    assert len(set(texts)) == 3  # distinct derived seeds
+    assert texts[0] == single.choices[0].message.content  # the first choice keeps the request's seed
+    by_index = ["", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            by_index[choice.index] += choice.delta.content or ""
+    assert by_index == texts  # same seeds, same choices
+    assert streamed[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert full.usage.prompt_tokens == single.usage.prompt_tokens  # the prompt counts once
+
+
+def test_the_start_up_log_and_metrics_agree_on_the_kv_pool(engine):
+    from orca_jax.serve import startup_summary
+
+    usable = engine.runner.num_pages - 1  # page 0 is the scratch page
+    assert f"KV cache: {usable} pages of 16 tokens" in startup_summary(engine)
+    app = create_app(engine, served_model_name="m")
+    with driven(app) as call:
+        text = call("GET", "/metrics").text
+    assert f'orca_jax:kv_cache_total_pages{{model_name="m"}} {float(usable)}' in text
+
+
 def test_length_limits_come_from_the_engine(engine):
     with live_server(create_app(engine)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -16,7 +16,10 @@ from orca_jax.server import create_app
 
 from server_helpers import FakeEngine
 
-JSON_SCALARS = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=12)
+# Lone surrogates ("\\ud800") are valid in a JSON text but not in UTF-8: the server must say 400.
+SURROGATE_TEXT = st.text(st.characters(categories=("Cs", "Ll")), min_size=1, max_size=4)
+JSON_SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+                | st.text(max_size=12) | SURROGATE_TEXT)
 JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
 

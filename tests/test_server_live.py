@@ -88,3 +88,34 @@ def test_official_openai_client_against_the_fake(served):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model="fake", prompt="x", top_p=5)
     assert raised.value.body["param"] == "top_p"
+
+
+async def test_disconnected_requests_count_as_aborted(served):
+    engine, server = served
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        body = {"prompt": "hello", "max_tokens": 300, "stream": True, "n": 2}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        await wait_until(lambda: len(engine.aborted) == 2, timeout=2.0)
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 300}, timeout=0.2)
+        await wait_until(lambda: len(engine.aborted) == 3, timeout=2.0)
+        await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        text = (await client.get("/metrics")).text
+    assert 'orca_jax:request_success_total{finished_reason="abort",model_name="fake"} 3.0' in text
+    assert 'orca_jax:request_success_total{finished_reason="length",model_name="fake"} 1.0' in text
+
+
+def test_official_openai_client_gets_n_choices_and_prompt_lists(served):
+    _, server = served
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    completion = client.completions.create(model="fake", prompt=["ab", "xyz"], max_tokens=2, n=2)
+    assert [(c.index, c.text) for c in completion.choices] == [(0, "cd"), (1, "cd"), (2, "ab"), (3, "ab")]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="fake", prompt="x", best_of=3)
+    assert raised.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="fake", prompt="x", extra_body={"max_token": 3})
+    assert raised.value.body["param"] == "max_token"

@@ -13,35 +13,43 @@ from fastapi.responses import JSONResponse, Response
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.errors import install_error_handlers
 from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics
-from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
 from orca_jax.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
     ModelCard, ModelList, unix_now,
 )
-from orca_jax.server.serving import OpenAIServing
+from orca_jax.server.serving import DEFAULT_MAX_TOKENS, OpenAIServing
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # a full 8k-token context as JSON token ids fits many times
 SHUTDOWN_JOIN_SECONDS = 30.0
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+_DOC_PATHS = ("/docs", "/redoc", "/openapi.json")  # the schema tells an intruder what to send
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
 
 def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               metrics_require_auth: bool = False, default_max_tokens: int | None = None) -> FastAPI:
+               metrics_require_auth: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+               allow_special_tokens_in_text: bool = False,
+               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
     A bare Engine is wrapped in an AsyncEngine. Only one app at a time may drive one engine.
+    `default_max_tokens` caps chats that name no max_tokens (None: the rest of the context);
+    `allowed_hosts` (None: any) are the Host header values answered, e.g. LOCAL_HOSTS.
     """
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     served_model_name = served_model_name or async_engine.engine.config.model
-    metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: async_engine.num_in_flight)
+    metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: async_engine.num_in_flight,
+                            model_name=served_model_name)
     async_engine.add_iteration_listener(metrics.observe_iteration)
     serving = OpenAIServing(async_engine, metrics, served_model_name=served_model_name,
-                            default_max_tokens=default_max_tokens)
+                            default_max_tokens=default_max_tokens,
+                            allow_special_tokens_in_text=allow_special_tokens_in_text)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -94,10 +102,12 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    # Added last = outermost: the key is checked before the body is even read.
+    # Added last = outermost: the Host and the key are checked before the body is even read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
-        protected = ("/v1", "/metrics") if metrics_require_auth else ("/v1",)
+        protected = ("/v1", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)
     return app
 

@@ -62,9 +62,13 @@ def _describe_validation_error(error: dict) -> tuple[str, str | None]:
         return f"malformed JSON body: {error.get('ctx', {}).get('error', 'cannot parse')}", None
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
     fields = [part for part in location if not _is_union_tag(part)]
-    if not fields:
-        return "the request body must be a JSON object (Content-Type: application/json)", None
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not fields:
+        if error.get("type") == "value_error":  # a check across fields (a model validator)
+            return message, None
+        return "the request body must be a JSON object (Content-Type: application/json)", None
+    if error.get("type") == "extra_forbidden":
+        message = "unknown field; see /docs for the fields this server accepts"
     return f"{'.'.join(fields)}: {message}", fields[0]
 
 

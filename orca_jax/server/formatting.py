@@ -1,4 +1,8 @@
-"""RequestOutputs -> OpenAI response bodies and streaming chunks (JSON strings)."""
+"""RequestOutputs -> OpenAI response bodies and streaming chunks (JSON strings).
+
+One formatter serves one HTTP response, which may hold several choices (n > 1, or several
+prompts): every method takes the choice's index, and per-choice state is kept by index.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +16,12 @@ from orca_jax.server.protocol import (
 # JSON has no -inf; OpenAI clients expect a number, so a vanishing probability becomes this.
 MIN_LOGPROB = -9999.0
 
+# A finished choice: its last output and all of its logprobs (None when none were asked for).
+Final = tuple[RequestOutput, list[TokenLogprob] | None]
+
 
 def _clamp(logprob: float) -> float:
     return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
-
-
-def usage_of(output: RequestOutput) -> Usage:
-    return Usage.of(output.num_prompt_tokens, len(output.output_token_ids))
 
 
 class _Formatter:
@@ -40,37 +43,40 @@ class CompletionFormatter(_Formatter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._text_offset = 0  # where the next token's text starts, for logprobs.text_offset
+        self._text_offsets: dict[int, int] = {}  # choice -> where its next token's text starts
 
-    def logprobs(self, items: list[TokenLogprob]) -> CompletionLogprobs:
+    def logprobs(self, index: int, items: list[TokenLogprob]) -> CompletionLogprobs:
         result = CompletionLogprobs()
+        offset = self._text_offsets.get(index, 0)
         for item in items:
             token = self.token_text(item.token_id)
             result.tokens.append(token)
             result.token_logprobs.append(_clamp(item.logprob))
             result.top_logprobs.append({self.token_text(t): _clamp(lp) for t, lp in item.top.items()})
-            result.text_offset.append(self._text_offset)
-            self._text_offset += len(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+        self._text_offsets[index] = offset
         return result
 
-    def opening_chunks(self) -> list[str]:
+    def opening_chunks(self, num_choices: int) -> list[str]:
         return []
 
-    def chunks(self, output: RequestOutput) -> list[str]:
+    def chunks(self, index: int, output: RequestOutput) -> list[str]:
         if not (output.new_text or output.finished or output.new_logprobs):
             return []  # text held back (a stop string may be forming): nothing to say yet
-        logprobs = self.logprobs(output.new_logprobs) if output.new_logprobs is not None else None
-        choice = CompletionChoice(text=output.new_text, logprobs=logprobs,
+        logprobs = self.logprobs(index, output.new_logprobs) if output.new_logprobs is not None else None
+        choice = CompletionChoice(index=index, text=output.new_text, logprobs=logprobs,
                                   finish_reason=output.finish_reason if output.finished else None)
         return [self._response([choice], usage=None).model_dump_json()]
 
-    def usage_chunk(self, final: RequestOutput) -> str:
-        return self._response([], usage=usage_of(final)).model_dump_json()
+    def usage_chunk(self, usage: Usage) -> str:
+        return self._response([], usage=usage).model_dump_json()
 
-    def response(self, final: RequestOutput, logprobs: list[TokenLogprob] | None) -> CompletionResponse:
-        choice = CompletionChoice(text=final.text, finish_reason=final.finish_reason,
-                                  logprobs=self.logprobs(logprobs) if logprobs is not None else None)
-        return self._response([choice], usage=usage_of(final))
+    def response(self, finals: list[Final], usage: Usage) -> CompletionResponse:
+        choices = [CompletionChoice(index=index, text=final.text, finish_reason=final.finish_reason,
+                                    logprobs=self.logprobs(index, logprobs) if logprobs is not None else None)
+                   for index, (final, logprobs) in enumerate(finals)]
+        return self._response(choices, usage=usage)
 
     def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
@@ -91,28 +97,32 @@ class ChatFormatter(_Formatter):
         token = self.token_text(token_id)
         return TopLogprob(token=token, logprob=_clamp(logprob), bytes=list(token.encode("utf-8")))
 
-    def opening_chunks(self) -> list[str]:
-        # OpenAI's first chunk names the role and carries empty content.
-        return [self._chunk(ChatDelta(role="assistant", content=""), None, None)]
+    def opening_chunks(self, num_choices: int) -> list[str]:
+        # OpenAI's first chunk of each choice names the role and carries empty content.
+        return [self._chunk(index, ChatDelta(role="assistant", content=""), None, None)
+                for index in range(num_choices)]
 
-    def chunks(self, output: RequestOutput) -> list[str]:
+    def chunks(self, index: int, output: RequestOutput) -> list[str]:
         if not (output.new_text or output.finished or output.new_logprobs):
             return []
         logprobs = self.logprobs(output.new_logprobs) if output.new_logprobs is not None else None
         delta = ChatDelta(content=output.new_text) if output.new_text else ChatDelta()
-        return [self._chunk(delta, logprobs, output.finish_reason if output.finished else None)]
+        return [self._chunk(index, delta, logprobs, output.finish_reason if output.finished else None)]
 
-    def usage_chunk(self, final: RequestOutput) -> str:
+    def usage_chunk(self, usage: Usage) -> str:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
-                                   choices=[], usage=usage_of(final)).model_dump_json()
+                                   choices=[], usage=usage).model_dump_json()
 
-    def response(self, final: RequestOutput, logprobs: list[TokenLogprob] | None) -> ChatCompletionResponse:
-        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=final.finish_reason,
-                            logprobs=self.logprobs(logprobs) if logprobs is not None else None)
+    def response(self, finals: list[Final], usage: Usage) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=index, message=AssistantMessage(content=final.text),
+                              finish_reason=final.finish_reason,
+                              logprobs=self.logprobs(logprobs) if logprobs is not None else None)
+                   for index, (final, logprobs) in enumerate(finals)]
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=[choice], usage=usage_of(final))
+                                      choices=choices, usage=usage)
 
-    def _chunk(self, delta: ChatDelta, logprobs: ChatLogprobs | None, finish_reason: str | None) -> str:
-        choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+    def _chunk(self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None,
+               finish_reason: str | None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
                                    choices=[choice]).model_dump_json()

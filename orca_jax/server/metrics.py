@@ -1,9 +1,11 @@
 """Prometheus metrics of one app, in its own CollectorRegistry (never the process-global one).
 
-Engine-wide numbers (running/waiting requests, KV pages, token totals) are read from the latest
-EngineStats at scrape time; latencies are observed per request on the event loop; iteration time
-and batch size are observed by the engine thread after each iteration (prometheus_client is
-thread-safe).
+Names follow vLLM's with our own prefix (`vllm:time_to_first_token_seconds` is
+`orca_jax:time_to_first_token_seconds`), times in seconds, every series labelled with `model_name`,
+so a dashboard built for vLLM needs only the prefix changed. Engine-wide numbers (running and
+waiting requests, KV pages, token totals) are read from the latest EngineStats at scrape time;
+latencies are observed per request on the event loop; iteration time and batch size by the engine
+thread after each iteration (prometheus_client is thread-safe).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from orca_jax.outputs import RequestOutput
 if TYPE_CHECKING:
     from orca_jax.engine import EngineStats
 
+PREFIX = "orca_jax:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -29,76 +32,110 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+def kv_cache_usage(stats: EngineStats) -> float:
+    """Fraction of the pool's usable pages (scratch page excluded) holding or reserved for tokens."""
+    if not stats.kv_pages_total:
+        return 0.0
+    return (stats.kv_pages_used + stats.kv_pages_reserved) / stats.kv_pages_total
+
+
 class _EngineStatsCollector(Collector):
     """Exports the engine's own counters as of its latest iteration."""
 
-    def __init__(self, latest_stats: Callable[[], EngineStats], num_in_flight: Callable[[], int]):
+    def __init__(self, latest_stats: Callable[[], EngineStats], num_in_flight: Callable[[], int],
+                 model_name: str):
         self._latest_stats = latest_stats
         self._num_in_flight = num_in_flight
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         stats = self._latest_stats()
         gauges = (
-            ("orca_num_requests_running", "Requests in the running batch", stats.num_running),
-            ("orca_num_requests_waiting", "Requests waiting in the engine's pool", stats.num_waiting),
-            ("orca_num_requests_in_flight", "Requests accepted by the server and not yet finished",
+            ("num_requests_running", "Requests in the running batch", stats.num_running),
+            ("num_requests_waiting", "Requests waiting in the engine's pool", stats.num_waiting),
+            ("num_requests_in_flight", "Requests accepted by the server and not yet finished",
              self._num_in_flight()),
-            ("orca_kv_pages_used", "KV cache pages holding tokens", stats.kv_pages_used),
-            ("orca_kv_pages_reserved", "KV cache pages reserved for tokens still to come (ORCA "
-             "reserves max_tokens up front)", stats.kv_pages_reserved),
-            ("orca_kv_pages_total", "KV cache pages in the pool", stats.kv_pages_total),
-            ("orca_num_compiled_buckets", "Step programs compiled so far", stats.num_compiled_buckets),
+            ("kv_cache_usage_perc", "KV cache usage: 1 means the whole pool is used or reserved (ORCA "
+             "reserves a request's max_tokens up front)", kv_cache_usage(stats)),
+            ("kv_cache_used_pages", "KV cache pages holding tokens", stats.kv_pages_used),
+            ("kv_cache_reserved_pages", "KV cache pages reserved for tokens still to come",
+             stats.kv_pages_reserved),
+            ("kv_cache_total_pages", "KV cache pages requests can use (the scratch page excluded)",
+             stats.kv_pages_total),
+            ("num_compiled_buckets", "Step programs compiled so far", stats.num_compiled_buckets),
         )
         for name, documentation, value in gauges:
-            yield GaugeMetricFamily(name, documentation, value=value)
+            family = GaugeMetricFamily(PREFIX + name, documentation, labels=("model_name",))
+            family.add_metric((self._model_name,), value)
+            yield family
         counters = (
-            ("orca_prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total),
-            ("orca_generation_tokens", "Tokens generated", stats.generated_tokens_total),
-            ("orca_iterations", "Engine iterations run", stats.iterations),
+            ("prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total),
+            ("generation_tokens", "Tokens generated", stats.generated_tokens_total),
+            ("iterations", "Engine iterations run", stats.iterations),
         )
         for name, documentation, value in counters:
-            yield CounterMetricFamily(name, documentation, value=value)
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=("model_name",))
+            family.add_metric((self._model_name,), value)
+            yield family
 
 
 class ServerMetrics:
     """All metrics of one app; `render()` gives the Prometheus text format."""
 
-    def __init__(self, latest_stats: Callable[[], EngineStats], num_in_flight: Callable[[], int]):
+    def __init__(self, latest_stats: Callable[[], EngineStats], num_in_flight: Callable[[], int], *,
+                 model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
-        registry = self.registry
-        self.time_to_first_token = Histogram(
-            "orca_time_to_first_token_seconds", "From request arrival to its first generated token",
-            buckets=_LATENCY_BUCKETS, registry=registry)
-        self.inter_token_latency = Histogram(
-            "orca_inter_token_latency_seconds", "Between consecutive generated tokens of one request",
-            buckets=_LATENCY_BUCKETS, registry=registry)
-        self.e2e_latency = Histogram(
-            "orca_e2e_request_latency_seconds", "From request arrival to its last token",
-            buckets=_REQUEST_BUCKETS, registry=registry)
-        self.iteration_time = Histogram(
-            "orca_iteration_seconds", "Wall time of one engine iteration",
-            buckets=_LATENCY_BUCKETS, registry=registry)
-        self.batch_size = Histogram(
-            "orca_batch_size", "Requests per engine iteration", buckets=_BATCH_BUCKETS, registry=registry)
-        self.batch_tokens = Histogram(
-            "orca_batch_tokens", "Tokens fed per engine iteration", buckets=_TOKEN_BUCKETS,
-            registry=registry)
+        self.labels = {"model_name": model_name}
+
+        def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, documentation, labelnames=("model_name",), buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "From request arrival to its first generated token",
+            _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Between consecutive generated tokens of one request",
+            _LATENCY_BUCKETS)
+        # vLLM's older name for the same observations; dashboards still use it.
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Between consecutive generated tokens of one request "
+            "(the same as inter_token_latency_seconds)", _LATENCY_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds", "One request's mean time per token after its first",
+            _LATENCY_BUCKETS)
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "From request arrival to its last token", _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens of each request", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Tokens generated for each finished request", _TOKEN_BUCKETS)
+        self.request_max_tokens = histogram(
+            "request_params_max_tokens", "max_tokens of each request, after the server's default",
+            _TOKEN_BUCKETS)
+        self.iteration_time = histogram(
+            "iteration_seconds", "Wall time of one engine iteration", _LATENCY_BUCKETS)
+        self.batch_size = histogram("batch_size", "Requests per engine iteration", _BATCH_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens fed per engine iteration", _TOKEN_BUCKETS)
         self.requests_finished = Counter(
-            "orca_requests_finished", "Requests that ended, by finish reason",
-            labelnames=("finish_reason",), registry=registry)
+            PREFIX + "request_success", "Requests that ended, by finish reason (abort: the client "
+            "left or the server shut down)", labelnames=("finished_reason", "model_name"),
+            registry=self.registry)
         self.requests_rejected = Counter(
-            "orca_requests_rejected", "Requests the engine refused (pool full, not running, too big), "
-            "by HTTP status",
-            labelnames=("status",), registry=registry)
-        registry.register(_EngineStatsCollector(latest_stats, num_in_flight))
+            PREFIX + "requests_rejected", "Requests the engine refused (pool full, not running, too big), "
+            "by HTTP status", labelnames=("status", "model_name"), registry=self.registry)
+        self.registry.register(_EngineStatsCollector(latest_stats, num_in_flight, model_name))
 
     def observe_iteration(self, stats: EngineStats) -> None:
         """Called on the engine thread after every iteration."""
         self.iteration_time.observe(stats.last_iteration_seconds)
         self.batch_size.observe(stats.last_batch_size)
-        self.batch_tokens.observe(stats.last_num_tokens)
+        self.iteration_tokens.observe(stats.last_num_tokens)
 
-    def request_timer(self) -> RequestTimer:
+    def request_timer(self, num_prompt_tokens: int, max_tokens: int) -> RequestTimer:
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_max_tokens.observe(max_tokens)
         return RequestTimer(self)
 
     def render(self) -> bytes:
@@ -106,25 +143,45 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Latencies of one request, fed with its outputs as they reach the handler."""
+    """Latencies of one engine request, fed with its outputs as they reach the handler."""
 
     def __init__(self, metrics: ServerMetrics):
         self._metrics = metrics
         self._arrival = time.monotonic()
+        self._first_token_time: float | None = None
         self._last_token_time: float | None = None
+        self._num_tokens = 0
+        self.finished = False
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()
+        metrics = self._metrics
         num_new = len(output.new_token_ids)
         if num_new:
             if self._last_token_time is None:
-                self._metrics.time_to_first_token.observe(now - self._arrival)
-                num_new -= 1
-            elif num_new:
+                metrics.time_to_first_token.observe(now - self._arrival)
+                self._first_token_time = now
+            else:
                 per_token = (now - self._last_token_time) / num_new
                 for _ in range(num_new):
-                    self._metrics.inter_token_latency.observe(per_token)
+                    metrics.inter_token_latency.observe(per_token)
+                    metrics.time_per_output_token.observe(per_token)
+            self._num_tokens += num_new
             self._last_token_time = now
-        if output.finished:
-            self._metrics.e2e_latency.observe(now - self._arrival)
-            self._metrics.requests_finished.labels(output.finish_reason or "unknown").inc()
+        if output.finished and not self.finished:
+            self._finish(output.finish_reason or "unknown", now)
+
+    def on_abort(self) -> None:
+        """The request ended without a final output (its client left): count it as aborted."""
+        if not self.finished:
+            self._finish("abort", time.monotonic())
+
+    def _finish(self, reason: str, now: float) -> None:
+        self.finished = True
+        metrics = self._metrics
+        metrics.e2e_latency.observe(now - self._arrival)
+        metrics.request_generation_tokens.observe(self._num_tokens)
+        if self._num_tokens > 1 and self._first_token_time is not None:
+            metrics.request_time_per_output_token.observe(
+                (self._last_token_time - self._first_token_time) / (self._num_tokens - 1))
+        metrics.requests_finished.labels(finished_reason=reason, **metrics.labels).inc()

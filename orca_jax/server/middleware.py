@@ -1,7 +1,7 @@
-"""Plain ASGI middleware: API-key check and request-body size limit.
+"""Plain ASGI middleware: Host check, API-key check and request-body size limit.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware) so that streaming responses and the handlers'
-disconnect detection pass through untouched. Both answer before the body is parsed: an
+disconnect detection pass through untouched. All answer before the body is parsed: an
 unauthenticated client never gets its body read, an oversized one never gets it buffered.
 """
 
@@ -29,19 +29,48 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, *, api_key: str, protected_prefixes: tuple[str, ...]):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
         self._protected_prefixes = protected_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self._protected_prefixes):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            # compare_digest takes time independent of where the strings differ.
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            # The scheme is case-insensitive (RFC 9110 section 11.1); the key is not. compare_digest
+            # takes time independent of where the keys differ.
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._expected)):
                 await _send_error(send, 401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key",
                                   extra_headers=((b"www-authenticate", b"Bearer"),))
                 return
         await self.app(scope, receive, send)
+
+
+class HostCheckMiddleware:
+    """Answers 400 unless the Host header names an allowed host (any port).
+
+    A server bound to localhost without a key trusts whoever can reach it; a web page could reach it
+    by pointing its own domain at 127.0.0.1 (DNS rebinding), but the browser then sends that domain
+    as Host, which this refuses.
+    """
+
+    def __init__(self, app: ASGIApp, *, allowed_hosts: tuple[str, ...]):
+        self.app = app
+        self._allowed = frozenset(host.lower() for host in allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and host_name(dict(scope["headers"]).get(b"host", b"")) not in self._allowed:
+            await _send_error(send, 400, "the Host header names a host this server does not answer to; "
+                              "start it with --allowed-hosts to add one", code="invalid_host")
+            return
+        await self.app(scope, receive, send)
+
+
+def host_name(header: bytes) -> str:
+    """The host of a Host header, without the port, lower case ("[::1]:8000" -> "[::1]")."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1]
+    return host.rpartition(":")[0] if ":" in host else host
 
 
 class BodyLimitMiddleware:

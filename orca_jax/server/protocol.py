@@ -1,8 +1,9 @@
 """OpenAI-compatible bodies of /v1/completions and /v1/chat/completions, plus our few extensions.
 
-Requests are strict (a string is not an int, NaN is not a float) and unknown fields are ignored,
-as OpenAI's own server does. Ranges mirror SamplingParams so that most mistakes are caught here,
-with the offending field named, before the engine is involved.
+Requests are strict (a string is not an int, NaN is not a float), and an unknown field is a 400
+rather than silently ignored: a misspelt `max_token` should not quietly fall back to a default.
+Ranges mirror SamplingParams so that most mistakes are caught here, with the offending field named,
+before the engine is involved.
 """
 
 from __future__ import annotations
@@ -11,17 +12,42 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from orca_jax.request import SamplingParams
 
 MAX_TOP_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
 MAX_SEED = 2**32 - 1  # the engine keeps seeds as uint32
 MAX_INT32 = 2**31 - 1
+MAX_N = 128  # OpenAI's own bound on choices per request
+
+
+def _check_encodable(value: object) -> None:
+    """ValueError for a string JSON allows but UTF-8 does not (a lone surrogate like "\\ud800")."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(f"the text is not valid Unicode: a lone surrogate {value[error.start]!r} "
+                             f"at character {error.start}") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_encodable(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key)
+            _check_encodable(item)
 
 
 class _StrictBody(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _encodable(cls, value: object) -> object:
+        # Nested bodies (messages, content parts) check their own fields, so the error names them.
+        _check_encodable(value)
+        return value
 
 
 class StreamOptions(_StrictBody):
@@ -40,7 +66,7 @@ class _GenerationRequest(_StrictBody):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)  # choices; each is its own engine request
     user: str | None = None  # accepted and ignored
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -48,13 +74,6 @@ class _GenerationRequest(_StrictBody):
     ignore_eos: bool = False  # extension
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)  # extension; higher runs first
     deadline: float | None = Field(None, gt=0.0, le=86400.0)  # extension: seconds from arrival
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -92,7 +111,7 @@ class _GenerationRequest(_StrictBody):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
-    # One prompt: text or token ids. A list of prompts is refused by the app (n=1 only).
+    # One prompt (text or token ids) or a list of them; each prompt gets n choices.
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -115,19 +134,19 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_one(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
+    def _no_best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # best_of == n keeps every candidate: the same as leaving it out.
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError(f"best_of={value} is not supported: the server does not rank candidates; "
+                             "ask for n choices and pick on the client")
         return value
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt in this request; ValueError when it holds several."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each text or token ids; ValueError when there are none."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ValueError("a list of several prompts is not supported; send one prompt per request")
-            prompt = prompt[0]
-        return prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
 
 class TextPart(_StrictBody):
@@ -139,6 +158,20 @@ class ChatMessage(_StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # OpenAI's other message fields, as clients echo an earlier reply back: accepted while empty.
+    refusal: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+    annotations: list[dict] | None = None
+
+    @field_validator("tool_calls", "function_call", "audio", "annotations")
+    @classmethod
+    def _empty(cls, value: list | dict | None) -> list | dict | None:
+        if value:
+            raise ValueError("tool calls, audio and annotations are not supported")
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -156,12 +189,22 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # with no tools, both mean plain text
+    parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)
+    response_format: dict | None = None
 
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, value: list[dict] | None) -> list[dict] | None:
         if value:
             raise ValueError("tools are not supported")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict | None) -> dict | None:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError('only {"type": "text"} is supported')
         return value
 
     @model_validator(mode="after")

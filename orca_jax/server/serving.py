@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -12,18 +11,21 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
 from orca_jax.server.async_engine import (
     AsyncEngine, EngineOverloadedError, EngineUnavailableError, QueueFullError, RequestStream,
 )
+from orca_jax.server.choices import Choice, ChoiceStreams, derive_seed, submit_all, usage_of
 from orca_jax.server.errors import APIError, error_body
 from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
-from orca_jax.server.metrics import RequestTimer, ServerMetrics
+from orca_jax.server.metrics import ServerMetrics
 from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, unix_now
 
 RETRY_AFTER_SECONDS = "1"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Chat's default when a request names no max_tokens (the openai client's default): small enough that
+# a handful of such chats share the KV pool instead of each reserving the whole context.
+DEFAULT_MAX_TOKENS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
 # SamplingParams names the failing field in its ValueError ("SamplingParams.top_p must be ...");
 # its fields share the request's names, so that name is the param to report.
@@ -31,14 +33,21 @@ _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
 class OpenAIServing:
-    """The completions and chat endpoints over one AsyncEngine."""
+    """The completions and chat endpoints over one AsyncEngine.
+
+    `default_max_tokens` caps chat completions that name no max_tokens (None: the rest of the
+    context). `allow_special_tokens_in_text` lets control tokens typed in prompts and message
+    content act as control tokens; by default they are plain text, so no caller can forge a turn.
+    """
 
     def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, *, served_model_name: str,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                 allow_special_tokens_in_text: bool = False):
         self.async_engine = async_engine
         self.metrics = metrics
         self.served_model_name = served_model_name
         self.default_max_tokens = default_max_tokens
+        self.split_special_tokens = not allow_special_tokens_in_text
         engine = async_engine.engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
@@ -47,34 +56,28 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        try:
-            prompt = body.single_prompt()
-        except ValueError as error:
-            raise APIError(400, str(error), param="prompt") from None
-        prompt_ids = self._encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt_ids(prompt_ids, param="prompt")
-        max_tokens = self._max_tokens(body.max_tokens, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS,
-                                      param="prompt")
-        sampling = self._sampling(body, max_tokens, body.logprobs)
+        prompts = [self.tokenizer.encode(p, split_special_tokens=self.split_special_tokens)
+                   if isinstance(p, str) else list(p) for p in body.prompts()]
+        choices = self._choices(body, prompts, requested=body.max_tokens,
+                                default=COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=body.logprobs, param="prompt")
         request_id = new_id("cmpl")
         formatter = CompletionFormatter(request_id, self.served_model_name, unix_now(), self.tokenizer,
                                         include_usage=body.include_usage_in_stream)
-        return await self._generate(body, request, request_id, prompt_ids, sampling, formatter)
+        return await self._generate(body, request, request_id, choices, formatter)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         try:
-            prompt = self.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+            prompt_ids = self.tokenizer.encode_chat(body.template_messages(), add_generation_prompt=True,
+                                                    split_special_tokens=self.split_special_tokens)
         except (ValueError, jinja2.TemplateError) as error:  # e.g. a template that checks role order
             raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
-        prompt_ids = self._encode(prompt)
-        self._check_prompt_ids(prompt_ids, param="messages")
-        max_tokens = self._max_tokens(body.requested_max_tokens, len(prompt_ids), None, param="messages")
-        sampling = self._sampling(body, max_tokens, body.num_logprobs)
+        choices = self._choices(body, [prompt_ids], requested=body.requested_max_tokens, default=None,
+                                logprobs=body.num_logprobs, param="messages")
         request_id = new_id("chatcmpl")
         formatter = ChatFormatter(request_id, self.served_model_name, unix_now(), self.tokenizer,
                                   include_usage=body.include_usage_in_stream)
-        return await self._generate(body, request, request_id, prompt_ids, sampling, formatter)
+        return await self._generate(body, request, request_id, choices, formatter)
 
     # ---- validation -----------------------------------------------------------------------------
 
@@ -83,8 +86,21 @@ class OpenAIServing:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.served_model_name!r}", param="model", code="model_not_found")
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+    def _choices(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], *,
+                 requested: int | None, default: int | None, logprobs: int | None, param: str) -> list[Choice]:
+        """n choices per prompt, each with its own max_tokens and seed; 400 on anything invalid."""
+        if len(prompts) * body.n > self.async_engine.max_in_flight:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is more than the "
+                           f"{self.async_engine.max_in_flight} requests this server runs at once",
+                           param="n")
+        choices = []
+        for prompt_index, prompt_ids in enumerate(prompts):
+            self._check_prompt_ids(prompt_ids, param=param)
+            max_tokens = self._max_tokens(requested, len(prompt_ids), default, param=param)
+            for number in range(body.n):
+                sampling = self._sampling(body, max_tokens, logprobs, derive_seed(body.seed, number))
+                choices.append(Choice(len(choices), prompt_index, prompt_ids, sampling))
+        return choices
 
     def _check_prompt_ids(self, prompt_ids: list[int], *, param: str) -> None:
         if not prompt_ids:
@@ -113,10 +129,10 @@ class OpenAIServing:
         return self.async_engine.latest_stats.kv_pages_total * self.page_size
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  logprobs: int | None) -> SamplingParams:
+                  logprobs: int | None, seed: int | None) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
-                                  top_k=max(body.top_k, 0), top_p=body.top_p, seed=body.seed,
+                                  top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed,
                                   stop=body.stop_strings, ignore_eos=body.ignore_eos, logprobs=logprobs)
         except ValueError as error:
             match = _SAMPLING_FIELD.search(str(error))
@@ -125,85 +141,54 @@ class OpenAIServing:
     # ---- generation -----------------------------------------------------------------------------
 
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                        request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                        request_id: str, choices: list[Choice],
                         formatter: CompletionFormatter | ChatFormatter) -> Response:
         deadline = time.monotonic() + body.deadline if body.deadline is not None else None
-        timer = self.metrics.request_timer()
-        stream = await self._submit(request_id, prompt_ids, sampling, body.priority, deadline)
+        timers = [self.metrics.request_timer(len(c.prompt_ids), c.sampling.max_tokens) for c in choices]
+        streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline), timers)
         if body.stream:
-            return StreamingResponse(self._sse(stream, formatter, timer), media_type="text/event-stream",
+            return StreamingResponse(self._sse(streams, choices, formatter), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        final, logprobs = await self._collect(stream, request, timer)
-        if final is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(formatter.response(final, logprobs).model_dump(mode="json"))
-
-    async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                      priority: int, deadline: float | None) -> RequestStream:
         try:
-            return await self.async_engine.submit(prompt_ids, sampling, request_id=request_id,
-                                                  priority=priority, deadline=deadline)
+            finals = await streams.collect(request)
+        except EngineUnavailableError as error:
+            raise APIError(503, str(error), code="engine_unavailable") from None
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        usage = usage_of(choices, [final for final, _ in finals])
+        return JSONResponse(formatter.response(finals, usage).model_dump(mode="json"))
+
+    async def _submit(self, choices: list[Choice], request_id: str, priority: int,
+                      deadline: float | None) -> list[RequestStream]:
+        try:
+            return await submit_all(self.async_engine, choices, request_id=request_id, priority=priority,
+                                    deadline=deadline)
         except (EngineOverloadedError, QueueFullError) as error:
-            self.metrics.requests_rejected.labels("503").inc()
+            self.metrics.requests_rejected.labels(status="503", **self.metrics.labels).inc()
             raise APIError(503, f"server overloaded: {error}", code="server_overloaded",
                            headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
         except EngineUnavailableError as error:
-            self.metrics.requests_rejected.labels("503").inc()
+            self.metrics.requests_rejected.labels(status="503", **self.metrics.labels).inc()
             raise APIError(503, str(error), code="engine_unavailable") from None
         except ValueError as error:  # the engine cannot hold this request (length, KV pool, ids)
-            self.metrics.requests_rejected.labels("400").inc()
+            self.metrics.requests_rejected.labels(status="400", **self.metrics.labels).inc()
             raise APIError(400, str(error), code="invalid_request") from None
 
-    async def _collect(self, stream: RequestStream, request: Request, timer: RequestTimer
-                       ) -> tuple[RequestOutput | None, list[TokenLogprob] | None]:
-        """The final output and all logprobs, or (None, None) when the client left first."""
-        watcher = _abort_on_disconnect(request, stream)
-        final: RequestOutput | None = None
-        logprobs: list[TokenLogprob] | None = None
-        try:
-            async for output in stream:
-                timer.on_output(output)
-                if output.new_logprobs is not None:
-                    logprobs = (logprobs or []) + output.new_logprobs
-                final = output
-        except EngineUnavailableError as error:
-            raise APIError(503, str(error), code="engine_unavailable") from None
-        finally:
-            watcher.cancel()
-            stream.abort()  # no-op once finished; frees the KV when we were cancelled
-        if final is None or not final.finished:
-            return None, None
-        return final, logprobs
-
-    async def _sse(self, stream: RequestStream, formatter: CompletionFormatter | ChatFormatter,
-                   timer: RequestTimer) -> AsyncIterator[str]:
+    async def _sse(self, streams: ChoiceStreams, choices: list[Choice],
+                   formatter: CompletionFormatter | ChatFormatter) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; `finally` then aborts.
+        finals: list = [None] * len(choices)
         try:
-            for payload in formatter.opening_chunks():
+            for payload in formatter.opening_chunks(len(choices)):
                 yield f"data: {payload}\n\n"
-            final = None
-            async for output in stream:
-                timer.on_output(output)
-                for payload in formatter.chunks(output):
+            async for index, output in streams.merged():
+                for payload in formatter.chunks(index, output):
                     yield f"data: {payload}\n\n"
-                final = output
-            if final is not None and formatter.include_usage:
-                yield f"data: {formatter.usage_chunk(final)}\n\n"
+                finals[index] = output
+            if formatter.include_usage and all(final is not None for final in finals):
+                yield f"data: {formatter.usage_chunk(usage_of(choices, finals))}\n\n"
         except EngineUnavailableError as error:
             yield f"data: {json.dumps(error_body(503, str(error), code='engine_unavailable'))}\n\n"
         finally:
-            stream.abort()
+            streams.abort_all()
         yield "data: [DONE]\n\n"
-
-
-def _abort_on_disconnect(request: Request, stream: RequestStream) -> asyncio.Task:
-    """A task that aborts `stream` once the client disconnects (no polling: receive() blocks)."""
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                stream.abort()
-                return
-
-    return asyncio.get_running_loop().create_task(watch())

@@ -165,7 +165,8 @@ class Tokenizer:
             token = token.get("content") if isinstance(token, dict) else token
             return None if token is None else backend.token_to_id(token)
 
-        eos = tuple(eos_token_ids) or tuple(t for t in (token_id("eos_token"),) if t is not None)
+        # The model config's eos ids first (Llama 3 lists several), then the tokenizer's own.
+        eos = tuple(dict.fromkeys(t for t in (*eos_token_ids, token_id("eos_token")) if t is not None))
         return cls(backend, chat_template=template, bos_token_id=token_id("bos_token"),
                    eos_token_ids=eos, source=tokenizer_file)
 

@@ -90,8 +90,11 @@ def test_wrong_file_type(tmp_path):
     fake.write_text("this is not a model\n")
     with pytest.raises(WeightsError, match="model.gguf: not a GGUF file"):
         load_model(str(fake))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(WeightsError, match=r"config.json: architecture model_type 'bert' is not supported"):
+        load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(WeightsError, match=r"config.json: model_type 'llama' is not supported"):
+    with pytest.raises(WeightsError, match=r"config.json: not a usable llama config \(KeyError\('hidden_size'\)\)"):
         load_model(str(tmp_path))
 
 

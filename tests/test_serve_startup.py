@@ -1,0 +1,13 @@
+"""The start-up log of `python -m orca_jax.serve`: devices, memory and the KV pool."""
+
+from orca_jax.config import CacheConfig, EngineConfig
+from orca_jax.engine import Engine
+from orca_jax.serve import startup_report
+
+
+def test_startup_report_names_devices_and_kv_pool():
+    engine = Engine(EngineConfig(model="tiny-llama", cache=CacheConfig(page_size=8, num_pages=40)))
+    devices, pool = startup_report(engine)
+    assert devices.startswith("devices: 1 x cpu (cpu)")  # CPU: memory_stats() gives nothing
+    # tiny-llama: 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes per token.
+    assert pool == "KV pool: 40 pages x 8 tokens = 320 tokens, 0.2 MiB"

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -227,3 +228,60 @@ def test_orbax_round_trip_keeps_the_new_switches(build, tmp_path):
         assert again.config == loaded.config
         np.testing.assert_array_equal(again.params["layers"]["attn"]["k"]["kernel"],
                                       loaded.params["layers"]["attn"]["k"]["kernel"])
+
+
+def test_truncated_shard_is_named(llama_copy):
+    shard = sorted(p for p in llama_copy.iterdir() if p.suffix == ".safetensors")[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(WeightsError, match=rf"{shard.name}: cannot read safetensors, truncated or corrupt"):
+        load_model(str(llama_copy))
+
+
+def _write_numpy_llama(directory, hidden=256, ffn=512, layers=2, vocab=4096) -> None:
+    """A random untied Llama in two bf16 shards, written without torch (big enough to weigh)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    bf16 = jax.numpy.bfloat16
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        shapes |= {prefix + "input_layernorm.weight": (hidden,), prefix + "post_attention_layernorm.weight": (hidden,),
+                   prefix + "self_attn.q_proj.weight": (hidden, hidden), prefix + "self_attn.k_proj.weight": (64, hidden),
+                   prefix + "self_attn.v_proj.weight": (64, hidden), prefix + "self_attn.o_proj.weight": (hidden, hidden),
+                   prefix + "mlp.gate_proj.weight": (ffn, hidden), prefix + "mlp.up_proj.weight": (ffn, hidden),
+                   prefix + "mlp.down_proj.weight": (hidden, ffn)}
+    names = sorted(shapes)
+    weight_map = {}
+    for number, part in enumerate((names[::2], names[1::2]), 1):
+        file = f"model-{number:05d}-of-00002.safetensors"
+        save_file({n: rng.standard_normal(shapes[n], dtype=np.float32).astype(bf16) for n in part},
+                  str(directory / file))
+        weight_map |= dict.fromkeys(part, file)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+        "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "vocab_size": vocab, "max_position_embeddings": 128, "tie_word_embeddings": False}))
+
+
+def test_host_holds_the_model_once(tmp_path):
+    # numpy reports its allocations to tracemalloc: the peak while loading is the params tree plus
+    # the tensor in flight (read, then converted), never a second copy of the model.
+    import tracemalloc
+
+    from orca_jax.models import hf_checkpoint
+
+    _write_numpy_llama(tmp_path)
+    tracemalloc.start()
+    try:
+        _, params = hf_checkpoint.load_hf_directory(str(tmp_path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))  # 12.9 MB, fp32
+    largest = max(x.nbytes for x in jax.tree_util.tree_leaves(params))  # 4 MB, each embedding
+    # Measured: params + 4.9 MB (a bf16 tensor, its fp32 view and the tracing of the shapes); a second
+    # copy of the model would be 2 x params.
+    assert params_bytes < peak < params_bytes + 2 * largest < 2 * params_bytes, (peak, params_bytes, largest)

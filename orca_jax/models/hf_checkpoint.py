@@ -1,25 +1,20 @@
-"""Hugging Face Llama-family directories: config.json -> ModelConfig, safetensors -> our params tree.
+"""Hugging Face directories: config.json -> ModelConfig, and how their tensors map onto our params tree.
 
-Llama 2/3 (LlamaForCausalLM, Llama 3.1's "llama3" RoPE scaling), Mistral and Qwen2 (q/k/v biases).
-Tensors are read one at a time with `safe_open` straight into preallocated stacked arrays, so the
-host holds the model once plus one tensor in flight. Every name and shape is checked against the
-config before its data is read; anything unexpected raises WeightsError naming the file and tensor.
+GPT-2 (GPT2LMHeadModel), Llama 2/3 (LlamaForCausalLM, Llama 3.1's "llama3" RoPE scaling), Mistral and
+Qwen2 (q/k/v biases). Variants we cannot run exactly are refused, naming config.json and the field.
+The tensors are read by safetensors_io.fill_params, one at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-from typing import Callable
-
-import jax
-import numpy as np
 
 from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
-from orca_jax.models.weights import Params, WeightsError, check_params, expected_shapes
+from orca_jax.models.safetensors_io import Layouts, fill_params
+from orca_jax.models.weights import Params, WeightsError
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +22,9 @@ log = logging.getLogger(__name__)
 LLAMA_FAMILY = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = ("GPT2LMHeadModel",) + tuple(LLAMA_FAMILY.values())
 
-# Buffers some older checkpoints carry; we recompute them.
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# Buffers some checkpoints carry; we recompute them. Tied models may still store lm_head (a copy).
+_LLAMA_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_GPT2_IGNORED = re.compile(r"h\.\d+\.attn\.(masked_)?bias")  # the causal mask, in older GPT-2 files
 
 
 def read_hf_config(path: str) -> dict:
@@ -124,117 +120,104 @@ def _eos_ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (() if value is None else (value,))
 
 
-class SafetensorsDirectory:
-    """The tensors of model.safetensors or of a sharded index, opened lazily, read one at a time."""
-
-    def __init__(self, directory: str):
-        single = os.path.join(directory, "model.safetensors")
-        index = os.path.join(directory, "model.safetensors.index.json")
-        self.source = index if os.path.isfile(index) else single
-        self._handles: dict[str, object] = {}
-        self._stack = contextlib.ExitStack()
-        if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError) as err:
-                raise WeightsError(f"{index}: not a safetensors index ({err!r})") from err
-            self.files = {name: os.path.join(directory, file) for name, file in weight_map.items()}
-        else:
-            self.files = {name: single for name in self._open(single).keys()}
-
-    def __enter__(self) -> "SafetensorsDirectory":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
-
-    def _open(self, file: str):
-        from safetensors import SafetensorError, safe_open
-
-        if file not in self._handles:
-            if not os.path.isfile(file):
-                raise WeightsError(f"{file}: no such file (listed in {self.source})")
-            try:
-                # The "flax" framework reads every dtype numpy lacks (bf16); pinned to the host CPU.
-                self._handles[file] = self._stack.enter_context(safe_open(file, framework="flax", device="cpu"))
-            except (SafetensorError, OSError, ValueError) as err:
-                raise WeightsError(f"{file}: cannot read safetensors, truncated or corrupt ({err})") from err
-        return self._handles[file]
-
-    def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """Tensor `name` as a numpy array, after checking that it has `shape`."""
-        from safetensors import SafetensorError
-
-        if name not in self.files:
-            raise WeightsError(f"{self.source}: missing tensor {name} (expected shape {shape})")
-        file = self.files[name]
-        handle = self._open(file)
-        if name not in handle.keys():
-            raise WeightsError(f"{file}: missing tensor {name} (expected shape {shape}; "
-                               f"{os.path.basename(self.source)} says it is here)")
-        found = tuple(handle.get_slice(name).get_shape())
-        if found != shape:
-            raise WeightsError(f"{file}: tensor {name} has shape {found}, config.json implies {shape}")
-        try:
-            with jax.default_device(jax.devices("cpu")[0]):
-                return np.asarray(handle.get_tensor(name))
-        except (SafetensorError, OSError, ValueError) as err:
-            raise WeightsError(f"{file}: cannot read tensor {name} ({err})") from err
+def config_from_gpt2_json(path: str, dtype: str | None = None) -> ModelConfig:
+    """ModelConfig from a GPT-2 config.json; unsupported variants are refused, not approximated."""
+    hf = read_hf_config(path)
+    if hf["model_type"] != "gpt2":
+        raise WeightsError(f"{path}: model_type {hf['model_type']!r} is not GPT-2")
+    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise WeightsError(f"{path}: activation {hf['activation_function']!r} is not supported (tanh GeLU only)")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(flag):
+            raise WeightsError(f"{path}: {flag}=true is not supported")
+    if not hf.get("scale_attn_weights", True):
+        raise WeightsError(f"{path}: scale_attn_weights=false is not supported")
+    try:
+        hidden, heads = hf["n_embd"], hf["n_head"]
+        return ModelConfig(
+            family=ModelFamily.GPT, vocab_size=hf["vocab_size"], hidden_size=hidden,
+            num_layers=hf["n_layer"], num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+            ffn_size=hf.get("n_inner") or 4 * hidden, max_seq_len=hf["n_positions"],
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=hf.get("tie_word_embeddings", True), dtype=dtype or "float32",
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf.get("eos_token_id")))
+    except (KeyError, TypeError, ValueError) as err:
+        raise WeightsError(f"{path}: not a usable GPT-2 config ({err!r})") from err
 
 
-def _layouts(config: ModelConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...], Callable]]:
-    """HF name ('{i}' for the layer) -> (path in our tree, shape in the file, converter to our layout)."""
+def _same(w):
+    return w
+
+
+def _llama_layouts(config: ModelConfig) -> Layouts:
     h, n, k, d, f, v = (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                         config.ffn_size, config.vocab_size)
-    attn, mlp = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
-    same = lambda w: w  # noqa: E731
+    attn, mlp, layer = "model.layers.{i}.self_attn", "model.layers.{i}.mlp", ("layers",)
     # torch Linear weights are [out, in]; our kernels are einsum layouts over [in, ...out].
     layouts = {
-        "model.embed_tokens.weight": (("embed",), (v, h), same),  # [V, H]
-        "model.norm.weight": (("final_norm", "scale"), (h,), same),
-        "model.layers.{i}.input_layernorm.weight": (("layers", "attn_norm", "scale"), (h,), same),
-        "model.layers.{i}.post_attention_layernorm.weight": (("layers", "mlp_norm", "scale"), (h,), same),
-        f"{attn}.q_proj.weight": (("layers", "attn", "q", "kernel"), (n * d, h), lambda w: w.T.reshape(h, n, d)),
-        f"{attn}.k_proj.weight": (("layers", "attn", "k", "kernel"), (k * d, h), lambda w: w.T.reshape(h, k, d)),
-        f"{attn}.v_proj.weight": (("layers", "attn", "v", "kernel"), (k * d, h), lambda w: w.T.reshape(h, k, d)),
-        f"{attn}.o_proj.weight": (("layers", "attn", "o", "kernel"), (h, n * d), lambda w: w.T.reshape(n, d, h)),
-        f"{mlp}.gate_proj.weight": (("layers", "mlp", "gate", "kernel"), (f, h), lambda w: w.T),
-        f"{mlp}.up_proj.weight": (("layers", "mlp", "up", "kernel"), (f, h), lambda w: w.T),
-        f"{mlp}.down_proj.weight": (("layers", "mlp", "down", "kernel"), (h, f), lambda w: w.T),
+        "model.embed_tokens.weight": ((v, h), ((("embed",), _same),)),  # [V, H]
+        "model.norm.weight": ((h,), ((("final_norm", "scale"), _same),)),
+        "model.layers.{i}.input_layernorm.weight": ((h,), (((*layer, "attn_norm", "scale"), _same),)),
+        "model.layers.{i}.post_attention_layernorm.weight": ((h,), (((*layer, "mlp_norm", "scale"), _same),)),
+        f"{attn}.q_proj.weight": ((n * d, h), (((*layer, "attn", "q", "kernel"), lambda w: w.T.reshape(h, n, d)),)),
+        f"{attn}.k_proj.weight": ((k * d, h), (((*layer, "attn", "k", "kernel"), lambda w: w.T.reshape(h, k, d)),)),
+        f"{attn}.v_proj.weight": ((k * d, h), (((*layer, "attn", "v", "kernel"), lambda w: w.T.reshape(h, k, d)),)),
+        f"{attn}.o_proj.weight": ((h, n * d), (((*layer, "attn", "o", "kernel"), lambda w: w.T.reshape(n, d, h)),)),
+        f"{mlp}.gate_proj.weight": ((f, h), (((*layer, "mlp", "gate", "kernel"), lambda w: w.T),)),
+        f"{mlp}.up_proj.weight": ((f, h), (((*layer, "mlp", "up", "kernel"), lambda w: w.T),)),
+        f"{mlp}.down_proj.weight": ((h, f), (((*layer, "mlp", "down", "kernel"), lambda w: w.T),)),
     }
     if config.qkv_bias:
         for part, heads in (("q", n), ("k", k), ("v", k)):
-            layouts[f"{attn}.{part}_proj.bias"] = (("layers", "attn", part, "bias"), (heads * d,),
-                                                   lambda b, heads=heads: b.reshape(heads, d))
+            layouts[f"{attn}.{part}_proj.bias"] = (
+                (heads * d,), (((*layer, "attn", part, "bias"), lambda b, heads=heads: b.reshape(heads, d)),))
     if not config.tie_embeddings:
-        layouts["lm_head.weight"] = (("lm_head",), (v, h), lambda w: w.T)  # [H, V]
+        layouts["lm_head.weight"] = ((v, h), ((("lm_head",), lambda w: w.T),))  # [H, V]
     return layouts
 
 
-def load_llama_params(directory: str, config: ModelConfig) -> Params:
-    """Our params tree (numpy, config.dtype, layers stacked on a leading [L] axis) from safetensors."""
-    dtype = np.dtype(jax.numpy.dtype(config.dtype))
-    params = jax.tree_util.tree_map(lambda s: np.empty(s, dtype), expected_shapes(config),
-                                    is_leaf=lambda x: isinstance(x, tuple))
-    layouts = _layouts(config)
-    with SafetensorsDirectory(directory) as tensors:
-        wanted = {name.format(i=i) for name in layouts for i in range(config.num_layers)}
-        ignorable = {"lm_head.weight"} if config.tie_embeddings else set()  # some tied files keep a copy
-        unexpected = sorted(name for name in tensors.files
-                            if name not in wanted and name not in ignorable and not _IGNORED.fullmatch(name))
-        if unexpected:
-            raise WeightsError(f"{tensors.files[unexpected[0]]}: unexpected tensor {unexpected[0]} for a "
-                               f"{config.num_layers}-layer {'tied' if config.tie_embeddings else 'untied'} "
-                               f"model{f' (and {len(unexpected) - 1} more)' if len(unexpected) > 1 else ''}")
-        for template, (where, shape, convert) in layouts.items():
-            holder = params
-            for key in where[:-1]:
-                holder = holder[key]
-            if "{i}" not in template:
-                holder[where[-1]][...] = convert(tensors.read(template, shape))
-                continue
-            for i in range(config.num_layers):
-                holder[where[-1]][i] = convert(tensors.read(template.format(i=i), shape))
-        check_params(params, config, tensors.source)
-    return params
+def _gpt2_layouts(config: ModelConfig) -> Layouts:
+    h, n, d, f, v = config.hidden_size, config.num_heads, config.head_dim, config.ffn_size, config.vocab_size
+    layer = ("layers",)
+    # GPT-2's Conv1D weights are already [in, out] (x @ W); c_attn holds q, k and v side by side.
+    qkv_kernels = tuple(((*layer, "attn", part, "kernel"), lambda w, p=p: w.reshape(h, 3, n, d)[:, p])
+                        for p, part in enumerate("qkv"))
+    qkv_biases = tuple(((*layer, "attn", part, "bias"), lambda b, p=p: b.reshape(3, n, d)[p])
+                       for p, part in enumerate("qkv"))
+
+    def norm(name: str, where: tuple[str, ...]) -> Layouts:
+        return {f"{name}.weight": ((h,), (((*where, "scale"), _same),)),
+                f"{name}.bias": ((h,), (((*where, "bias"), _same),))}
+
+    layouts = {
+        "wte.weight": ((v, h), ((("embed",), _same),)),
+        "wpe.weight": ((config.max_seq_len, h), ((("pos_embed",), _same),)),
+        **norm("ln_f", ("final_norm",)),
+        **norm("h.{i}.ln_1", (*layer, "attn_norm")),
+        **norm("h.{i}.ln_2", (*layer, "mlp_norm")),
+        "h.{i}.attn.c_attn.weight": ((h, 3 * h), qkv_kernels),
+        "h.{i}.attn.c_attn.bias": ((3 * h,), qkv_biases),
+        "h.{i}.attn.c_proj.weight": ((h, h), (((*layer, "attn", "o", "kernel"), lambda w: w.reshape(n, d, h)),)),
+        "h.{i}.attn.c_proj.bias": ((h,), (((*layer, "attn", "o", "bias"), _same),)),
+        "h.{i}.mlp.c_fc.weight": ((h, f), (((*layer, "mlp", "up", "kernel"), _same),)),
+        "h.{i}.mlp.c_fc.bias": ((f,), (((*layer, "mlp", "up", "bias"), _same),)),
+        "h.{i}.mlp.c_proj.weight": ((f, h), (((*layer, "mlp", "down", "kernel"), _same),)),
+        "h.{i}.mlp.c_proj.bias": ((h,), (((*layer, "mlp", "down", "bias"), _same),)),
+    }
+    if not config.tie_embeddings:
+        layouts["lm_head.weight"] = ((v, h), ((("lm_head",), lambda w: w.T),))  # [H, V]
+    return layouts
+
+
+def load_hf_directory(directory: str, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+    """Config and params (numpy, layers stacked on a leading [L] axis) of a Hugging Face directory."""
+    path = os.path.join(directory, "config.json")
+    if read_hf_config(path)["model_type"] == "gpt2":
+        config = config_from_gpt2_json(path, dtype)
+        layouts, ignored, strip = _gpt2_layouts(config), _GPT2_IGNORED, "transformer."
+    else:
+        config = config_from_llama_json(path, dtype)
+        layouts, ignored, strip = _llama_layouts(config), _LLAMA_IGNORED, ""
+    if config.tie_embeddings:  # some tied checkpoints still store the head: a copy of the embedding
+        ignored = re.compile(f"{ignored.pattern}|lm_head\\.weight")
+    return config, fill_params(directory, config, layouts, ignored, strip)

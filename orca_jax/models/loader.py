@@ -121,12 +121,7 @@ def _load_directory(directory: str) -> LoadedModel:
         return LoadedModel(config, params, _directory_tokenizer(directory, config))
     hf_config = os.path.join(directory, "config.json")
     if os.path.isfile(hf_config):
-        if hf_checkpoint.read_hf_config(hf_config)["model_type"] == "gpt2":
-            config = weights.config_from_gpt2_json(hf_config)
-            params = weights.load_gpt2_params(directory, config)
-        else:
-            config = hf_checkpoint.config_from_llama_json(hf_config)
-            params = hf_checkpoint.load_llama_params(directory, config)
+        config, params = hf_checkpoint.load_hf_directory(directory)
         return LoadedModel(config, params, _directory_tokenizer(directory, config))
     raise WeightsError(f"{directory}: neither a Hugging Face model directory (no config.json) "
                        f"nor an orca_jax checkpoint (no {CHECKPOINT_CONFIG})")

@@ -207,14 +207,16 @@ def test_extra_layer_is_refused(llama_copy):
 
 def test_bfloat16_checkpoint(tmp_path):
     # Real checkpoints are bf16: read bit-exactly (numpy itself has no bfloat16).
+    # A bf16 checkpoint is served in bf16 unless asked otherwise (vLLM's dtype "auto").
     theirs = write_hf_dir(str(tmp_path), "mistral", torch_dtype=torch.bfloat16)
-    ours = load_model(str(tmp_path))
-    assert ours.config.dtype == "float32"
-    want = theirs.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T.reshape(64, 4, 16)
-    np.testing.assert_array_equal(ours.params["layers"]["attn"]["q"]["kernel"][1], want)
-    half = load_model(str(tmp_path), dtype="bfloat16")
+    half = load_model(str(tmp_path))
+    assert half.config.dtype == "bfloat16" and half.params["embed"].dtype == jax.numpy.bfloat16
     np.testing.assert_array_equal(half.params["embed"].astype(np.float32),
                                   theirs.model.embed_tokens.weight.detach().float().numpy())
+    full = load_model(str(tmp_path), dtype="float32")
+    assert full.config.dtype == "float32"
+    want = theirs.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T.reshape(64, 4, 16)
+    np.testing.assert_array_equal(full.params["layers"]["attn"]["q"]["kernel"][1], want)
 
 
 def test_orbax_round_trip_keeps_the_new_switches(build, tmp_path):

@@ -110,10 +110,19 @@ def config_from_llama_json(path: str, dtype: str | None = None) -> ModelConfig:
             head_dim=hf.get("head_dim") or hidden // heads, ffn_size=hf["intermediate_size"],
             max_seq_len=_max_seq_len(hf, path), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=scaling, qkv_bias=model_type == "qwen2",
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype or "float32",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype or checkpoint_dtype(hf),
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos)
     except (KeyError, TypeError, ValueError) as err:
         raise WeightsError(f"{path}: not a usable {model_type} config ({err!r})") from err
+
+
+def checkpoint_dtype(hf: dict) -> str:
+    """The dtype to serve in when none is asked for: bf16 checkpoints stay bf16, everything else fp32.
+
+    float16 weights go to float32 (exact) rather than bfloat16 (3 mantissa bits fewer).
+    """
+    stored = hf.get("dtype") or hf.get("torch_dtype")  # transformers 5 / 4.x
+    return "bfloat16" if stored == "bfloat16" else "float32"
 
 
 def _eos_ids(value) -> tuple[int, ...]:
@@ -139,7 +148,7 @@ def config_from_gpt2_json(path: str, dtype: str | None = None) -> ModelConfig:
             num_layers=hf["n_layer"], num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
             ffn_size=hf.get("n_inner") or 4 * hidden, max_seq_len=hf["n_positions"],
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            tie_embeddings=hf.get("tie_word_embeddings", True), dtype=dtype or "float32",
+            tie_embeddings=hf.get("tie_word_embeddings", True), dtype=dtype or checkpoint_dtype(hf),
             bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf.get("eos_token_id")))
     except (KeyError, TypeError, ValueError) as err:
         raise WeightsError(f"{path}: not a usable GPT-2 config ({err!r})") from err

@@ -33,6 +33,16 @@ CHATML_TEMPLATE = (
     "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Llama 3.1's shape: today's date from strftime_now (a fixed date where a renderer lacks it), tojson.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}{%- set date_string = '26 Jul 2024' %}"
+    "{%- endif %}{%- endif %}"
+    "{{- '<|im_start|>system\nToday Date: ' + date_string + '\nRoles: ' + (messages | map(attribute='role')"
+    " | list | tojson) + '<|im_end|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
@@ -71,7 +81,7 @@ KINDS = {
         # factors 1 and 4 puts some in the kept band, some in the blended band, most in the stretched.
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
-        CHATML_TEMPLATE, "<s>", "<|im_end|>"),
+        LLAMA3_TEMPLATE, "<s>", "<|im_end|>"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True, "rope_theta": 1000000.0},
               CHATML_TEMPLATE, None, "<|im_end|>"),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None},

@@ -287,3 +287,47 @@ def test_host_holds_the_model_once(tmp_path):
     # Measured: params + 4.9 MB (a bf16 tensor, its fp32 view and the tracing of the shapes); a second
     # copy of the model would be 2 x params.
     assert params_bytes < peak < params_bytes + 2 * largest < 2 * params_bytes, (peak, params_bytes, largest)
+
+
+# Llama-3.1-8B-Instruct's config.json and generation_config.json as published (transformers 4.x keys).
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 128256}
+
+
+def test_published_llama31_config(tmp_path):
+    from orca_jax.models.hf_checkpoint import config_from_llama_json
+    from orca_jax.models.presets import PRESETS
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA31_8B))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128008, 128009]}))
+    config = config_from_llama_json(str(tmp_path / "config.json"))
+    assert config.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192) and config.rope_theta == 500000.0
+    assert config.eos_token_ids == (128001, 128008, 128009) and config.bos_token_id == 128000
+    assert config.dtype == "bfloat16" and config.max_seq_len == 131072 and not config.qkv_bias
+    # The same shapes as our random-weight preset.
+    assert dataclasses.replace(config, rope_scaling=None, max_seq_len=8192,
+                               eos_token_ids=(128001,)) == PRESETS["llama-8b"]
+
+
+@pytest.mark.parametrize("model_type,extra,max_len", [
+    ("mistral", {"sliding_window": 4096}, 4096),  # Mistral 7B v0.1: capped at the window (exact there)
+    ("mistral", {"sliding_window": None}, 32768),
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": False}, 32768),  # Qwen2 ignores it unless used
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": True}, 4096),
+])
+def test_sliding_window_caps_the_context(tmp_path, model_type, extra, max_len):
+    from orca_jax.models.hf_checkpoint import config_from_llama_json
+
+    hf = {"model_type": model_type, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+          "max_position_embeddings": 32768, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert config_from_llama_json(str(tmp_path / "config.json")).max_seq_len == max_len

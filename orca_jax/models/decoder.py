@@ -61,7 +61,8 @@ class Linear(nn.Module):
         cfg = self.config
         kernel = self.param("kernel", _init_weight, self.shape, _dtype(cfg))
         y = jnp.einsum(self.equation, x, kernel)
-        if self.bias if self.bias is not None else cfg.family is ModelFamily.GPT:
+        has_bias = cfg.family is ModelFamily.GPT if self.bias is None else self.bias
+        if has_bias:
             y = y + self.param("bias", nn.initializers.zeros, self.bias_shape, _dtype(cfg))
         return y
 

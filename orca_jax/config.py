@@ -35,6 +35,27 @@ class SchedulingPolicy(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling ("rope_type": "llama3" in a Hugging Face config.json).
+
+    Wavelengths longer than original_max_position / low_freq_factor are stretched by `factor`, those
+    shorter than original_max_position / high_freq_factor are kept, and the band between is blended.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+    def __post_init__(self):
+        if self.factor <= 0 or self.original_max_position <= 0:
+            raise ValueError("RopeScaling.factor and original_max_position must be positive")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError("RopeScaling needs 0 < low_freq_factor < high_freq_factor, got "
+                             f"{self.low_freq_factor}, {self.high_freq_factor}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shapes and switches of one decoder-only transformer."""
 
@@ -49,6 +70,8 @@ class ModelConfig:
     max_seq_len: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # LLAMA only
+    rope_scaling: RopeScaling | None = None  # LLAMA only; None: plain RoPE
+    qkv_bias: bool = False  # LLAMA only (Qwen2): biases on the q/k/v projections; GPT always has them
     tie_embeddings: bool = True
     dtype: str = "float32"  # activations and weights: "float32" or "bfloat16"
     bos_token_id: int | None = None
@@ -64,6 +87,8 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.family is ModelFamily.GPT and self.num_kv_heads != self.num_heads:
             raise ValueError("GPT models use multi-head attention: num_kv_heads must equal num_heads")
+        if self.family is ModelFamily.GPT and (self.rope_scaling is not None or self.qkv_bias):
+            raise ValueError("rope_scaling and qkv_bias are Llama-family switches (GPT has biases anyway)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
@@ -78,6 +103,7 @@ class ModelConfig:
         """Parameter count (embeddings included once when tied)."""
         h, f, d = self.hidden_size, self.ffn_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn += d * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
         mlp = h * f * (3 if self.family is ModelFamily.LLAMA else 2)
         embed = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         pos = self.max_seq_len * h if self.family is ModelFamily.GPT else 0

@@ -125,8 +125,8 @@ class Engine:
         self._stats = EngineStats(kv_pages_total=self.kv.num_usable_pages)
         if config.precompile:
             self.precompile(precompile_progress)
-        log.info("engine ready: %s, %d KV pages of %d tokens", config.model, self.runner.num_pages,
-                 self.runner.page_size)
+        log.info("engine ready: %s, %d KV pages of %d tokens for requests (+1 scratch page)", config.model,
+                 self.kv.num_usable_pages, self.runner.page_size)
 
     # ---- compiled programs ----
 

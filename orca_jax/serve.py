@@ -93,20 +93,6 @@ def allowed_hosts_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
     return extra or None
 
 
-def startup_summary(engine) -> str:
-    """The log line naming the device and the KV pool, counted as /metrics counts it."""
-    import jax  # local: `--help` stays free of jax
-
-    device = jax.devices()[0]
-    memory = (device.memory_stats() or {}).get("bytes_limit") if hasattr(device, "memory_stats") else None
-    stats = engine.stats()
-    page_size = engine.config.cache.page_size
-    return (f"device: {jax.device_count()} x {device.device_kind}"
-            + (f" ({memory / 2**30:.1f} GiB)" if memory else "")
-            + f"; KV cache: {stats.kv_pages_total} pages of {page_size} tokens "
-            f"({stats.kv_pages_total * page_size} tokens) for requests, plus one scratch page")
-
-
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Raises ValueError (from the configs' own checks) on inconsistent flags."""
     return EngineConfig(
@@ -163,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
     log.info("loading %s", args.model)
     engine = Engine(config)
-    log.info("%s", startup_summary(engine))
+    for line in startup_report(engine):
+        log.info("%s", line)
     async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
                      served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
@@ -179,6 +166,30 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _already_handled)
     _Server(uvicorn_config, on_exit=async_engine.begin_shutdown).run()
     return 0
+
+
+def startup_report(engine) -> list[str]:
+    """What the engine runs on and how big its KV pool is, for the start-up log.
+
+    A GPU machine that silently serves on the CPU (a CPU-only jax) shows up here at once.
+    """
+    import jax
+
+    devices = engine.runner.mesh.devices.flat
+    first = devices[0]
+    line = f"devices: {len(devices)} x {first.device_kind} ({first.platform})"
+    stats = first.memory_stats() or {}
+    if "bytes_limit" in stats:
+        line += (f", {stats['bytes_limit'] / 2**30:.1f} GiB each, "
+                 f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB in use after loading")
+    if len(jax.devices()) > len(devices):
+        line += f" (of {len(jax.devices())} visible)"
+    # Counted as /metrics counts it: the pages requests can hold (page 0 is the scratch page).
+    pages, page_size = engine.stats().kv_pages_total, engine.runner.page_size
+    kv_bytes = engine.runner.kv_bytes
+    size = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
+    return [line, f"KV pool: {pages} pages x {page_size} tokens = {pages * page_size} tokens for requests "
+                  f"(+1 scratch page), {size}"]
 
 
 def _already_handled(sig: int, frame: FrameType | None) -> None:

@@ -11,6 +11,7 @@ Both expose `token_bytes(id)`, so a stream can be detokenized without cutting UT
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -71,6 +72,11 @@ def unicode_to_byte() -> dict[str, int]:
     return {char: byte for byte, char in byte_to_unicode().items()}
 
 
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON, as transformers gives.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -80,8 +86,10 @@ def _compile_chat_template(template: str) -> jinja2.Template:
     # The same environment transformers renders chat templates in, so whitespace handling matches.
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=[loopcontrols])
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    # Llama 3.1+ templates print today's date with it (and fall back to a fixed date without it).
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(template)
 
 
@@ -173,7 +181,8 @@ class Tokenizer:
             token = token.get("content") if isinstance(token, dict) else token
             return None if token is None else backend.token_to_id(token)
 
-        eos = tuple(eos_token_ids) or tuple(t for t in (token_id("eos_token"),) if t is not None)
+        # The model config's eos ids first (Llama 3 lists several), then the tokenizer's own.
+        eos = tuple(dict.fromkeys(t for t in (*eos_token_ids, token_id("eos_token")) if t is not None))
         return cls(backend, chat_template=template, bos_token_id=token_id("bos_token"),
                    eos_token_ids=eos, source=tokenizer_file)
 

@@ -90,8 +90,11 @@ def test_wrong_file_type(tmp_path):
     fake.write_text("this is not a model\n")
     with pytest.raises(WeightsError, match="model.gguf: not a GGUF file"):
         load_model(str(fake))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(WeightsError, match=r"config.json: architecture model_type 'bert' is not supported"):
+        load_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(WeightsError, match=r"config.json: model_type 'llama' is not supported"):
+    with pytest.raises(WeightsError, match=r"config.json: not a usable llama config \(KeyError\('hidden_size'\)\)"):
         load_model(str(tmp_path))
 
 
@@ -116,8 +119,8 @@ def test_gpt2_config_that_contradicts_safetensors(gpt2_dir):
     config_file = gpt2_dir / "config.json"
     hf = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**hf, "n_embd": 64}))
-    with pytest.raises(WeightsError, match=r"model.safetensors: wte.weight has shape \(256, 32\), "
-                                           r"config.json implies \(256, 64\)"):
+    with pytest.raises(WeightsError, match=r"model.safetensors: tensor transformer.wte.weight has shape "
+                                           r"\(256, 32\), config.json implies \(256, 64\)"):
         load_model(str(gpt2_dir))
 
 
@@ -168,3 +171,18 @@ def test_gguf_that_contradicts_the_config(gguf_path):
     with pytest.raises(WeightsError, match=r"SmolLM2-135M-Instruct.Q4_1.gguf: blk.0.ffn_\w+.weight gives "
                                            r"shape \(\d+, \d+\), the config needs"):
         weights.load_gguf_params(gguf_path, wrong, reader)
+
+
+def test_gpt2_hub_layout_without_prefix_and_with_mask_buffers(gpt2_dir, tmp_path):
+    # The Hub's own gpt2 files name tensors without 'transformer.' and keep the causal-mask buffers.
+    from safetensors.numpy import load_file, save_file
+
+    reference = load_model(str(gpt2_dir))
+    tensors = {name.removeprefix("transformer."): value
+               for name, value in load_file(str(gpt2_dir / "model.safetensors")).items()}
+    tensors |= {f"h.{i}.attn.bias": np.tril(np.ones((1, 1, 64, 64), np.float32)) for i in range(2)}
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    save_file(tensors, str(hub / "model.safetensors"))
+    (hub / "config.json").write_text((gpt2_dir / "config.json").read_text())
+    _assert_trees_equal(load_model(str(hub)).params, reference.params)

@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,report,kernels,iteration}`: see each subcommand's --help."""
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,report,kernels,iteration,serve}`: see each subcommand's --help."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def main(argv=None) -> None:
 
     report = sub.add_parser("report", help="plots and summary.md from a results directory")
     report.add_argument("results_dir")
+
+    serve = sub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP (TTFT, TPOT, ITL)")
+    from orca_jax.bench import serve_client
+    serve_client.add_arguments(serve)
+
 
     # Its own parser takes the rest of the line (see the dispatch below); listed here for --help.
     sub.add_parser("kernels", help="ragged attention kernel vs the jnp reference on a GPU")
@@ -93,6 +98,8 @@ def main(argv=None) -> None:
     elif args.command == "report":
         from orca_jax.bench.report import write_report
         print(write_report(args.results_dir))
+    elif args.command == "serve":
+        serve_client.main(args)
 
 
 if __name__ == "__main__":

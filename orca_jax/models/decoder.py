@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.config import ModelConfig, ModelFamily
+from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
 from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKV, RaggedAttentionFn,
                                        empty_layer_kv, paged_attention)
 
@@ -56,27 +57,50 @@ class Norm(nn.Module):
 
 
 class Linear(nn.Module):
-    """An einsum with a kernel of shape `shape` and, for GPT, a bias over the output dims."""
+    """An einsum with a kernel of shape `shape` and, for GPT (or when `bias` says so), a bias."""
 
     config: ModelConfig
     equation: str
     shape: tuple[int, ...]
     bias_shape: tuple[int, ...]
+    bias: bool | None = None  # None: the family decides (GPT has biases, Llama none)
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
         kernel = self.param("kernel", _init_weight, self.shape, _dtype(cfg))
         y = jnp.einsum(self.equation, x, kernel)
-        if cfg.family is ModelFamily.GPT:
+        has_bias = cfg.family is ModelFamily.GPT if self.bias is None else self.bias
+        if has_bias:
             y = y + self.param("bias", nn.initializers.zeros, self.bias_shape, _dtype(cfg))
         return y
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """f32[D/2]: RoPE's inverse frequencies, with Llama 3.1's scaling applied when given.
+
+    Computed on the host in float32 as transformers computes them, so positions far out agree too.
+    """
+    inv_freq = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
+                                               / np.float32(head_dim)))).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position
+    low_wavelen, high_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are stretched by `factor`, short ones kept; the band between blends the two.
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
+               scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embedding, rotate-half convention (x: [T, heads, D], positions: i32[T])."""
     head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [D/2]
+    inv_freq = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))  # [D/2]
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos = jnp.cos(angles)[:, None, :]
     sin = jnp.sin(angles)[:, None, :]
@@ -93,12 +117,13 @@ class Attention(nn.Module):
     def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata):
         cfg = self.config
         h, n, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = Linear(cfg, "TH,HND->TND", (h, n, d), (n, d), name="q")(x)  # [T, N, D]
-        key = Linear(cfg, "TH,HKD->TKD", (h, k, d), (k, d), name="k")(x)  # [T, K, D]
-        value = Linear(cfg, "TH,HKD->TKD", (h, k, d), (k, d), name="v")(x)  # [T, K, D]
+        qkv_bias = cfg.family is ModelFamily.GPT or cfg.qkv_bias  # Qwen2: q/k/v biases, no o bias
+        q = Linear(cfg, "TH,HND->TND", (h, n, d), (n, d), qkv_bias, name="q")(x)  # [T, N, D]
+        key = Linear(cfg, "TH,HKD->TKD", (h, k, d), (k, d), qkv_bias, name="k")(x)  # [T, K, D]
+        value = Linear(cfg, "TH,HKD->TKD", (h, k, d), (k, d), qkv_bias, name="v")(x)  # [T, K, D]
         if cfg.family is ModelFamily.LLAMA:
-            q = apply_rope(q, positions, cfg.rope_theta)
-            key = apply_rope(key, positions, cfg.rope_theta)
+            q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling)
+            key = apply_rope(key, positions, cfg.rope_theta, cfg.rope_scaling)
         out, layer_kv = paged_attention(q, key, value, layer_kv, meta, self.attention_fn)
         return Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out), layer_kv
 

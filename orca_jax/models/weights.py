@@ -1,4 +1,6 @@
-"""Weights from files into our params pytree: GGUF (Llama), GPT-2 safetensors, and our own orbax checkpoints.
+"""Weights from files into our params pytree: GGUF (Llama) and our own orbax checkpoints.
+
+(Hugging Face directories: hf_checkpoint.py and safetensors_io.py.)
 
 Every loader returns numpy arrays in the config's dtype, in the stacked layout that
 `decoder.stacked_param_shapes` says (per-layer weights stacked on a leading [L] axis, einsum layouts),
@@ -15,7 +17,7 @@ import os
 import jax
 import numpy as np
 
-from orca_jax.config import ModelConfig, ModelFamily
+from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
 from orca_jax.models import decoder
 
 Params = dict  # nested dict of np.ndarray, the Decoder's "params" collection
@@ -65,6 +67,8 @@ def config_from_json(text: str, source: str) -> ModelConfig:
         fields = json.loads(text)
         fields["family"] = ModelFamily(fields["family"])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        if fields.get("rope_scaling") is not None:
+            fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])
         return ModelConfig(**fields)
     except (ValueError, KeyError, TypeError) as err:
         raise WeightsError(f"{source}: not a valid model config ({err})") from err
@@ -228,119 +232,6 @@ def _split_layer(name: str) -> tuple[int | None, str]:
 def _natural_order(name: str):
     layer, suffix = _split_layer(name)
     return (-1 if layer is None else layer, suffix)
-
-
-# --- GPT-2 safetensors (a Hugging Face directory) -------------------------------------------------
-
-def config_from_gpt2_json(path: str, dtype: str | None = None) -> ModelConfig:
-    """ModelConfig from a GPT-2 config.json; unsupported variants are refused, not approximated."""
-    _require_file(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise WeightsError(f"{path}: cannot read JSON ({err})") from err
-    if hf.get("model_type") != "gpt2":
-        raise WeightsError(f"{path}: model_type {hf.get('model_type')!r} is not supported (only 'gpt2')")
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise WeightsError(f"{path}: activation {hf['activation_function']!r} is not supported (tanh GeLU only)")
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if hf.get(flag):
-            raise WeightsError(f"{path}: {flag}=true is not supported")
-    if not hf.get("scale_attn_weights", True):
-        raise WeightsError(f"{path}: scale_attn_weights=false is not supported")
-    try:
-        hidden, heads = hf["n_embd"], hf["n_head"]
-        eos = hf.get("eos_token_id")
-        return ModelConfig(
-            family=ModelFamily.GPT, vocab_size=hf["vocab_size"], hidden_size=hidden,
-            num_layers=hf["n_layer"], num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-            ffn_size=hf.get("n_inner") or 4 * hidden, max_seq_len=hf["n_positions"],
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-            tie_embeddings=hf.get("tie_word_embeddings", True), dtype=dtype or "float32",
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)))
-    except (KeyError, TypeError, ValueError) as err:
-        raise WeightsError(f"{path}: not a usable GPT-2 config ({err!r})") from err
-
-
-def _read_safetensors(directory: str) -> tuple[dict[str, np.ndarray], str]:
-    """All tensors of model.safetensors (or its sharded index), with 'transformer.' stripped."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
-    single = os.path.join(directory, "model.safetensors")
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        files = [os.path.join(directory, name) for name in files]
-    else:
-        files = [single]
-    tensors = {}
-    for file in files:
-        _require_file(file)
-        try:
-            loaded = load_file(file)
-        except (SafetensorError, OSError, ValueError) as err:
-            raise WeightsError(f"{file}: cannot read safetensors, truncated or corrupt ({err})") from err
-        tensors.update({name.removeprefix("transformer."): value for name, value in loaded.items()})
-    return tensors, (files[0] if len(files) == 1 else index)
-
-
-def load_gpt2_params(directory: str, config: ModelConfig) -> Params:
-    """GPT-2 weights from safetensors; Conv1D weights are already [in, out], i.e. x @ W."""
-    tensors, source = _read_safetensors(directory)
-    h, n, d, num_layers = config.hidden_size, config.num_heads, config.head_dim, config.num_layers
-
-    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise WeightsError(f"{source}: missing tensor {name}")
-        value = tensors[name]
-        if value.shape != shape:
-            raise WeightsError(f"{source}: {name} has shape {value.shape}, config.json implies {shape}")
-        return value.astype(np.float32)
-
-    def stack(fn):
-        return np.stack([fn(i) for i in range(num_layers)])
-
-    def qkv(i: int, part: int, bias: bool):
-        prefix = f"h.{i}.attn.c_attn"
-        if bias:
-            return take(f"{prefix}.bias", (3 * h,)).reshape(3, n, d)[part]  # [N, D]
-        return take(f"{prefix}.weight", (h, 3 * h)).reshape(h, 3, n, d)[:, part]  # [H, N, D]
-
-    def norm(prefix: str) -> dict:
-        return {"scale": take(f"{prefix}.weight", (h,)), "bias": take(f"{prefix}.bias", (h,))}
-
-    def layer_norm(which: str) -> dict:
-        return {key: stack(lambda i: norm(f"h.{i}.{which}")[key]) for key in ("scale", "bias")}
-
-    f = config.ffn_size
-    params = {
-        "embed": take("wte.weight", (config.vocab_size, h)),
-        "pos_embed": take("wpe.weight", (config.max_seq_len, h)),
-        "final_norm": norm("ln_f"),
-        "layers": {
-            "attn_norm": layer_norm("ln_1"),
-            "mlp_norm": layer_norm("ln_2"),
-            "attn": {
-                name: {"kernel": stack(lambda i, p=part: qkv(i, p, False)),
-                       "bias": stack(lambda i, p=part: qkv(i, p, True))}
-                for part, name in enumerate(("q", "k", "v"))} | {
-                "o": {"kernel": stack(lambda i: take(f"h.{i}.attn.c_proj.weight", (h, h)).reshape(n, d, h)),
-                      "bias": stack(lambda i: take(f"h.{i}.attn.c_proj.bias", (h,)))}},
-            "mlp": {
-                "up": {"kernel": stack(lambda i: take(f"h.{i}.mlp.c_fc.weight", (h, f))),
-                       "bias": stack(lambda i: take(f"h.{i}.mlp.c_fc.bias", (f,)))},
-                "down": {"kernel": stack(lambda i: take(f"h.{i}.mlp.c_proj.weight", (f, h))),
-                         "bias": stack(lambda i: take(f"h.{i}.mlp.c_proj.bias", (h,)))}},
-        },
-    }
-    if not config.tie_embeddings:
-        params["lm_head"] = take("lm_head.weight", (config.vocab_size, h)).T  # [H, V]
-    check_params(params, config, source)
-    return cast_params(params, config.dtype)
 
 
 # --- our own checkpoints (orbax) ------------------------------------------------------------------

@@ -29,8 +29,8 @@ from orca_jax.sharding.rules import _path_name  # the names PARAM_SPECS uses
 # Parameter names (layer index left out, as in rules.PARAM_SPECS) and the axis each is padded or
 # repeated on. Negative axes, so the same table fits the device layout ([H, K, D] per layer) and the
 # stacked file layout ([L, H, K, D]).
-_VOCAB_AXIS = {"embed": 0, "lm_head": -1}  # embed [V, H], lm_head [H, V]
-_KV_HEAD_AXIS = {"layers/attn/k/kernel": -2, "layers/attn/v/kernel": -2,  # [H, K, D]
+VOCAB_AXIS = {"embed": 0, "lm_head": -1}  # embed [V, H], lm_head [H, V]
+KV_HEAD_AXIS = {"layers/attn/k/kernel": -2, "layers/attn/v/kernel": -2,  # [H, K, D]
                  "layers/attn/k/bias": -2, "layers/attn/v/bias": -2}  # [K, D]
 
 
@@ -73,7 +73,8 @@ class TensorPlan:
         """Model params -> device params: vocab rows/columns zero-padded, K/V heads repeated.
 
         Works on either layout (per-layer list or stacked) and on numpy (host) or jax arrays
-        (inside jit); returns `params` itself when nothing changes.
+        (inside jit); returns `params` itself when nothing changes. Leaves already in the device
+        shapes (e.g. from checkpoint.restore_sharded) pass through.
         """
         if self.is_identity:
             return params
@@ -82,12 +83,17 @@ class TensorPlan:
         def adapt(path, x):
             name = _path_name(path)
             xp = np if isinstance(x, np.ndarray) else jnp
-            if name in _VOCAB_AXIS and pad:
-                axis = _VOCAB_AXIS[name] % x.ndim
+            if name in VOCAB_AXIS:
+                axis = VOCAB_AXIS[name] % x.ndim
+                if _already(name, x.shape[axis], self.model.vocab_size, self.device.vocab_size):
+                    return x
                 widths = [(0, pad if a == axis else 0) for a in range(x.ndim)]
                 return xp.pad(x, widths)
-            if name in _KV_HEAD_AXIS and self.kv_repeat > 1:
-                return xp.repeat(x, self.kv_repeat, axis=_KV_HEAD_AXIS[name])
+            if name in KV_HEAD_AXIS:
+                if _already(name, x.shape[KV_HEAD_AXIS[name]], self.model.num_kv_heads,
+                            self.device.num_kv_heads):
+                    return x
+                return xp.repeat(x, self.kv_repeat, axis=KV_HEAD_AXIS[name])
             return x
 
         return jax.tree_util.tree_map_with_path(adapt, params)
@@ -99,11 +105,11 @@ class TensorPlan:
 
         def undo(path, x):
             name = _path_name(path)
-            if name in _VOCAB_AXIS:
-                axis = _VOCAB_AXIS[name] % x.ndim
+            if name in VOCAB_AXIS:
+                axis = VOCAB_AXIS[name] % x.ndim
                 return x[tuple(slice(0, self.model.vocab_size) if a == axis else slice(None)
                                for a in range(x.ndim))]
-            if name in _KV_HEAD_AXIS:
+            if name in KV_HEAD_AXIS:
                 return x[..., ::self.kv_repeat, :]  # the K axis is -2 in every K/V leaf
             return x
 
@@ -119,3 +125,12 @@ def plan_for(config: ModelConfig, tensor_parallel: int) -> TensorPlan:
     kv_heads = math.lcm(config.num_kv_heads, tp)
     device = dataclasses.replace(config, vocab_size=vocab, num_kv_heads=kv_heads)
     return TensorPlan(model=config, device=device, tensor_parallel=tp)
+
+
+def _already(name: str, size: int, model_size: int, device_size: int) -> bool:
+    """Is a leaf's size on the adapted axis the device's (True) or the model's (False)? Else raise."""
+    if size == device_size:
+        return True
+    if size != model_size:
+        raise ValueError(f"{name}: size {size} is neither the model's {model_size} nor the device's {device_size}")
+    return False

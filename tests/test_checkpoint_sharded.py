@@ -25,6 +25,13 @@ SCRIPT = textwrap.dedent("""
     from orca_jax.sharding.checkpoint import gather_model_params, restore_sharded, stage_meshes
     from orca_jax.sharding.mesh import make_mesh
     from orca_jax.sharding.tensor_plan import plan_for
+    from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+    from orca_jax.engine import Engine
+    from orca_jax.models.loader import LoadedModel
+    from orca_jax.request import SamplingParams
+    from orca_jax.tokenizer import ByteTokenizer
+    sys.path.insert(0, "tests")
+    from engine_helpers import drain
 
     MODELS = {
         "llama-gqa": ModelConfig(family=ModelFamily.LLAMA, vocab_size=255, hidden_size=32, num_layers=4,
@@ -69,6 +76,16 @@ SCRIPT = textwrap.dedent("""
                 "placed": bool(placed), "equal_adapted": equal_adapted, "equal_back": equal_back,
                 "devices": len(per_device), "max_device_fraction": max(per_device.values()) / total,
                 "embed_rows": restored["embed"].shape[0], "kv_heads": restored["layers"][0]["attn"]["k"]["kernel"].shape[1]}
+        if name == "llama-gqa":  # the runner takes restored params as they are, and serves the same tokens
+            tokens = {}
+            for tp, params in ((1, original), (4, restore_sharded(path, config, make_mesh(ParallelConfig(tensor_parallel=4))))):
+                engine = Engine(EngineConfig(model=name, cache=CacheConfig(page_size=4, num_pages=64),
+                                             scheduler=SchedulerConfig(max_batch_size=4, max_tokens_per_iteration=32),
+                                             parallel=ParallelConfig(tensor_parallel=tp)),
+                                LoadedModel(config, params, ByteTokenizer()))
+                engine.add_request([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_tokens=6, ignore_eos=True), request_id="a")
+                tokens[tp] = drain(engine)["a"]
+            out["served_from_restore"] = tokens
         try:
             restore_sharded(path, MODELS["llama-gqa" if name != "llama-gqa" else "gpt-odd-vocab"],
                             make_mesh(ParallelConfig(tensor_parallel=2)))
@@ -105,3 +122,8 @@ def test_restore_onto_a_mesh_equals_the_saved_params(results, model, vocab, kv_h
 def test_a_checkpoint_of_another_model_is_refused(results):
     assert "do not fit the model config" in results["llama-gqa/wrong_config"]
     assert "do not fit the model config" in results["gpt-odd-vocab/wrong_config"]
+
+
+def test_the_runner_serves_restored_params_as_they_are(results):
+    served = results["served_from_restore"]
+    assert len(served["1"]) == 6 and served["4"] == served["1"]

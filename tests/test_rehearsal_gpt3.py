@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
     out = {}
     for tp, stages in ((1, 1), (2, pp)):
         llm = LLM("gpt3-175b-scaled", tensor_parallel_size=tp, pipeline_parallel_size=stages, loaded=loaded,
-                  max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_kv_pages=128)
+                  max_num_seqs=8, max_num_batched_tokens=8, page_size=4, num_kv_pages=128)
         parallel = llm.engine.config.parallel
         embed = [a for a in jax.live_arrays() if a.shape[0] == -(-config.vocab_size // tp) * tp and a.ndim == 2]
         out[f"{tp}x{stages}"] = {

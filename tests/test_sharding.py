@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent("""
     from orca_jax.engine import Engine
     from engine_helpers import drain
 
-    PROMPTS = ([5, 6, 7], list(range(10, 34)), [99] * 9)  # <= 32 tokens with the outputs: one page bucket
+    # 8-token iterations (prompts fed in chunks) and <= 32 tokens per sequence: one forward program per engine.
+    PROMPTS = ([5, 6, 7], list(range(10, 34)), [99] * 9)
     # GQA with 2 KV heads (replicated at tp=4), an odd untied vocabulary (lm_head columns padded);
     # GPT with GPT-3's kind of vocabulary: odd, tied (embedding rows padded).
     MODELS = {
@@ -39,8 +40,9 @@ SCRIPT = textwrap.dedent("""
     }
 
     def prompt_logits(runner, prompt):
-        # One sequence of up to 32 tokens; logits at 8 of its rows (T=64, S=8, P=8: a bucket the engine uses too).
-        batch = padding_batch(64, 8, 8)
+        # One 8-token sequence, logits at every row (T=8, S=8, P=8: the engine's only forward bucket).
+        prompt = prompt[:8]
+        batch = padding_batch(8, 8, 8)
         n = len(prompt)
         batch.token_ids[:n] = prompt
         batch.positions[:n] = np.arange(n)
@@ -49,7 +51,7 @@ SCRIPT = textwrap.dedent("""
         batch.kv_lens[0] = n
         batch.page_table[0] = np.arange(1, 9)
         batch.num_seqs[0] = 1
-        batch.logits_indices[:] = np.linspace(0, n - 1, 8).astype(np.int32)
+        batch.logits_indices[:] = np.arange(8)
         return np.asarray(runner.forward(batch))  # f32[8, padded V]
 
     def run(engine):
@@ -68,7 +70,7 @@ SCRIPT = textwrap.dedent("""
         loaded = LoadedModel(config, params, ByteTokenizer())
         for tp in (1, 2, 4):
             engine = Engine(EngineConfig(model=name, cache=CacheConfig(page_size=4, num_pages=256),
-                                         scheduler=SchedulerConfig(max_batch_size=8, max_tokens_per_iteration=64),
+                                         scheduler=SchedulerConfig(max_batch_size=8, max_tokens_per_iteration=8),
                                          parallel=ParallelConfig(tensor_parallel=tp)), loaded)
             logits = prompt_logits(engine.runner, PROMPTS[1])
             real = config.vocab_size

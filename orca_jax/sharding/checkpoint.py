@@ -111,7 +111,8 @@ def _replicate_kv(plan: TensorPlan, mesh: Mesh, path, x: jax.Array) -> jax.Array
 
 def _split_layers(stacked_layers, mesh: Mesh) -> list:
     """Stacked leaves split over stages -> one dict per layer on its stage's sub-mesh, no data moved
-    between devices (each device slices its own shard)."""
+    between devices: each stage's shards are viewed as a stacked array on the stage's sub-mesh (no
+    copy), which one small program per stage cuts into its layers."""
     subs = stage_meshes(mesh)
     num_layers = jax.tree_util.tree_leaves(stacked_layers)[0].shape[0]
     per_stage = num_layers // len(subs)
@@ -119,13 +120,17 @@ def _split_layers(stacked_layers, mesh: Mesh) -> list:
     def split(path, x: jax.Array) -> list[jax.Array]:
         spec = rules.PARAM_SPECS["layers/" + rules._path_name(path)]
         shards = {shard.device: shard.data for shard in x.addressable_shards}  # each [per_stage, ...]
-        layers = []
-        for i in range(num_layers):
-            sharding = NamedSharding(subs[i // per_stage], spec)
-            pieces = [shards[d][i % per_stage] for d in sharding.addressable_devices]
-            layers.append(jax.make_array_from_single_device_arrays(x.shape[1:], sharding, pieces))
+        layers, views = [], []
+        for sub in subs:
+            stage_sharding = NamedSharding(sub, P(None, *spec))
+            view = jax.make_array_from_single_device_arrays(  # [per_stage, ...] on the stage's devices
+                (per_stage, *x.shape[1:]), stage_sharding, [shards[d] for d in stage_sharding.addressable_devices])
+            cut = jax.jit(lambda v: tuple(v[j] for j in range(per_stage)),
+                          out_shardings=(NamedSharding(sub, spec),) * per_stage)
+            layers.extend(cut(view))
+            views.append(view)
         jax.block_until_ready(layers)
-        x.delete()  # bounds the peak: one leaf's stacked copy at a time
+        x.delete()  # bounds the peak: one leaf's stacked copy at a time (the views share its buffers)
         return layers
 
     split_leaves = jax.tree_util.tree_map_with_path(split, stacked_layers)

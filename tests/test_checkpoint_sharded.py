@@ -19,14 +19,14 @@ SCRIPT = textwrap.dedent("""
     import json, sys, tempfile, os
     import jax, numpy as np
     from jax.sharding import NamedSharding
-    from orca_jax.config import ModelConfig, ModelFamily, ParallelConfig
+    from orca_jax.config import (CacheConfig, EngineConfig, ModelConfig, ModelFamily, ParallelConfig,
+                                 SchedulerConfig)
+    from orca_jax.engine import Engine
     from orca_jax.models import decoder, weights
     from orca_jax.sharding import rules
     from orca_jax.sharding.checkpoint import gather_model_params, restore_sharded, stage_meshes
     from orca_jax.sharding.mesh import make_mesh
     from orca_jax.sharding.tensor_plan import plan_for
-    from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
-    from orca_jax.engine import Engine
     from orca_jax.models.loader import LoadedModel
     from orca_jax.request import SamplingParams
     from orca_jax.tokenizer import ByteTokenizer

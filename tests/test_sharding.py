@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 SCRIPT = textwrap.dedent("""
-    import dataclasses, json, sys
+    import json, sys
     import numpy as np
     sys.path.insert(0, "tests")
     from orca_jax.config import ModelConfig, ModelFamily, ParallelConfig

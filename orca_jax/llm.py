@@ -48,13 +48,18 @@ class GenerationOutput:
 
 
 class LLM:
-    """Load a model once, then generate for many prompts with iteration-level batching."""
+    """Load a model once, then generate for many prompts with iteration-level batching.
+
+    Arguments follow vLLM's names: tensor_parallel_size splits every layer over that many devices
+    (ORCA's intra-layer parallelism), pipeline_parallel_size splits the layer stack into stages.
+    """
 
     def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, page_size: int = 16, num_kv_pages: int | None = None,
                  kv_cache_memory_gib: float | None = None, max_model_len: int | None = None,
                  dtype: str | None = None, attention_backend: str = "auto",
-                 scheduling_policy: str = "fcfs", num_stages: int = 1, seed: int = 0,
+                 scheduling_policy: str = "fcfs", tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, seed: int = 0,
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         config = engine_config or EngineConfig(
             model=model,
@@ -62,7 +67,7 @@ class LLM:
             scheduler=SchedulerConfig(max_batch_size=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=SchedulingPolicy(scheduling_policy)),
-            parallel=ParallelConfig(num_stages=num_stages),
+            parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
             attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
             seed=seed)
         self.engine = Engine(config, loaded)

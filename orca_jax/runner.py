@@ -33,7 +33,7 @@ from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
 from orca_jax.sampling import SamplingArrays, pack, sample
-from orca_jax.sharding import rules
+from orca_jax.sharding import rules, tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_mesh
 
 log = logging.getLogger(__name__)
@@ -117,18 +117,24 @@ class ModelRunner:
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
                  max_seqs: int = 256):
         check_parallel_fits(parallel, config)
+        # Vocabulary padded and KV heads replicated to fit the tensor size; from here on `config` is
+        # the device shapes (the logits width, the KV pages), the plan keeps the model's own.
+        self.tensor_plan = tensor_plan.plan_for(config, parallel.tensor_parallel)
+        config = self.tensor_plan.device
         self.config = config
         self.max_seqs = max_seqs  # the most sequences one batch holds: the width of next_tokens
         self.mesh = make_mesh(parallel, devices)
         self.device = self.mesh.devices.flat[0]
         self.attention_fn = shard_over_heads(choose_attention(backend, self.device.platform), self.mesh)
-        self.decoder = decoder.Decoder(config, self.attention_fn)
+        self.decoder = decoder.Decoder(config, self.attention_fn, real_vocab_size=self.tensor_plan.vocab_size)
         start = time.perf_counter()
         shardings = rules.param_shardings(decoder.param_shapes(config), self.mesh)
         if params is None:
-            self.params = decoder.init_params(config, seed, out_shardings=shardings)
+            self.params = decoder.init_params(self.tensor_plan.model, seed, out_shardings=shardings,
+                                              adapt=self.tensor_plan.adapt_params)
         else:
-            self.params = jax.device_put(decoder.unstack_layers(params), shardings)
+            self.params = jax.device_put(self.tensor_plan.adapt_params(decoder.unstack_layers(params)),
+                                         shardings)
         jax.block_until_ready(self.params)
         self.params_seconds = time.perf_counter() - start
         self.params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))

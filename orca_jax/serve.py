@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=AttentionBackend.AUTO.value)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="override the preset's dtype")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="ORCA inter-layer stages")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ORCA intra-layer split")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="ORCA inter-layer stages")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ORCA intra-layer split")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens of a chat request that names none, capped by the context left; 0: the "

@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,report,kernels,iteration,serve}`: see each subcommand's --help."""
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,report,kernels,iteration,serve}`: see each subcommand's --help."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ def main(argv=None) -> None:
     pad.add_argument("--num-requests", type=int, default=512)
     pad.add_argument("--seed", type=int, default=0)
     pad.add_argument("--out", default=None, help="write padding.json here")
+
+    mem = sub.add_parser("memory-plan", help="per-GPU weights, KV bytes and KV pool of a (tp, pp) mesh (arithmetic)")
+    mem.add_argument("--model", required=True)
+    mem.add_argument("--tp", type=int, default=1)
+    mem.add_argument("--pp", type=int, default=1)
+    mem.add_argument("--gpu-gib", type=float, required=True, help="memory of one GPU")
+    mem.add_argument("--mem-fraction", type=float, default=0.95,
+                     help="the XLA_PYTHON_CLIENT_MEM_FRACTION the run sets (jax's default is 0.75)")
+    mem.add_argument("--page-size", type=int, default=16)
+    mem.add_argument("--out", default=None, help="write the plan as JSON to this file")
 
     report = sub.add_parser("report", help="plots and summary.md from a results directory")
     report.add_argument("results_dir")
@@ -95,6 +105,17 @@ def main(argv=None) -> None:
     elif args.command == "iteration":
         from orca_jax.bench.iteration import main as iteration_main
         iteration_main(args.out_file)
+    elif args.command == "memory-plan":
+        from orca_jax.bench.memory_plan import GIB, memory_plan
+        from orca_jax.models.presets import get_preset
+        plan = memory_plan(get_preset(args.model), args.tp, args.pp, int(args.gpu_gib * GIB), args.mem_fraction,
+                           page_size=args.page_size)
+        result = {"model": args.model, "gpu_gib": args.gpu_gib, **plan.as_dict()}
+        print(json.dumps(result, indent=1))
+        if args.out:
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     elif args.command == "report":
         from orca_jax.bench.report import write_report
         print(write_report(args.results_dir))

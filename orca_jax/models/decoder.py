@@ -165,6 +165,9 @@ class Decoder:
 
     config: ModelConfig
     attention_fn: RaggedAttentionFn
+    # The real vocabulary when config.vocab_size is padded for tensor parallelism (tensor_plan.py):
+    # logits at or past it are masked to -inf, so sampling, argmax and logprobs never see them.
+    real_vocab_size: int | None = None
 
     @property
     def block(self) -> Block:
@@ -189,11 +192,16 @@ class Decoder:
         return x, tuple(new_kv)
 
     def logits(self, params, x: jax.Array) -> jax.Array:
-        """[S, H] hidden states at the rows to sample from -> f32[S, V]."""
+        """[S, H] hidden states at the rows to sample from -> f32[S, V] (padded V: -inf past the real one)."""
         x = Norm(self.config).apply({"params": params["final_norm"]}, x)
         if self.config.tie_embeddings:
-            return jnp.einsum("SH,VH->SV", x, params["embed"], preferred_element_type=jnp.float32)
-        return jnp.einsum("SH,HV->SV", x, params["lm_head"], preferred_element_type=jnp.float32)
+            logits = jnp.einsum("SH,VH->SV", x, params["embed"], preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("SH,HV->SV", x, params["lm_head"], preferred_element_type=jnp.float32)
+        width = logits.shape[-1]
+        if self.real_vocab_size is not None and self.real_vocab_size < width:
+            logits = jnp.where(jnp.arange(width) < self.real_vocab_size, logits, -jnp.inf)
+        return logits
 
     def __call__(
         self,
@@ -264,9 +272,16 @@ def stacked_param_shapes(config: ModelConfig):
     return stacked
 
 
-def init_params(config: ModelConfig, seed: int = 0, out_shardings=None):
-    """Random weights made on device inside jit, in the config's dtype (the paper's evaluation setup)."""
-    return jax.jit(functools.partial(_init_all, config), out_shardings=out_shardings)(jax.random.key(seed))
+def init_params(config: ModelConfig, seed: int = 0, out_shardings=None, adapt=None):
+    """Random weights made on device inside jit, in the config's dtype (the paper's evaluation setup).
+
+    `adapt` (e.g. TensorPlan.adapt_params) reshapes them inside the same jit, so the weights are
+    drawn for `config` whatever the device shapes: every mesh gets the same model.
+    """
+    def init(key):
+        params = _init_all(config, key)
+        return params if adapt is None else adapt(params)
+    return jax.jit(init, out_shardings=out_shardings)(jax.random.key(seed))
 
 
 def unstack_layers(params):

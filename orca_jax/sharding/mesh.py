@@ -12,12 +12,7 @@ STAGE, TENSOR = "stage", "tensor"
 
 
 def check_parallel_fits(parallel: ParallelConfig, config: ModelConfig) -> None:
-    """Megatron splits heads, KV heads and ffn columns evenly: refuse sizes that do not divide."""
-    tp = parallel.tensor_parallel
-    for name, size in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
-                       ("ffn_size", config.ffn_size)):
-        if size % tp:
-            raise ValueError(f"tensor_parallel={tp} does not divide {name}={size}")
+    """Refuse meshes the model cannot be split over (the tensor sizes: see tensor_plan.check_tensor_fits)."""
     if config.num_layers % parallel.num_stages:
         raise ValueError(f"num_stages={parallel.num_stages} does not divide num_layers={config.num_layers}")
 

@@ -1,0 +1,69 @@
+"""Rehearsal of issue 12's layout on 4 fake CPU devices: GPT-3 175B's family and vocabulary (50257, padded),
+scaled down to 4 layers of hidden 64, served through `LLM(tensor_parallel_size=2, pipeline_parallel_size=PP)`;
+its tokens must be the one-device tokens, greedy and seeded sampling alike.
+
+PIPELINE_STAGES is 1 until pipeline stages land (branch `pipe`); flipping it to 2 makes this the exact
+(tp, pp) = (2, 2) layout that issue 12 runs on 4 H200s.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PIPELINE_STAGES = 1  # -> 2 after `pipe` is merged
+
+SCRIPT = textwrap.dedent("""
+    import dataclasses, json, sys
+    import jax
+    from orca_jax import LLM, SamplingParams
+    from orca_jax.models import decoder, presets
+    from orca_jax.models.loader import LoadedModel
+    from orca_jax.tokenizer import ByteTokenizer
+
+    pp = int(sys.argv[1])
+    config = dataclasses.replace(presets.get_preset("gpt3-175b"), hidden_size=64, num_layers=4, num_heads=4,
+                                 num_kv_heads=4, head_dim=16, ffn_size=256, max_seq_len=128, dtype="float32")
+    params = decoder.stack_layers(decoder.init_params(config, seed=7))
+    loaded = LoadedModel(config, params, ByteTokenizer(config.eos_token_ids))
+    prompts = [[464, 3290, 318], list(range(1000, 1020)), [50256, 11, 50000]]
+    sampling = [SamplingParams(max_tokens=8, ignore_eos=True),
+                SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=11)]
+    out = {}
+    for tp, stages in ((1, 1), (2, pp)):
+        llm = LLM("gpt3-175b-scaled", tensor_parallel_size=tp, pipeline_parallel_size=stages, loaded=loaded,
+                  max_num_seqs=8, max_num_batched_tokens=8, page_size=4, num_kv_pages=128)
+        parallel = llm.engine.config.parallel
+        embed = [a for a in jax.live_arrays() if a.shape[0] == -(-config.vocab_size // tp) * tp and a.ndim == 2]
+        out[f"{tp}x{stages}"] = {
+            "parallel": [parallel.tensor_parallel, parallel.num_stages],
+            "embed_rows": sorted({a.shape[0] for a in embed}),
+            "embed_devices": sorted({len(a.devices()) for a in embed}),
+            "tokens": [[o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] for sp in sampling]}
+        del llm, embed
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(PIPELINE_STAGES)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_scaled_gpt3_on_the_issue_12_layout_gives_the_one_device_tokens(results):
+    one, mesh = results["1x1"], results[f"2x{PIPELINE_STAGES}"]
+    assert mesh["parallel"] == [2, PIPELINE_STAGES]  # LLM's vLLM-named arguments reach the engine
+    assert mesh["embed_rows"] == [50258]  # 50257 padded to a multiple of tp=2
+    assert max(mesh["embed_devices"]) >= 2  # split over the tensor group, not one device's copy
+    assert one["embed_rows"] == [50257]
+    assert mesh["tokens"] == one["tokens"]
+    assert all(len(t) == 8 for t in one["tokens"][0])

@@ -148,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     from orca_jax.server import AsyncEngine, create_app
 
     log.info("loading %s", args.model)
-    engine = Engine(config)
+    # The engine thread compiles every program once the server is up, so /health can say how far
+    # it got; it reports ready only after that, and nothing compiles while serving.
+    engine = Engine(dataclasses.replace(config, precompile=False))
     for line in startup_report(engine):
         log.info("%s", line)
-    async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds)
+    async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
                      served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                      metrics_require_auth=args.metrics_require_auth,

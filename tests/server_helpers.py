@@ -89,6 +89,7 @@ class FakeEngine:
         self.prompts: list[list[int]] = []
         self.samplings: list[SamplingParams] = []  # of every request added, in order
         self._stats = EngineStats(kv_pages_total=num_pages)
+        self.compile_gate: threading.Event | None = None  # precompile() waits on it when set
         self._arrivals = 0
 
     def _enter(self) -> None:
@@ -147,6 +148,17 @@ class FakeEngine:
         stats.last_num_tokens = len(outputs)
         stats.last_iteration_seconds = time.perf_counter() - start
         return outputs
+
+    def precompile(self, progress=None):
+        """Engine.precompile's contract: report each "program"; waits on `compile_gate` if one is set."""
+        from orca_jax.runner import PrecompileReport
+
+        for done in range(1, 4):
+            if self.compile_gate is not None:
+                self.compile_gate.wait(10)
+            if progress is not None:
+                progress(done, 3, ("forward", done), 0.0)
+        return PrecompileReport(3, 0.0, 0.0)
 
     @property
     def num_iterations(self) -> int:

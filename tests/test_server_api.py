@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -347,3 +348,23 @@ async def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event():
     events = parse_sse(response.text)
     assert [e["choices"][0]["text"] for e in events[:2]] == ["y", "z"]
     assert events[2]["error"]["type"] == "service_unavailable_error" and events[3] == "[DONE]"
+
+
+async def test_health_says_what_start_up_waits_for_and_requests_wait_for_it():
+    """With precompile, /health is 503 "starting" (naming the compile progress) until every program is
+    compiled; a request sent meanwhile waits and is then served."""
+    engine = FakeEngine()
+    engine.compile_gate = threading.Event()
+    app = create_app(AsyncEngine(engine, precompile=True))
+    async with asgi_client(app) as client:
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "starting"
+        assert "starting" in health.json()["waiting_for"] or "compiling" in health.json()["waiting_for"]
+        early = asyncio.create_task(client.post("/v1/completions", json={"model": "fake", "prompt": "hi",
+                                                                         "max_tokens": 2}))
+        await asyncio.sleep(0.05)
+        assert not early.done()  # queued behind the compilation
+        engine.compile_gate.set()
+        assert (await early).status_code == 200
+        health = await client.get("/health")
+        assert health.status_code == 200, health.json()

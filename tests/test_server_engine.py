@@ -224,3 +224,30 @@ def test_smollm2_chat_over_http_matches_the_engine():
     assert got.choices[0].message.content == expected.text
     assert "Paris" in expected.text
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected.text
+
+
+def test_nothing_compiles_after_the_server_reports_ready():
+    """The serving path of `python -m orca_jax.serve`: an engine built without compiling, an
+    AsyncEngine that compiles every program before /health says ok; then prompts of every length the
+    budget allows, sampled and greedy, with logprobs, streamed and not, compile nothing more."""
+    from orca_jax.server import AsyncEngine
+
+    engine = Engine(EngineConfig(
+        model="tiny-llama", cache=CacheConfig(page_size=16, num_pages=64), precompile=False,
+        scheduler=SchedulerConfig(max_batch_size=4, max_num_batched_tokens=24, max_waiting=64)))
+    assert engine.runner.num_compiled_programs == 0
+    app = create_app(AsyncEngine(engine, precompile=True), served_model_name="m")
+    with driven(app) as call:
+        deadline = time.monotonic() + 120
+        while (health := call("GET", "/health")).status_code != 200:
+            assert health.json()["status"] == "starting" and time.monotonic() < deadline
+            time.sleep(0.1)
+        compiled = engine.runner.compiled_shapes
+        assert compiled == frozenset(engine.program_keys())
+        rng = random.Random(0)
+        for length in (1, 5, 9, 17, 23, 40):
+            body = {"model": "m", "prompt": [rng.randrange(3, 200) for _ in range(length)], "max_tokens": 3,
+                    "temperature": rng.choice([0.0, 0.9]), "logprobs": rng.choice([None, 2]),
+                    "stream": rng.random() < 0.5}
+            assert call("POST", "/v1/completions", json=body).status_code == 200
+        assert engine.runner.compiled_shapes == compiled

@@ -91,9 +91,13 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 once the model is loaded and the engine loop is alive and accepting; else 503."""
+        """200 once every program is compiled and the engine loop is alive and accepting; else 503."""
         if async_engine.is_healthy:
             return JSONResponse({"status": "ok"})
+        readiness = async_engine.readiness
+        if async_engine.error is None and async_engine.is_running and not readiness.ready:
+            return JSONResponse({"status": "starting", "waiting_for": readiness.describe(),
+                                 "compiled": readiness.compiled, "total": readiness.total}, status_code=503)
         reason = ("engine loop failed" if async_engine.error is not None
                   else "shutting down or not started")
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)

@@ -108,12 +108,35 @@ class _Tracked:
     last: RequestOutput | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Readiness:
+    """Where start-up stands: the engine thread compiles every program before serving anything."""
+
+    ready: bool
+    compiled: int = 0  # programs compiled so far
+    total: int = 0  # programs to compile (0 until counted)
+
+    def describe(self) -> str:
+        if self.ready:
+            return "ready"
+        if not self.total:
+            return "starting the engine"
+        return f"compiling programs: {self.compiled} of {self.total} done"
+
+
 class AsyncEngine:
-    """Runs `engine` on a dedicated thread and exposes submit() to asyncio code."""
+    """Runs `engine` on a dedicated thread and exposes submit() to asyncio code.
+
+    With precompile=True the thread first compiles every program the engine can need
+    (Engine.precompile), so that nothing compiles while serving; requests that arrive meanwhile
+    wait in the queue, and `readiness` says how far it got (what /health reports).
+    """
 
     def __init__(self, engine: Engine, *, max_in_flight: int | None = None,
-                 shutdown_grace_seconds: float = 0.0):
+                 shutdown_grace_seconds: float = 0.0, precompile: bool = False):
         self.engine = engine
+        self.precompile = precompile
+        self.readiness = Readiness(ready=not precompile)
         scheduler = engine.config.scheduler
         # Our own bound covers requests still in the command queue, which the engine cannot see.
         self.max_in_flight = max_in_flight or scheduler.max_waiting + scheduler.max_batch_size
@@ -159,8 +182,8 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        """The loop thread is alive, has not failed, and accepts requests."""
-        return self.is_running and self.error is None
+        """The loop thread is alive, has not failed, accepts requests and has compiled everything."""
+        return self.is_running and self.error is None and self.readiness.ready
 
     @property
     def num_in_flight(self) -> int:
@@ -207,11 +230,24 @@ class AsyncEngine:
     def _run(self) -> None:
         tracked: dict[str, _Tracked] = {}
         try:
+            if self.precompile:
+                self._compile_everything()
             self._loop(tracked)
         except Exception as error:  # any engine failure must reach every waiting client, not hang them
             logger.exception("engine loop failed; failing all requests in flight")
             self.error = error
             self._fail_everything(tracked, EngineDeadError(f"engine loop failed: {error!r}"))
+
+    def _compile_everything(self) -> None:
+        start = time.monotonic()
+
+        def progress(done: int, total: int, key: tuple, seconds: float) -> None:
+            self.readiness = Readiness(False, done, total)
+            logger.info("compiled %s (%d of %d, %.1fs)", key, done, total, seconds)
+
+        report = self.engine.precompile(progress)
+        self.readiness = Readiness(True, report.num_programs, report.num_programs)
+        logger.info("ready: %d programs compiled in %.1fs", report.num_programs, time.monotonic() - start)
 
     def _loop(self, tracked: dict[str, _Tracked]) -> None:
         idle_backoff = 0.0

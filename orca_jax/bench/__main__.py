@@ -60,6 +60,18 @@ def main(argv=None) -> None:
     from orca_jax.bench import serve_client
     serve_client.add_arguments(serve)
 
+    core = sub.add_parser("core", help="engine core: cold start, decode vs weight-read bound, traces vs roofline, "
+                                       "async scheduling on/off, transformers peer")
+    core_start = sub.add_parser("core-start", help="(child of `core`) build one engine, print its start-up timing")
+    for p in (core, core_start):
+        p.add_argument("--model", required=True)
+        p.add_argument("--max-num-seqs", type=int, default=128)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    core.add_argument("--num-requests", type=int, default=512)
+    core.add_argument("--out", required=True, help="directory for <model>_core.json")
+    core.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    core.add_argument("--sections", default="cold_start,engine,hf", help="comma list of cold_start, engine, hf")
+    core_start.add_argument("--cache-dir", required=True)
 
     # Its own parser takes the rest of the line (see the dispatch below); listed here for --help.
     sub.add_parser("kernels", help="ragged attention kernel vs the jnp reference on a GPU")
@@ -102,6 +114,15 @@ def main(argv=None) -> None:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "padding.json"), "w") as f:
                 json.dump(result, f, indent=1)
+    elif args.command in ("core", "core-start"):
+        from orca_jax.bench.core import CoreSetup, run_core, start_probe
+        setup = CoreSetup(args.model, args.max_num_seqs, args.max_num_batched_tokens,
+                          getattr(args, "num_requests", 512))
+        if args.command == "core-start":
+            print(json.dumps(start_probe(setup, args.cache_dir)))
+        else:
+            sections = set(args.sections.split(",")) - ({"hf"} if args.no_hf else set())
+            run_core(setup, args.out, sections=sections)
     elif args.command == "iteration":
         from orca_jax.bench.iteration import main as iteration_main
         iteration_main(args.out_file)

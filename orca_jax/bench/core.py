@@ -7,8 +7,9 @@
   (weight bytes / the copy bandwidth measured in this run);
 - offline throughput on the paper's uniform trace and on its homogeneous trace (Figure 11), the
   trace's roofline bound from a host replay of the same schedule, and fed/real tokens;
-- the GPU's idle fraction between iterations with host/device overlap on and off (device-busy time
-  of the same batch shapes replayed back to back, over the engine's wall time);
+- the GPU's idle fraction between iterations with async scheduling (host/device overlap) on and off:
+  device-busy time of a batch-32 decode bucket replayed back to back, over the engine's wall time
+  per batch-32 decode iteration;
 - transformers' continuous batching on the same uniform trace (its own process; --no-hf skips).
 Results go to DIR/<model>_core.json.
 """
@@ -29,7 +30,7 @@ import numpy as np
 
 from orca_jax.batch import empty_batch
 from orca_jax.bench import roofline
-from orca_jax.bench.traces import Trace, TraceKind, make_trace
+from orca_jax.bench.traces import LengthSpec, Trace, TraceKind, make_trace
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
 from orca_jax.kv_cache import KVCacheManager
@@ -50,6 +51,7 @@ class CoreSetup:
     num_requests: int = 512
     kv_gib: float | None = None  # None: the runner's share of free memory
     dtype: str = "bfloat16"
+    lengths: LengthSpec = LengthSpec()  # the paper's: prompts U(32, 512), outputs U(1, 128); 128 x 32
 
 
 def random_model(model: str, dtype: str) -> LoadedModel:
@@ -57,12 +59,13 @@ def random_model(model: str, dtype: str) -> LoadedModel:
     return LoadedModel(config, None, ByteTokenizer(config.eos_token_ids, config.bos_token_id))
 
 
-def engine_config(setup: CoreSetup, **overrides) -> EngineConfig:
+def engine_config(setup: CoreSetup, async_scheduling: bool = True, **overrides) -> EngineConfig:
     return EngineConfig(model=setup.model, dtype=setup.dtype,
                         cache=CacheConfig(kv_memory_gib=setup.kv_gib),
                         scheduler=SchedulerConfig(max_batch_size=setup.max_num_seqs,
                                                   max_num_batched_tokens=setup.max_num_batched_tokens,
-                                                  max_waiting=max(4096, setup.num_requests)),
+                                                  max_waiting=max(4096, setup.num_requests),
+                                                  async_scheduling=async_scheduling),
                         **overrides)
 
 
@@ -113,6 +116,7 @@ def trace_bound(setup: CoreSetup, engine: Engine, trace: Trace, peaks: roofline.
 def decode_latency(engine: Engine, batch_size: int, context: int = 512, steps: int = 20) -> dict:
     """Median wall time of an iteration where batch_size requests each feed one token."""
     vocab = engine.model_config.vocab_size
+    context = min(context, engine.max_model_len - steps - 8)
     rng = np.random.default_rng(batch_size)
     ids = [engine.add_request(rng.integers(3, vocab, context).tolist(),
                               SamplingParams(max_tokens=steps + 8, ignore_eos=True)) for _ in range(batch_size)]
@@ -170,29 +174,33 @@ def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
             "num_programs": engine.runner.num_compiled_programs, "params_init_s": engine.runner.params_seconds}
 
 
-def run_core(setup: CoreSetup, out_dir: str, hf: bool = True, hf_timeout_s: float = 400.0) -> dict:
-    """Every section in order; the JSON is rewritten after each, so a cut-off run keeps what it got."""
+def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "hf"),
+             hf_timeout_s: float = 400.0) -> dict:
+    """The sections asked for, in order; the JSON is rewritten after each, so a cut-off run keeps what
+    it got."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{setup.model}_core.json")
-    result: dict = {"setup": dataclasses.asdict(setup), "device": jax.devices()[0].device_kind,
+    result: dict = {"setup": dataclasses.asdict(setup) | {"lengths": str(setup.lengths)},
+                    "device": jax.devices()[0].device_kind,
                     "command": " ".join(sys.argv)}
 
     def save():
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    result["cold_start"] = cold_start(setup)
-    save()
+    if "cold_start" in sections:
+        result["cold_start"] = cold_start(setup)
+        save()
     peaks = roofline.measure_peaks()
     result["peaks"] = peaks.as_dict()
-    for overlap in (True, False):
-        engine = Engine(engine_config(setup, overlap=overlap), random_model(setup.model, setup.dtype))
-        label = "overlap" if overlap else "no_overlap"
+    for overlap in (True, False) if "engine" in sections else ():
+        engine = Engine(engine_config(setup, async_scheduling=overlap), random_model(setup.model, setup.dtype))
+        label = "async_scheduling" if overlap else "sync_scheduling"
         section: dict = {"num_programs": engine.runner.num_compiled_programs}
         weight_bound_ms = 1e3 * engine.runner.params_bytes / peaks.hbm_bytes_per_s
         section["decode"] = [dict(decode_latency(engine, b), weight_bound_ms=weight_bound_ms) for b in (1, 8, 32)]
         for kind in (TraceKind.UNIFORM, TraceKind.HOMOGENEOUS):
-            trace = make_trace(kind, setup.num_requests, None, 0)
+            trace = make_trace(kind, setup.num_requests, None, 0, setup.lengths)
             runs = [_run_trace(engine, trace) for _ in range(2)]  # the second is the warm one
             bound = trace_bound(setup, engine, trace, peaks)
             warm = runs[-1]
@@ -205,7 +213,7 @@ def run_core(setup: CoreSetup, out_dir: str, hf: bool = True, hf_timeout_s: floa
         result[label] = section
         save()
         del engine
-    if hf:
+    if "hf" in sections:
         from orca_jax.bench.suite import run_hf_subprocess
         result["hf"] = run_hf_subprocess(setup.model, setup.num_requests, 0,
                                          os.path.join(out_dir, f"{setup.model}_core_hf.json"), hf_timeout_s,

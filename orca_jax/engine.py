@@ -46,6 +46,10 @@ class EngineStats:
     scheduled_tokens_total: int = 0
     host_seconds_total: float = 0.0  # scheduling + batch building + output handling
     device_wait_seconds_total: float = 0.0  # blocked on the device's tokens
+    # Batches dispatched and not yet fetched when the oldest one's tokens are fetched (ORCA keeps up
+    # to n_stages in flight, so every pipeline stage has one): the most seen, and the sum for the mean.
+    max_batches_in_flight: int = 0
+    batches_in_flight_total: int = 0
 
     @property
     def mean_batch_size(self) -> float:
@@ -54,6 +58,10 @@ class EngineStats:
     @property
     def mean_tokens_per_iteration(self) -> float:
         return self.scheduled_tokens_total / max(self.iterations, 1)
+
+    @property
+    def mean_batches_in_flight(self) -> float:
+        return self.batches_in_flight_total / max(self.iterations, 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -150,6 +158,7 @@ class Engine:
             self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch), before))
         if not self._in_flight:
             return []
+        in_flight = len(self._in_flight)
         flight = self._in_flight.popleft()
         wait_start = time.perf_counter()
         result = self.runner.fetch(flight.packed, flight.batch)
@@ -157,6 +166,8 @@ class Engine:
         outputs = self._process(flight, result)
         end = time.perf_counter()
         self._record(flight.output, end - start, wait_end - wait_start)
+        self._stats.max_batches_in_flight = max(self._stats.max_batches_in_flight, in_flight)
+        self._stats.batches_in_flight_total += in_flight
         return outputs
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     for model in ("tiny-llama", "tiny-gpt"):
         for tp in (1, 2):
             engine = tiny_engine(model, parallel=ParallelConfig(tensor_parallel=tp))
-            q = engine.runner.params["layers"][0]["attn"]["q"]["kernel"]  # [H, N, D]
+            q = engine.runner.stages[0].params["layers"][0]["attn"]["q"]["kernel"]  # [H, N, D]
             shard_heads = {s.data.shape[1] for s in q.addressable_shards}
             cache_heads = {s.data.shape[0] for s in engine.runner.kv[-1].k.addressable_shards}
             for i, prompt in enumerate(([5, 6, 7], list(range(10, 40)), [99] * 9)):

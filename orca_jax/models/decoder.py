@@ -16,7 +16,6 @@ Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, F ffn
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
@@ -239,9 +238,15 @@ def stacked_param_shapes(config: ModelConfig):
     return stacked
 
 
-def init_params(config: ModelConfig, seed: int = 0, out_shardings=None):
-    """Random weights made on device inside jit, in the config's dtype (the paper's evaluation setup)."""
-    return jax.jit(functools.partial(_init_all, config), out_shardings=out_shardings)(jax.random.key(seed))
+def init_params(config: ModelConfig, seed: int = 0, out_shardings=None, select=None):
+    """Random weights made on device inside jit, in the config's dtype (the paper's evaluation setup).
+
+    `select(params) -> subtree` keeps a part (a pipeline stage's); XLA drops the rest unmade, and the
+    part holds the same values as in the whole model, whatever the mesh.
+    """
+    select = select or (lambda params: params)
+    return jax.jit(lambda key: select(_init_all(config, key)), out_shardings=out_shardings)(
+        jax.random.key(seed))
 
 
 def unstack_layers(params):

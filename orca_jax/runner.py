@@ -123,6 +123,10 @@ class ModelRunner:
         self.config = config
         self.max_seqs = max_seqs  # the most sequences one batch holds: the width of next_tokens
         meshes = make_stage_meshes(parallel, devices)
+        if all(d.process_index != 0 for d in meshes[-1].devices.flat):
+            # Process 0 fetches the tokens; the last stage's result must have a copy on it.
+            raise ValueError("the last pipeline stage must include a device of process 0 "
+                             "(stages on separate processes are not supported yet)")
         self.num_devices = sum(mesh.size for mesh in meshes)
         self.device = meshes[0].devices.flat[0]
         attention = choose_attention(backend, self.device.platform)

@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the preset's dtype")
     p.add_argument("--pipeline-parallel-size", type=int, default=1, help="ORCA inter-layer stages")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ORCA intra-layer split")
+    p.add_argument("--coordinator-address", default=None,
+                   help="several processes (jax.distributed): process 0's host:port; see README")
+    p.add_argument("--num-processes", type=int, default=1, help="controller processes (one per host or GPU)")
+    p.add_argument("--process-id", type=int, default=0, help="0 serves HTTP and schedules; others mirror")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="chat max_tokens when a request names none (default: the rest of the context)")
@@ -81,7 +85,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   policy=SchedulingPolicy(args.scheduling_policy),
                                   max_waiting=args.max_waiting),
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size,
-                                tensor_parallel=args.tensor_parallel_size),
+                                tensor_parallel=args.tensor_parallel_size,
+                                coordinator_address=args.coordinator_address,
+                                num_processes=args.num_processes, process_id=args.process_id),
         attention=AttentionBackend(args.attention_backend),
         dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
 
@@ -119,11 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     # Imported here so `--help` and flag errors come back without loading jax.
+    from orca_jax import multihost
+    multihost.initialize(config.parallel)  # before anything else touches jax
     from orca_jax.engine import Engine
     from orca_jax.server import AsyncEngine, create_app
 
     log.info("loading %s", args.model)
-    async_engine = AsyncEngine(Engine(config), shutdown_grace_seconds=args.shutdown_grace_seconds)
+    engine = Engine(config)
+    if not multihost.is_leader():
+        log.info("process %d: running process 0's steps", args.process_id)
+        multihost.run_worker(engine.runner)
+        return 0
+    async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"), served_model_name=args.served_model_name,
                      max_body_bytes=args.max_body_bytes, metrics_require_auth=args.metrics_require_auth,
                      default_max_tokens=args.default_max_tokens)
@@ -134,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _already_handled)
     _Server(uvicorn_config, on_exit=async_engine.begin_shutdown).run()
+    engine.runner.stop_workers()
     return 0
 
 

@@ -48,14 +48,14 @@ def host_params(model: str):
 
 
 def engine_for(model: str, tp: int, pp: int, batches_in_flight: int | None = None,
-               random_init: bool = False) -> Engine:
+               random_init: bool = False, **processes) -> Engine:
     """Weights placed from the host (one random init per model keeps the suite fast), or with
     random_init made on each stage's devices, which must give the same values."""
     # max_batch_size 2 with 8 requests: enough disjoint batches to keep every stage busy. A budget of
     # 8 tokens and at most 16 per request keep every batch in one bucket: one program per stage.
     config = EngineConfig(model=model, cache=CacheConfig(page_size=4, num_pages=64),
                           scheduler=SchedulerConfig(max_batch_size=2, max_tokens_per_iteration=8),
-                          parallel=ParallelConfig(num_stages=pp, tensor_parallel=tp),
+                          parallel=ParallelConfig(num_stages=pp, tensor_parallel=tp, **processes),
                           max_batches_in_flight=batches_in_flight)
     params = None if random_init else host_params(model)
     return Engine(config, LoadedModel(MODELS[model], params, ByteTokenizer()))

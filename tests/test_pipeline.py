@@ -6,6 +6,7 @@ One subprocess (tests/pipeline_cases.py) runs every case, so jax starts once wit
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -94,3 +95,43 @@ def test_stage_layout_and_refusals():
         ParallelConfig(num_processes=2)
     with pytest.raises(ValueError, match="process_id"):
         ParallelConfig(num_processes=2, process_id=2, coordinator_address="localhost:1234")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_joined_by_jax_distributed_give_one_process_tokens(results):
+    """Tensor parallel 2 across two processes of one CPU device each (as one process per GPU would
+    run): process 0 schedules, process 1 mirrors every step; the tokens are one device's."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT)
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "tests/multihost_case.py", str(i), "2", port, "2", "1"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (1, 0)]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    worker, leader = outs
+    assert leader["num_devices"] == 2 and leader["processes"] == [0, 1]
+    assert leader["tokens"] == results["llama/1/1"]["tokens"]
+    assert worker["worker_iterations"] == leader["iterations"]
+
+
+def test_serve_flags_name_the_processes():
+    from orca_jax.serve import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["--model", "tiny-llama", "--tensor-parallel-size", "2",
+                                      "--pipeline-parallel-size", "2", "--coordinator-address", "10.0.0.1:12355",
+                                      "--num-processes", "2", "--process-id", "1"])
+    assert engine_config_from_args(args).parallel == ParallelConfig(
+        num_stages=2, tensor_parallel=2, coordinator_address="10.0.0.1:12355", num_processes=2, process_id=1)

@@ -37,8 +37,13 @@ def build_engine(model: str, *, max_batch_size: int, token_budget: int, page_siz
     return Engine(config, loaded)
 
 
-def use_scheduler(engine: Engine, policy: str, max_batch_size: int):
-    """Swap the idle engine's scheduler: ORCA's (Algorithm 1) or the request-level baseline."""
+def use_scheduler(engine: Engine, policy: str, max_batch_size: int, batches_in_flight: int | None = None):
+    """Swap the idle engine's scheduler: ORCA's (Algorithm 1) or the request-level baseline.
+
+    batches_in_flight: ORCA's batches in flight, or the baseline's microbatches (FasterTransformer's
+    pipelining); default the engine's (one per pipeline stage).
+    """
+    in_flight = batches_in_flight or engine.config.batches_in_flight
     if engine.has_unfinished():
         raise RuntimeError("swap schedulers only on an idle engine")
     limits = engine.config.scheduler
@@ -47,9 +52,11 @@ def use_scheduler(engine: Engine, policy: str, max_batch_size: int):
     budget = limits.max_tokens_per_iteration
     if policy == ORCA:
         scheduler = Scheduler(SchedulerConfig(max_batch_size=max_batch_size, max_tokens_per_iteration=budget,
-                                              max_waiting=4096), engine.kv, engine.max_model_len)
+                                              max_waiting=4096), engine.kv, engine.max_model_len,
+                              num_stages=in_flight)
     elif policy == BASELINE:
-        scheduler = RequestLevelScheduler(max_batch_size, budget, engine.kv, engine.max_model_len)
+        scheduler = RequestLevelScheduler(max_batch_size, budget, engine.kv, engine.max_model_len,
+                                          num_microbatches=in_flight)
     else:
         raise ValueError(f"unknown policy {policy!r}")
     engine.scheduler = scheduler

@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,report}`: see each subcommand's --help."""
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,parallel,report}`: see each subcommand's --help."""
 
 from __future__ import annotations
 
@@ -42,6 +42,15 @@ def main(argv=None) -> None:
     pad.add_argument("--seed", type=int, default=0)
     pad.add_argument("--out", default=None, help="write padding.json here")
 
+    par = sub.add_parser("parallel", help="one model at (tp, pp) meshes: trace throughput, pipelined vs "
+                         "one batch in flight, decode time per iteration vs the weight-read bound")
+    par.add_argument("--model", default="llama-8b")
+    par.add_argument("--out", required=True)
+    par.add_argument("--meshes", default="1x1,2x1,1x2", help="TPxPP,...")
+    par.add_argument("--num-requests", type=int, default=256)
+    par.add_argument("--kv-gib", type=float, default=40.0, help="KV pool of each mesh (all its devices)")
+    par.add_argument("--seed", type=int, default=0)
+
     report = sub.add_parser("report", help="plots and summary.md from a results directory")
     report.add_argument("results_dir")
 
@@ -75,6 +84,12 @@ def main(argv=None) -> None:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "padding.json"), "w") as f:
                 json.dump(result, f, indent=1)
+    elif args.command == "parallel":
+        from orca_jax.bench.parallel import run_parallel
+        meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
+        result = run_parallel(args.model, args.out, meshes, args.num_requests, args.seed, kv_gib=args.kv_gib)
+        for row in result["meshes"]:
+            print({k: v for k, v in row.items() if not k.startswith("trace")})
     elif args.command == "report":
         from orca_jax.bench.report import write_report
         print(write_report(args.results_dir))

@@ -22,14 +22,20 @@ def main() -> None:
     from pipeline_cases import engine_for, run
 
     engine = engine_for("llama", tp, pp, **processes)
+    runner = engine.runner
     if not multihost.is_leader():
-        iterations = multihost.run_worker(engine.runner)
-        print(json.dumps({"worker_iterations": iterations}))
+        iterations = multihost.run_worker(runner)
+        print(json.dumps({"worker_iterations": iterations, "programs": sorted(map(list, runner.compiled_shapes))}))
         return
+    # Every batch of the run falls in this bucket (see pipeline_cases.engine_for): precompiled on every
+    # process through the mirror, nothing compiles while running.
+    runner.precompile([("forward", 8, 2, 4), ("sample", 2, 0, True)])
+    programs = sorted(map(list, runner.compiled_shapes))
     result = run(engine)
-    engine.runner.stop_workers()
-    devices = sorted({d.process_index for stage in engine.runner.stages for d in stage.mesh.devices.flat})
-    print(json.dumps(dict(result, processes=devices, num_devices=len(jax.devices()))))
+    assert sorted(map(list, runner.compiled_shapes)) == programs, "compiled while running"
+    runner.stop_workers()
+    devices = sorted({d.process_index for stage in runner.stages for d in stage.mesh.devices.flat})
+    print(json.dumps(dict(result, processes=devices, num_devices=len(jax.devices()), programs=programs)))
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ def test_two_processes_joined_by_jax_distributed_give_one_process_tokens(results
     assert leader["num_devices"] == 2 and leader["processes"] == [0, 1]
     assert leader["tokens"] == results["llama/1/1"]["tokens"]
     assert worker["worker_iterations"] == leader["iterations"]
+    assert worker["programs"] == leader["programs"] == [["forward", 8, 2, 4, 0], ["sample", 2, 0, True]]
 
 
 def test_serve_flags_name_the_processes():

@@ -5,6 +5,7 @@ program spanning devices of several processes meets itself in their collectives.
 scheduler (and the HTTP server); the runner there sends each call that dispatches device work
 (`execute`, `precompile`) to the other processes before making it, and they make the same call in a
 worker loop (`run_worker`). Only control data crosses: the batch's numpy arrays and its bucket key.
+Stages may sit on different processes: pipeline.Handoff moves activations and tokens between them.
 
 The messages travel by `multihost_utils.broadcast_one_to_all` (a collective over all devices): a
 fixed-size int32 header (what, the payload's length, the batch's shape key and counts), then the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from orca_jax.config import ModelConfig
@@ -87,10 +88,8 @@ class Stage:
         """Dispatch this stage (asynchronous): [T, H] activations out, or f32[S, V] logits if last.
 
         `inputs`: (token ids i32[T], token sources i32[T], previous samples i32[max_seqs]) on the
-        first stage, else the previous stage's [T, H] activations (moved here first).
+        first stage, else the previous stage's [T, H] activations, already moved here (`Handoff`).
         """
-        if not self.first:
-            inputs = jax.device_put(inputs, self.replicated)
         out, self.kv = executable(self.params, self.kv, inputs, positions, meta, logits_indices)
         return out
 
@@ -109,4 +108,41 @@ def _stage_forward(model: decoder.Decoder, first: bool, last: bool, params, kv, 
     if last:
         return model.logits(params, x[logits_indices]), kv  # f32[S, V]
     return x, kv
+
+
+class Handoff:
+    """Moves replicated arrays from one stage's devices to another's (same tensor size).
+
+    Within one process, `jax.device_put` copies device to device. Across processes (a stage per host)
+    it cannot on every backend (CPU has no cross-host copy), so there the move is a collective: the
+    source and destination arrays become the two halves of one array on a (2, tp) mesh and a
+    ppermute sends the first half to the second, which every process runs like any other program.
+    """
+
+    def __init__(self, src: Mesh, dst: Mesh):
+        self.dst = NamedSharding(dst, P())
+        processes = lambda mesh: {d.process_index for d in mesh.devices.flat}
+        self.collective = processes(src) != processes(dst)
+        if self.collective:
+            pair = Mesh(np.stack([src.devices, dst.devices]), ("pair", src.axis_names[0]))
+            self._pair = NamedSharding(pair, P("pair"))
+            self._send = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "pair", [(0, 1)]), mesh=pair,
+                                               in_specs=P("pair"), out_specs=P("pair")))
+            here = jax.process_index()
+            self._src_here = [d for d in src.devices.flat if d.process_index == here]
+            self._dst_here = [d for d in dst.devices.flat if d.process_index == here]
+            self._blank: dict[tuple, list[jax.Array]] = {}  # receive buffers, by (shape, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if not self.collective:
+            return jax.device_put(x, self.dst)
+        key = (x.shape, x.dtype)
+        if key not in self._blank:  # read-only input of the ppermute: made once per shape
+            self._blank[key] = [jax.device_put(np.zeros(x.shape, x.dtype), d) for d in self._dst_here]
+        by_device = {shard.device: shard.data for shard in x.addressable_shards}
+        halves = [by_device[d] for d in self._src_here] + self._blank[key]
+        both = jax.make_array_from_single_device_arrays((2 * x.shape[0], *x.shape[1:]), self._pair, halves)
+        moved = self._send(both)
+        mine = [shard.data for shard in moved.addressable_shards if shard.device in self._dst_here]
+        return jax.make_array_from_single_device_arrays(x.shape, self.dst, mine, dtype=x.dtype)
 

@@ -33,7 +33,7 @@ from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
-from orca_jax.pipeline import Stage
+from orca_jax.pipeline import Handoff, Stage
 from orca_jax.sampling import SamplingArrays, pack, sample
 from orca_jax.sharding import rules
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
@@ -123,10 +123,6 @@ class ModelRunner:
         self.config = config
         self.max_seqs = max_seqs  # the most sequences one batch holds: the width of next_tokens
         meshes = make_stage_meshes(parallel, devices)
-        if all(d.process_index != 0 for d in meshes[-1].devices.flat):
-            # Process 0 fetches the tokens; the last stage's result must have a copy on it.
-            raise ValueError("the last pipeline stage must include a device of process 0 "
-                             "(stages on separate processes are not supported yet)")
         self.num_devices = sum(mesh.size for mesh in meshes)
         self.device = meshes[0].devices.flat[0]
         attention = choose_attention(backend, self.device.platform)
@@ -158,6 +154,11 @@ class ModelRunner:
         # A batch without token sources reads no samples: giving it this constant instead keeps stage
         # 0 of batch k+1 from waiting for batch k's sampling, i.e. for the whole pipeline to drain.
         self._no_tokens = self._next_tokens
+        # Activations [T, H] from each stage to the next; sampled tokens back to the first stage,
+        # and the packed result too where process 0 (which fetches it) has no device of the last.
+        self._to_next = [Handoff(a.mesh, b.mesh) for a, b in zip(self.stages, self.stages[1:])]
+        self._to_first = Handoff(last.mesh, first.mesh)
+        self._result_to_first = all(d.process_index != 0 for d in last.mesh.devices.flat)
         self._executables: dict[ProgramKey, jax.stages.Compiled] = {}
         self._compile_lock = threading.Lock()
         # Several controller processes: process 0 sends each call to the others (see multihost.py).
@@ -263,6 +264,8 @@ class ModelRunner:
         else:
             inputs = (batch.token_ids, batch.token_sources, self._next_tokens)
         for stage in self.stages:  # activations [T, H] from stage to stage; logits f32[S, V] last
+            if stage.index > 0:
+                inputs = self._to_next[stage.index - 1](inputs)
             inputs = stage.run(self._executable(("forward", t, s, p, stage.index)), inputs,
                                batch.positions, meta, batch.logits_indices)
         return inputs
@@ -274,8 +277,8 @@ class ModelRunner:
         key = ("sample", logits.shape[0], batch.num_top_logprobs, batch.all_greedy)
         packed, next_tokens = self._executable(key)(logits, sampling)
         # Sampled on the last stage; a later batch's token sources are read on the first.
-        self._next_tokens = jax.device_put(next_tokens, self.stages[0].replicated)
-        return packed
+        self._next_tokens = self._to_first(next_tokens)
+        return self._to_first(packed) if self._result_to_first else packed
 
     def execute(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch one iteration (asynchronous); returns the packed device result."""

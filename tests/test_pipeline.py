@@ -103,13 +103,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_joined_by_jax_distributed_give_one_process_tokens(results):
-    """Tensor parallel 2 across two processes of one CPU device each (as one process per GPU would
-    run): process 0 schedules, process 1 mirrors every step; the tokens are one device's."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
+@pytest.mark.parametrize("devices_per_process,tp,pp", [(1, 2, 1), (2, 2, 2)])
+def test_two_processes_joined_by_jax_distributed_give_one_device_tokens(results, devices_per_process, tp, pp):
+    """Two processes on localhost form one mesh: tensor parallel 2 across them (as one process per GPU
+    runs), or one 2-device stage on each (as one process per host runs, activations and tokens handed
+    between processes by a collective). Process 0 schedules, process 1 mirrors every step."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "tests/multihost_case.py", str(i), "2", port, "2", "1"],
+    procs = [subprocess.Popen([sys.executable, "tests/multihost_case.py", str(i), "2", port, str(tp), str(pp)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in (1, 0)]
     outs = []
@@ -122,10 +124,12 @@ def test_two_processes_joined_by_jax_distributed_give_one_process_tokens(results
         for proc in procs:
             proc.kill()
     worker, leader = outs
-    assert leader["num_devices"] == 2 and leader["processes"] == [0, 1]
+    assert leader["num_devices"] == 2 * devices_per_process and leader["processes"] == [0, 1]
     assert leader["tokens"] == results["llama/1/1"]["tokens"]
+    assert leader["max_in_flight"] == pp
     assert worker["worker_iterations"] == leader["iterations"]
-    assert worker["programs"] == leader["programs"] == [["forward", 8, 2, 4, 0], ["sample", 2, 0, True]]
+    programs = [["forward", 8, 2, 4, s] for s in range(pp)] + [["sample", 2, 0, True]]
+    assert worker["programs"] == leader["programs"] == programs
 
 
 def test_serve_flags_name_the_processes():

@@ -156,10 +156,19 @@ class ParallelConfig:
 
     num_stages: int = 1
     tensor_parallel: int = 1
+    # Several controller processes (jax.distributed): one per host, or one per GPU. Process 0 schedules.
+    coordinator_address: str | None = None  # "host:port" of process 0's coordinator
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self):
         if self.num_stages <= 0 or self.tensor_parallel <= 0:
             raise ValueError("ParallelConfig sizes must be positive")
+        if self.num_processes <= 0 or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"ParallelConfig needs 0 <= process_id ({self.process_id}) < num_processes "
+                             f"({self.num_processes})")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError("ParallelConfig with several processes needs coordinator_address (host:port)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import functools
 import zlib
 from typing import Callable, Protocol
 
+from orca_jax import multihost
 from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
@@ -49,6 +50,10 @@ class EngineStats:
     scheduled_tokens_total: int = 0
     host_seconds_total: float = 0.0  # scheduling + batch building + output handling
     device_wait_seconds_total: float = 0.0  # blocked on the device's tokens
+    # Batches dispatched and not yet fetched when the oldest one's tokens are fetched (ORCA keeps up
+    # to n_stages in flight, so every pipeline stage has one): the most seen, and the sum for the mean.
+    max_batches_in_flight: int = 0
+    batches_in_flight_total: int = 0
 
     @property
     def mean_batch_size(self) -> float:
@@ -57,6 +62,10 @@ class EngineStats:
     @property
     def mean_tokens_per_iteration(self) -> float:
         return self.scheduled_tokens_total / max(self.iterations, 1)
+
+    @property
+    def mean_batches_in_flight(self) -> float:
+        return self.batches_in_flight_total / max(self.iterations, 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -123,7 +132,9 @@ class Engine:
         self._schedule_s = 0.0  # schedule() time not yet reported with a dispatch
         self._ids = itertools.count()
         self._stats = EngineStats(kv_pages_total=self.kv.num_usable_pages)
-        if config.precompile:
+        # With several processes only process 0 compiles on its own: its runner tells the others,
+        # which are in their worker loop by then (multihost.run_worker).
+        if config.precompile and multihost.is_leader():
             self.precompile(precompile_progress)
         log.info("engine ready: %s, %d KV pages of %d tokens for requests (+1 scratch page)", config.model,
                  self.kv.num_usable_pages, self.runner.page_size)
@@ -213,6 +224,7 @@ class Engine:
                 observer.on_dispatch(batch, timing)
         if not self._in_flight:
             return []
+        in_flight = len(self._in_flight)
         flight = self._in_flight.popleft()
         wait_start = time.perf_counter()
         result = self.runner.fetch(flight.packed, flight.batch)
@@ -220,6 +232,8 @@ class Engine:
         outputs = self._process(flight, result)
         end = time.perf_counter()
         self._record(flight.output, end - start, wait_end - wait_start)
+        self._stats.max_batches_in_flight = max(self._stats.max_batches_in_flight, in_flight)
+        self._stats.batches_in_flight_total += in_flight
         return outputs
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:

@@ -1,8 +1,9 @@
 """Owns the params and the per-layer KV pages on device, and the compiled programs of each bucket.
 
-An iteration is two programs dispatched back to back: the ragged forward pass with the K/V writes
-into the (donated) per-layer pages, one program per (T, S, P) bucket, and sampling, one per (S, K,
-greedy) (its sorts and random draws are slow to compile, so they stay out of the forward buckets).
+An iteration is programs dispatched back to back: the ragged forward pass with the K/V writes into
+the (donated) per-layer pages, one program per (T, S, P) bucket and pipeline stage (pipeline.py;
+one stage on all devices when unpipelined), and sampling on the last stage, one per (S, K, greedy)
+(its sorts and random draws are slow to compile, so they stay out of the forward buckets).
 Programs are compiled ahead of time by `precompile` (on a thread pool: XLA compiles outside the
 GIL) and called as compiled executables, so nothing compiles while serving; a shape that was not
 precompiled still runs, compiled on the spot and logged as a warning. Logits stay on device; only a
@@ -23,25 +24,26 @@ from typing import Callable, Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
+from orca_jax import multihost
 from orca_jax.batch import RaggedBatch, empty_batch, next_power_of_two
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.kernels import ragged_attention as ragged
-from orca_jax.kv_cache import pages_for_budget
 from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
+from orca_jax.pipeline import Handoff, Stage
 from orca_jax.sampling import SamplingArrays, pack, sample
 from orca_jax.sharding import rules, tensor_plan
-from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_mesh
+from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
 
 log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_GIB = 0.5
 _GPU_KV_FRACTION = 0.85  # of the memory left after the weights
 
-# Program keys: ("forward", T, S, P) and ("sample", S, K, all_greedy).
+# Program keys: ("forward", T, S, P, stage) and ("sample", S, K, all_greedy).
 ProgramKey = tuple
 # progress(done, total, key, seconds): called as each program finishes compiling.
 ProgressFn = Callable[[int, int, ProgramKey, float], None]
@@ -81,7 +83,7 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
         budget = max(free, 0) * _GPU_KV_FRACTION * num_devices
     else:
         budget = _CPU_DEFAULT_KV_GIB * 2**30
-    return max(2, pages_for_budget(config.kv_bytes_per_token, cache.page_size, int(budget)))
+    return max(2, int(budget // (config.kv_bytes_per_token * cache.page_size)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,7 +112,8 @@ class PrecompileReport:
 
 
 class ModelRunner:
-    """Params + per-layer KV on device; `execute` dispatches a step, `fetch` waits for its tokens."""
+    """Params + per-layer KV on device, by pipeline stage; `execute` dispatches a step, `fetch` waits
+    for its tokens."""
 
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
@@ -123,45 +126,51 @@ class ModelRunner:
         config = self.tensor_plan.device
         self.config = config
         self.max_seqs = max_seqs  # the most sequences one batch holds: the width of next_tokens
-        self.mesh = make_mesh(parallel, devices)
-        self.device = self.mesh.devices.flat[0]
-        self.attention_fn = shard_over_heads(choose_attention(backend, self.device.platform), self.mesh)
-        self.decoder = decoder.Decoder(config, self.attention_fn, real_vocab_size=self.tensor_plan.vocab_size)
+        meshes = make_stage_meshes(parallel, devices)
+        self.num_devices = sum(mesh.size for mesh in meshes)
+        self.device = meshes[0].devices.flat[0]
+        attention = choose_attention(backend, self.device.platform)
+        host_params = None if params is None else self.tensor_plan.adapt_params(decoder.unstack_layers(params))
+        ranges = stage_layer_ranges(config.num_layers, len(meshes))
         start = time.perf_counter()
-        shardings = rules.param_shardings(decoder.param_shapes(config), self.mesh)
-        if params is None:
-            self.params = decoder.init_params(self.tensor_plan.model, seed, out_shardings=shardings,
-                                              adapt=self.tensor_plan.adapt_params)
-        else:
-            self.params = jax.device_put(self.tensor_plan.adapt_params(decoder.unstack_layers(params)),
-                                         shardings)
-        jax.block_until_ready(self.params)
+        self.stages = [
+            Stage(i, len(meshes), layers, mesh, self.tensor_plan,
+                  decoder.Decoder(config, shard_over_heads(attention, mesh),
+                                  real_vocab_size=self.tensor_plan.vocab_size), host_params, seed)
+            for i, (layers, mesh) in enumerate(zip(ranges, meshes))]
+        jax.block_until_ready([stage.params for stage in self.stages])
         self.params_seconds = time.perf_counter() - start
-        self.params_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+        self.params_bytes = sum(stage.params_bytes for stage in self.stages)
         self.page_size = cache_config.page_size
-        self.num_pages = num_pages_for(config, cache_config, self.params_bytes // self.mesh.size,
-                                       self.device, self.mesh.size)
-        layer_sharding = NamedSharding(self.mesh, rules.KV_CACHE_SPEC)
-        self._kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in range(config.num_layers))
-        self._replicated = NamedSharding(self.mesh, P())
-        # Made on device, already sharded like every later cache (so the first step does not recompile).
-        self.kv = jax.jit(lambda: decoder.empty_cache(config, self.num_pages, self.page_size),
-                          out_shardings=self._kv_shardings)()
-        # The pages go out with the sharding they came in with; else the second call would recompile.
-        self._forward_fn = jax.jit(_forward, static_argnums=(0,), donate_argnums=(2,),
-                                   out_shardings=(self._replicated, self._kv_shardings))
+        # Every stage keeps the same pages (one page table): size the pool by the fullest device.
+        per_device = max(stage.params_bytes // stage.mesh.size for stage in self.stages)
+        self.num_pages = num_pages_for(config, cache_config, per_device, self.device, self.num_devices)
+        for stage in self.stages:
+            stage.allocate_kv(self.num_pages, self.page_size)
+        first, last = self.stages[0], self.stages[-1]
         self._sample_fn = jax.jit(_sample, static_argnums=(2, 3, 4))
-        # The last sampled token of every row, on device, for a batch dispatched before they reach the
-        # host (see RaggedBatch.token_sources). Nothing sampled yet: zeros.
-        self._next_tokens = jax.device_put(np.zeros(max_seqs, np.int32), self._replicated)
+        self._sample_sharding = last.replicated
+        # The last sampled token of every row, on the first stage, for a batch dispatched before they
+        # reach the host (see RaggedBatch.token_sources). Nothing sampled yet: zeros.
+        self._next_tokens = jax.device_put(np.zeros(max_seqs, np.int32), first.replicated)
+        # A batch without token sources reads no samples: giving it this constant instead keeps stage
+        # 0 of batch k+1 from waiting for batch k's sampling, i.e. for the whole pipeline to drain.
+        self._no_tokens = self._next_tokens
+        # Activations [T, H] from each stage to the next; sampled tokens back to the first stage,
+        # and the packed result too where process 0 (which fetches it) has no device of the last.
+        self._to_next = [Handoff(a.mesh, b.mesh) for a, b in zip(self.stages, self.stages[1:])]
+        self._to_first = Handoff(last.mesh, first.mesh)
+        self._result_to_first = all(d.process_index != 0 for d in last.mesh.devices.flat)
         self._executables: dict[ProgramKey, jax.stages.Compiled] = {}
         self._compile_lock = threading.Lock()
+        # Several controller processes: process 0 sends each call to the others (see multihost.py).
+        self._mirror = multihost.Mirror() if jax.process_count() > 1 else None
 
     # ---- compiled programs ----
 
     @property
     def compiled_shapes(self) -> frozenset[ProgramKey]:
-        """Keys of every compiled program: ("forward", T, S, P) and ("sample", S, K, greedy)."""
+        """Keys of every compiled program: ("forward", T, S, P, stage) and ("sample", S, K, greedy)."""
         return frozenset(self._executables)
 
     @property
@@ -170,13 +179,35 @@ class ModelRunner:
         return len(self._executables)
 
     @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def kv(self) -> tuple[LayerKV, ...]:
+        """Every layer's pages, in layer order (each stage's on its own devices)."""
+        return tuple(layer for stage in self.stages for layer in stage.kv)
+
+    @property
     def kv_bytes(self) -> int:
         """Device bytes of the whole KV pool, all layers and shards."""
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.kv))
 
+    def program_keys(self, keys: Iterable[ProgramKey]) -> list[ProgramKey]:
+        """Keys as compiled: a bucket's ("forward", T, S, P) stands for one program per stage."""
+        out = []
+        for key in keys:
+            if key[0] == "forward" and len(key) == 4:
+                out += [(*key, stage.index) for stage in self.stages]
+            else:
+                out.append(tuple(key))
+        return out
+
     def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
                    threads: int | None = None, warm: bool = True) -> PrecompileReport:
         """Compile every program in `keys` ahead of time; then run each new forward once on padding."""
+        keys = self.program_keys(keys)
+        if self._mirror is not None:
+            self._mirror.precompile(keys, warm)
         todo = [key for key in dict.fromkeys(keys) if key not in self._executables]
         start = time.perf_counter()
         workers = threads or min(8, os.cpu_count() or 1)
@@ -190,11 +221,14 @@ class ModelRunner:
         compile_seconds = time.perf_counter() - start
         start = time.perf_counter()
         if warm:
-            for key in todo:
-                if key[0] == "forward":
-                    _, t, s, p = key
-                    jax.block_until_ready(self.forward(empty_batch(t, s, p)))
+            for t, s, p in sorted({key[1:4] for key in todo if key[0] == "forward"}):
+                jax.block_until_ready(self._forward(empty_batch(t, s, p)))
         return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start)
+
+    def compiled_program(self, key: ProgramKey) -> jax.stages.Compiled:
+        """The compiled executable of a program key (compiled now if it is not yet), e.g. to read its
+        memory_analysis() or HLO."""
+        return self._executable(key)
 
     def _executable(self, key: ProgramKey) -> jax.stages.Compiled:
         executable = self._executables.get(key)
@@ -208,52 +242,61 @@ class ModelRunner:
         return executable
 
     def _lower_and_compile(self, key: ProgramKey) -> jax.stages.Compiled:
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self._replicated)
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self._replicated)
         if key[0] == "forward":
-            _, t, s, p = key
-            meta = AttentionMetadata(cu_q_lens=i32(s + 1), kv_lens=i32(s), page_table=i32(s, p),
-                                     slot_mapping=i32(t), num_seqs=i32(1))
-            lowered = self._forward_fn.lower(self.decoder, self.params, self.kv, i32(t), i32(t),
-                                             i32(self.max_seqs), i32(t), meta, i32(s))
-        else:
-            _, s, k, greedy = key
-            sampling = SamplingArrays(f32(s), i32(s), f32(s),
-                                      jax.ShapeDtypeStruct((s,), jnp.uint32, sharding=self._replicated),
-                                      i32(s))
-            lowered = self._sample_fn.lower(f32(s, self.config.vocab_size), sampling, k, greedy, self.max_seqs)
-        return lowered.compile()
+            _, t, s, p, stage = key
+            return self.stages[stage].lower(t, s, p, self.max_seqs).compile()
+        spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=self._sample_sharding)
+        _, s, k, greedy = key
+        sampling = SamplingArrays(spec(jnp.float32, s), spec(jnp.int32, s), spec(jnp.float32, s),
+                                  spec(jnp.uint32, s), spec(jnp.int32, s))
+        logits = spec(jnp.float32, s, self.config.vocab_size)
+        return self._sample_fn.lower(logits, sampling, k, greedy, self.max_seqs).compile()
 
     # ---- one iteration ----
 
     def forward(self, batch: RaggedBatch) -> jax.Array:
-        """Dispatch the forward pass (asynchronous); returns f32[S, V] logits on device."""
+        """Dispatch the forward pass through every stage (asynchronous); returns f32[S, V] logits on
+        the last stage's devices. Single process only (execute is what other processes mirror)."""
+        if self._mirror is not None:
+            raise RuntimeError("with several processes call execute, which the others mirror")
+        return self._forward(batch)
+
+    def _forward(self, batch: RaggedBatch) -> jax.Array:
         t, s, p = batch.token_ids.shape[0], batch.kv_lens.shape[0], batch.page_table.shape[1]
         meta = AttentionMetadata(cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                                  page_table=batch.page_table, slot_mapping=batch.slot_mapping,
                                  num_seqs=batch.num_seqs)
-        sources = batch.token_sources if batch.token_sources is not None else np.full(t, -1, np.int32)
-        logits, self.kv = self._executable(("forward", t, s, p))(
-            self.params, self.kv, batch.token_ids, sources, self._next_tokens, batch.positions, meta,
-            batch.logits_indices)
-        return logits
+        if batch.token_sources is None:
+            inputs = (batch.token_ids, np.full(t, -1, np.int32), self._no_tokens)
+        else:
+            inputs = (batch.token_ids, batch.token_sources, self._next_tokens)
+        for stage in self.stages:  # activations [T, H] from stage to stage; logits f32[S, V] last
+            if stage.index > 0:
+                inputs = self._to_next[stage.index - 1](inputs)
+            inputs = stage.run(self._executable(("forward", t, s, p, stage.index)), inputs,
+                               batch.positions, meta, batch.logits_indices)
+        return inputs
 
     def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:
         """Dispatch sampling of a forward's logits; returns the packed i32[S, 2 + 2K] device array."""
         sampling = SamplingArrays(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
                                   seed=batch.seed, step=batch.step)
         key = ("sample", logits.shape[0], batch.num_top_logprobs, batch.all_greedy)
-        packed, self._next_tokens = self._executable(key)(logits, sampling)
-        return packed
+        packed, next_tokens = self._executable(key)(logits, sampling)
+        # Sampled on the last stage; a later batch's token sources are read on the first.
+        self._next_tokens = self._to_first(next_tokens)
+        return self._to_first(packed) if self._result_to_first else packed
 
     def execute(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch one iteration (asynchronous); returns the packed device result."""
-        return self.sample(self.forward(batch), batch)
+        if self._mirror is not None:
+            self._mirror.execute(batch)
+        return self.sample(self._forward(batch), batch)
 
-    @staticmethod
-    def fetch(packed: jax.Array, batch: RaggedBatch) -> StepResult:
-        """Block until the step's tokens are on the host."""
-        return StepResult.unpack(np.asarray(packed), batch.num_real_seqs, batch.num_top_logprobs)
+    def stop_workers(self) -> None:
+        """With several processes, end the others' worker loops (call on process 0; else a no-op)."""
+        if self._mirror is not None:
+            self._mirror.stop()
 
     def prompt_logits(self, token_ids) -> np.ndarray:
         """f32[T, V] next-token logits at every position of one prompt (for parity tests).
@@ -279,13 +322,12 @@ class ModelRunner:
         batch.logits_indices[:] = np.minimum(np.arange(s), n - 1)
         return np.asarray(self.forward(batch))[:n]
 
-
-def _forward(model: decoder.Decoder, params, kv, token_ids, token_sources, prev_tokens, positions, meta,
-             logits_indices):
-    # token_ids: i32[T] from the host; token_sources: i32[T], -1 or the row of prev_tokens
-    # (i32[max_seqs], the previous iteration's samples, still on device) that holds the token.
-    token_ids = jnp.where(token_sources >= 0, prev_tokens[jnp.maximum(token_sources, 0)], token_ids)
-    return model(params, kv, token_ids, positions, meta, logits_indices)
+    @staticmethod
+    def fetch(packed: jax.Array, batch: RaggedBatch) -> StepResult:
+        """Block until the step's tokens are on the host."""
+        # Across processes the result is replicated over devices this process owns only some of.
+        host = np.asarray(packed if packed.is_fully_addressable else packed.addressable_data(0))
+        return StepResult.unpack(host, batch.num_real_seqs, batch.num_top_logprobs)
 
 
 def _sample(logits, sampling: SamplingArrays, num_top_logprobs: int, all_greedy: bool, max_seqs: int):

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the preset's dtype")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="ORCA inter-layer stages")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ORCA intra-layer split")
+    p.add_argument("--coordinator-address", default=None,
+                   help="several processes (jax.distributed): process 0's host:port; see README")
+    p.add_argument("--num-processes", type=int, default=1, help="controller processes (one per host or GPU)")
+    p.add_argument("--process-id", type=int, default=0, help="0 serves HTTP and schedules; others mirror")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens of a chat request that names none, capped by the context left; 0: the "
@@ -104,7 +108,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   policy=SchedulingPolicy(args.scheduling_policy),
                                   max_waiting=args.max_waiting),
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size,
-                                tensor_parallel=args.tensor_parallel_size),
+                                tensor_parallel=args.tensor_parallel_size,
+                                coordinator_address=args.coordinator_address,
+                                num_processes=args.num_processes, process_id=args.process_id),
         attention=AttentionBackend(args.attention_backend),
         dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
 
@@ -144,13 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     # Imported here so `--help` and flag errors come back without loading jax.
+    from orca_jax import multihost
+    multihost.initialize(config.parallel)  # before anything else touches jax
     from orca_jax.engine import Engine
     from orca_jax.server import AsyncEngine, create_app
 
     log.info("loading %s", args.model)
     # The engine thread compiles every program once the server is up, so /health can say how far
-    # it got; it reports ready only after that, and nothing compiles while serving.
+    # it got; it reports ready only after that, and nothing compiles while serving. Other processes
+    # compile as process 0's runner tells them (multihost.Mirror).
     engine = Engine(dataclasses.replace(config, precompile=False))
+    if not multihost.is_leader():
+        log.info("process %d: running process 0's steps", args.process_id)
+        multihost.run_worker(engine.runner)
+        return 0
     for line in startup_report(engine):
         log.info("%s", line)
     async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True)
@@ -167,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _already_handled)
     _Server(uvicorn_config, on_exit=async_engine.begin_shutdown).run()
+    engine.runner.stop_workers()
     return 0
 
 
@@ -177,7 +191,7 @@ def startup_report(engine) -> list[str]:
     """
     import jax
 
-    devices = engine.runner.mesh.devices.flat
+    devices = [d for stage in engine.runner.stages for d in stage.mesh.devices.flat]
     first = devices[0]
     line = f"devices: {len(devices)} x {first.device_kind} ({first.platform})"
     stats = first.memory_stats() or {}

@@ -127,3 +127,24 @@ def test_baseline_on_the_engine_matches_the_arithmetic():
     driver.use_scheduler(engine, driver.ORCA, 4)
     orca = driver.run_trace(engine, trace, "orca", realtime=False)
     assert orca.iterations < run.iterations
+
+
+def test_microbatch_pipelining_keeps_the_unpipelined_tokens():
+    """FasterTransformer's pipelining: the batch split into 2 microbatches, both in flight at once;
+    every request's tokens are those of the unpipelined baseline."""
+    from engine_helpers import drain
+
+    engine = tiny_engine(max_batch_size=8, max_num_batched_tokens=64, page_size=4, num_pages=512, max_batches_in_flight=2)
+    prompts = [list(range(10, 10 + n)) for n in (3, 11, 6, 9, 4)]
+    tokens, batches = {}, {}
+    for microbatches in (1, 2):
+        scheduler = driver.use_scheduler(engine, driver.BASELINE, 5, batches_in_flight=microbatches)
+        assert scheduler.num_stages == microbatches
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, SamplingParams(max_tokens=2 + i, ignore_eos=True), request_id=str(i))
+        tokens[microbatches] = drain(engine)
+        batches[microbatches] = scheduler.batches
+        assert engine.stats().max_batches_in_flight == microbatches
+    assert batches[1] == batches[2] == [(5, 11, 6)]  # one padded batch either way
+    assert tokens[2] == tokens[1] and all(len(t) == 6 for t in tokens[1].values())
+    assert engine.stats().kv_pages_used == 0 and engine.stats().kv_pages_reserved == 0

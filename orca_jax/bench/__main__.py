@@ -1,4 +1,5 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,report,kernels,iteration,serve}`: see each subcommand's --help."""
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,report,kernels,iteration,serve}`:
+see each subcommand's --help."""
 
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ def main(argv=None) -> None:
                      help="the XLA_PYTHON_CLIENT_MEM_FRACTION the run sets (jax's default is 0.75)")
     mem.add_argument("--page-size", type=int, default=16)
     mem.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    par = sub.add_parser("parallel", help="one model at (tp, pp) meshes: trace throughput, pipelined vs "
+                         "one batch in flight, decode time per iteration vs the weight-read bound")
+    par.add_argument("--model", default="llama-8b")
+    par.add_argument("--out", required=True)
+    par.add_argument("--meshes", default="1x1,2x1,1x2", help="TPxPP,...")
+    par.add_argument("--num-requests", type=int, default=256)
+    par.add_argument("--kv-gib", type=float, default=40.0, help="KV pool of each mesh (all its devices)")
+    par.add_argument("--seed", type=int, default=0)
 
     report = sub.add_parser("report", help="plots and summary.md from a results directory")
     report.add_argument("results_dir")
@@ -137,6 +146,12 @@ def main(argv=None) -> None:
             os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
+    elif args.command == "parallel":
+        from orca_jax.bench.parallel import run_parallel
+        meshes = [tuple(int(x) for x in m.split("x")) for m in args.meshes.split(",")]
+        result = run_parallel(args.model, args.out, meshes, args.num_requests, args.seed, kv_gib=args.kv_gib)
+        for row in result["meshes"]:
+            print({k: v for k, v in row.items() if not k.startswith("trace")})
     elif args.command == "report":
         from orca_jax.bench.report import write_report
         print(write_report(args.results_dir))

@@ -6,10 +6,14 @@ Request-level semantics, as in ORCA section 2.2 and 6:
 - when the engine is idle, up to max_batch_size waiting requests form a batch (dynamic batching);
 - every prompt is padded to the batch's longest prompt, and the pad tokens are really computed;
 - every request generates as many tokens as the batch's longest request: a finished request keeps
-  its slot and keeps being computed, and is returned only when the whole batch ends;
+  its slot and keeps being computed, and is returned only when the whole batch (microbatch) ends;
 - no request joins a running batch.
 Prompts are fed in chunks of at most max_num_batched_tokens tokens (what fits one of our compiled buckets);
 decoding starts once every prompt of the batch is in, and then all slots advance in lockstep.
+With pipeline stages, FasterTransformer splits the batch into num_microbatches microbatches that flow
+through the stages one after another (ORCA Figure 8's comparison: its n_stages batches in flight, the
+baseline's microbatches): each microbatch is then one iteration in flight, its prompt and lockstep
+decoding its own, while the batch still ends as a whole.
 No jax here.
 """
 
@@ -38,12 +42,11 @@ class PaddedBatch:
 class RequestLevelScheduler:
     """FT-style batching behind the SchedulerInterface that Engine.step() drives."""
 
-    num_stages = 1
-
     def __init__(self, max_batch_size: int, max_num_batched_tokens: int, kv: KVCacheManager, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic):
-        if max_batch_size <= 0 or max_num_batched_tokens <= 0:
-            raise ValueError("max_batch_size and max_num_batched_tokens must be positive")
+                 clock: Callable[[], float] = time.monotonic, num_microbatches: int = 1):
+        if max_batch_size <= 0 or max_num_batched_tokens <= 0 or num_microbatches <= 0:
+            raise ValueError("max_batch_size, max_num_batched_tokens and num_microbatches must be positive")
+        self.num_stages = num_microbatches  # microbatches in flight at once, one per stage
         self.max_batch_size = max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
@@ -52,7 +55,8 @@ class RequestLevelScheduler:
         self._waiting: list[Request] = []  # arrival order
         self._batch: PaddedBatch | None = None
         self._real_lengths: dict[str, tuple[int, int]] = {}  # request id -> (prompt, max_tokens)
-        self._in_flight: SchedulerOutput | None = None
+        self._in_flight: dict[int, SchedulerOutput] = {}  # microbatch index -> its iteration in flight
+        self._next_microbatch = 0  # round robin, as microbatches enter the pipeline in turn
         self._next_iteration = 0
         self.batches: list[tuple[int, int, int]] = []  # (size, padded prompt, padded gen) per batch
 
@@ -65,11 +69,11 @@ class RequestLevelScheduler:
     # ---- the queries Engine uses ----------------------------------------------------------------
     @property
     def can_schedule(self) -> bool:
-        return self._in_flight is None
+        return len(self._in_flight) < self.num_stages
 
     @property
     def num_in_flight(self) -> int:
-        return int(self._in_flight is not None)
+        return len(self._in_flight)
 
     @property
     def num_waiting(self) -> int:
@@ -106,13 +110,16 @@ class RequestLevelScheduler:
 
     # ---- one iteration --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self._in_flight is not None:
-            raise RuntimeError("a batch is already in flight")
+        if not self.can_schedule:
+            raise RuntimeError(f"{self.num_in_flight} microbatches already in flight")
         if self._batch is None:
             self._batch = self._form_batch()
             if self._batch is None:
                 return SchedulerOutput((), self._next_iteration, self.kv.page_size)
-        members = [r for r in self._batch.requests if not r.status.finished]  # aborted ones leave
+        micro = self._next_ready_microbatch()
+        if micro is None:  # every microbatch with work left is in flight
+            return SchedulerOutput((), self._next_iteration, self.kv.page_size)
+        members = self._pending_members(micro)
         if any(r.in_initiation for r in members):
             # Prompt phase: padded prompts, chunked to the budget, no decoding until all are in.
             budget, scheduled = self.max_num_batched_tokens, []
@@ -125,8 +132,27 @@ class RequestLevelScheduler:
             scheduled = [plan_request(r, 1, self.kv) for r in members]
         output = SchedulerOutput(tuple(scheduled), self._next_iteration, self.kv.page_size)
         self._next_iteration += 1
-        self._in_flight = output
+        self._in_flight[micro] = output
         return output
+
+    def _microbatch(self, index: int) -> tuple[Request, ...]:
+        """Contiguous slices of the batch, as FasterTransformer splits it."""
+        requests = self._batch.requests
+        size = -(-len(requests) // self.num_stages)
+        return requests[index * size:(index + 1) * size]
+
+    def _pending_members(self, index: int) -> list[Request]:
+        """Members still computing: not aborted, and short of the batch's padded generation length."""
+        return [r for r in self._microbatch(index)
+                if not r.status.finished and len(r.output_token_ids) < self._batch.max_tokens]
+
+    def _next_ready_microbatch(self) -> int | None:
+        for k in range(self.num_stages):
+            index = (self._next_microbatch + k) % self.num_stages
+            if index not in self._in_flight and self._pending_members(index):
+                self._next_microbatch = index + 1
+                return index
+        return None
 
     def _form_batch(self) -> PaddedBatch | None:
         """The longest arrival-order prefix of the waiting requests whose padded KV fits the pool."""
@@ -154,9 +180,10 @@ class RequestLevelScheduler:
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
                logprobs=None) -> list[Request]:
         """Append tokens; the batch ends, and all its requests finish, when the longest is done."""
-        if output is not self._in_flight:
+        micro = next((m for m, o in self._in_flight.items() if o is output), None)
+        if micro is None:
             raise ValueError(f"iteration {output.iteration} is not in flight")
-        self._in_flight = None
+        del self._in_flight[micro]
         now = self._clock()
         for s, token in zip(output.scheduled, sampled_token_ids):
             r = s.request
@@ -169,15 +196,18 @@ class RequestLevelScheduler:
             r.output_token_ids.append(int(token))
             if r.first_token_time is None:
                 r.first_token_time = now
-        batch = self._batch
-        if batch is None or any(len(r.output_token_ids) < batch.max_tokens
-                                for r in batch.requests if not r.status.finished):
+        if self._batch is None:
             return []
-        finished = [r for r in batch.requests if not r.status.finished]
-        for r in finished:
+        # A microbatch's requests leave with its last iteration (the engine returns the requests of
+        # the iteration it processes); the next batch forms only once every microbatch is done.
+        members = [r for r in self._microbatch(micro) if not r.status.finished]
+        if any(len(r.output_token_ids) < self._batch.max_tokens for r in members):
+            return []
+        for r in members:
             self._finish(r, RequestStatus.FINISHED_LENGTH, now)
-        self._batch = None
-        return finished
+        if all(r.status.finished for r in self._batch.requests):
+            self._batch = None
+        return members
 
     # ---- finishing from outside -----------------------------------------------------------------
     def finish(self, request_id: str, status: RequestStatus) -> bool:

@@ -38,17 +38,28 @@ def build_engine(model: str, *, max_batch_size: int, max_num_batched_tokens: int
     return Engine(config, loaded)
 
 
-def use_scheduler(engine: Engine, policy: str, max_batch_size: int):
-    """Swap the idle engine's scheduler: ORCA's (Algorithm 1) or the request-level baseline."""
+def use_scheduler(engine: Engine, policy: str, max_batch_size: int, batches_in_flight: int | None = None):
+    """Swap the idle engine's scheduler: ORCA's (Algorithm 1) or the request-level baseline.
+
+    batches_in_flight: ORCA's batches in flight (default the engine's), or the baseline's
+    microbatches, FasterTransformer's pipelining (default one per pipeline stage).
+    """
     limits = engine.config.scheduler
     if max_batch_size > limits.max_batch_size:
         raise ValueError(f"max_batch_size {max_batch_size} exceeds the engine's {limits.max_batch_size}")
     budget = limits.max_num_batched_tokens
     if policy == ORCA:
-        factory = functools.partial(Scheduler, SchedulerConfig(
-            max_batch_size=max_batch_size, max_num_batched_tokens=budget, max_waiting=4096))
+        config = SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=budget, max_waiting=4096,
+                                 async_scheduling=engine.config.async_scheduling)
+
+        def factory(kv, max_model_len, num_stages):
+            return Scheduler(config, kv, max_model_len, batches_in_flight or num_stages)
     elif policy == BASELINE:
-        factory = functools.partial(RequestLevelScheduler.for_engine, max_batch_size, budget)
+        microbatches = batches_in_flight or engine.config.parallel.num_stages
+
+        def factory(kv, max_model_len, num_stages):
+            return RequestLevelScheduler(max_batch_size, budget, kv, max_model_len,
+                                         num_microbatches=microbatches)
     else:
         raise ValueError(f"unknown policy {policy!r}")
     return engine.replace_scheduler(factory)

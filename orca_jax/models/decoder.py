@@ -272,15 +272,17 @@ def stacked_param_shapes(config: ModelConfig):
     return stacked
 
 
-def init_params(config: ModelConfig, seed: int = 0, out_shardings=None, adapt=None):
+def init_params(config: ModelConfig, seed: int = 0, out_shardings=None, adapt=None, select=None):
     """Random weights made on device inside jit, in the config's dtype (the paper's evaluation setup).
 
     `adapt` (e.g. TensorPlan.adapt_params) reshapes them inside the same jit, so the weights are
-    drawn for `config` whatever the device shapes: every mesh gets the same model.
+    drawn for `config` whatever the device shapes: every mesh gets the same model. `select(params)
+    -> subtree` then keeps a part (a pipeline stage's); XLA drops the rest unmade.
     """
     def init(key):
         params = _init_all(config, key)
-        return params if adapt is None else adapt(params)
+        params = params if adapt is None else adapt(params)
+        return params if select is None else select(params)
     return jax.jit(init, out_shardings=out_shardings)(jax.random.key(seed))
 
 

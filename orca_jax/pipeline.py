@@ -1,0 +1,151 @@
+"""A pipeline stage: a contiguous range of layers on its own tensor-parallel sub-mesh (ORCA inter-layer).
+
+Each stage holds only its layers' weights and K/V pages (plus the embedding on the first stage, the
+final norm and LM head on the last; with tied embeddings the table is on both), and compiles its own
+forward program per token bucket. The runner chains the stages: stage s's [T, H] activations are
+handed to stage s+1's devices with `jax.device_put` (device to device, asynchronous), so while stage
+1 runs batch k, stage 0 can already run batch k+1. One stage on all devices is the unpipelined case:
+there is one code path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from orca_jax.models import decoder
+from orca_jax.models.attention import AttentionMetadata, LayerKV
+from orca_jax.sharding import rules
+from orca_jax.sharding.tensor_plan import TensorPlan
+
+
+def stage_params(params, layers: range, first: bool, last: bool, tie_embeddings: bool):
+    """The part of a device-layout params tree (or of its shapes) that one stage needs."""
+    keep = {"layers": list(params["layers"][layers.start:layers.stop])}
+    if first:
+        keep.update((k, params[k]) for k in ("embed", "pos_embed") if k in params)
+    if last:
+        keep["final_norm"] = params["final_norm"]
+        keep["embed" if tie_embeddings else "lm_head"] = params["embed" if tie_embeddings else "lm_head"]
+    return keep
+
+
+class Stage:
+    """Layers `layers` of the model on `mesh`: params, K/V pages and compiled forward programs."""
+
+    def __init__(self, index: int, num_stages: int, layers: range, mesh: Mesh, plan: TensorPlan,
+                 model: decoder.Decoder, params, seed: int):
+        """`params`: the whole model's device-layout tree as numpy, already adapted to the tensor size
+        (this stage's part is placed), or None for random weights (only this stage's part is made, on
+        its devices, from the model's own shapes adapted by `plan`: the same model at every mesh)."""
+        config = plan.device
+        self.index = index
+        self.layers = layers
+        self.mesh = mesh
+        self.first, self.last = index == 0, index == num_stages - 1
+        self.config = config
+        self.model = model
+        self.replicated = NamedSharding(mesh, P())
+        select = lambda tree: stage_params(tree, layers, self.first, self.last, config.tie_embeddings)
+        self.param_shardings = rules.param_shardings(select(decoder.param_shapes(config)), mesh)
+        if params is None:
+            self.params = decoder.init_params(plan.model, seed, out_shardings=self.param_shardings,
+                                              adapt=plan.adapt_params, select=select)
+        else:
+            self.params = jax.device_put(select(params), self.param_shardings)
+        layer_sharding = NamedSharding(mesh, rules.KV_CACHE_SPEC)
+        self.kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in layers)
+        self.kv = None  # made by allocate_kv, once the pool size is known (it depends on the weights)
+        # The pages go out with the sharding they came in with; else the second call would recompile.
+        out = (self.replicated, self.kv_shardings)
+        self._forward_fn = jax.jit(_stage_forward, static_argnums=(0, 1, 2), donate_argnums=(4,),
+                                   out_shardings=out)
+
+    @property
+    def params_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+        """Zeroed pages for this stage's layers, made on its devices, already sharded like every later
+        cache (so the first step does not recompile)."""
+        self.kv = jax.jit(lambda: decoder.empty_cache(self.config, num_pages, page_size, self.layers),
+                          out_shardings=self.kv_shardings)()
+
+    def lower(self, t: int, s: int, p: int, max_seqs: int) -> jax.stages.Lowered:
+        """The forward program of bucket (T, S, P), traced for this stage's inputs."""
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
+        meta = AttentionMetadata(cu_q_lens=i32(s + 1), kv_lens=i32(s), page_table=i32(s, p),
+                                 slot_mapping=i32(t), num_seqs=i32(1))
+        if self.first:
+            inputs = (i32(t), i32(t), i32(max_seqs))
+        else:
+            inputs = jax.ShapeDtypeStruct((t, self.config.hidden_size), jnp.dtype(self.config.dtype),
+                                          sharding=self.replicated)
+        return self._forward_fn.lower(self.model, self.first, self.last, self.params, self.kv, inputs,
+                                      i32(t), meta, i32(s))
+
+    def run(self, executable: jax.stages.Compiled, inputs, positions, meta: AttentionMetadata,
+            logits_indices) -> jax.Array:
+        """Dispatch this stage (asynchronous): [T, H] activations out, or f32[S, V] logits if last.
+
+        `inputs`: (token ids i32[T], token sources i32[T], previous samples i32[max_seqs]) on the
+        first stage, else the previous stage's [T, H] activations, already moved here (`Handoff`).
+        """
+        out, self.kv = executable(self.params, self.kv, inputs, positions, meta, logits_indices)
+        return out
+
+
+def _stage_forward(model: decoder.Decoder, first: bool, last: bool, params, kv, inputs, positions, meta,
+                   logits_indices):
+    if first:
+        # token_ids: i32[T] from the host; token_sources: i32[T], -1 or the row of prev_tokens
+        # (i32[max_seqs], the previous iteration's samples, still on device) that holds the token.
+        token_ids, token_sources, prev_tokens = inputs
+        token_ids = jnp.where(token_sources >= 0, prev_tokens[jnp.maximum(token_sources, 0)], token_ids)
+        x = model.embed(params, token_ids, positions)  # [T, H]
+    else:
+        x = inputs  # [T, H]
+    x, kv = model.layers(params["layers"], kv, x, positions, meta)
+    if last:
+        return model.logits(params, x[logits_indices]), kv  # f32[S, V]
+    return x, kv
+
+
+class Handoff:
+    """Moves replicated arrays from one stage's devices to another's (same tensor size).
+
+    Within one process, `jax.device_put` copies device to device. Across processes (a stage per host)
+    it cannot on every backend (CPU has no cross-host copy), so there the move is a collective: the
+    source and destination arrays become the two halves of one array on a (2, tp) mesh and a
+    ppermute sends the first half to the second, which every process runs like any other program.
+    """
+
+    def __init__(self, src: Mesh, dst: Mesh):
+        self.dst = NamedSharding(dst, P())
+        processes = lambda mesh: {d.process_index for d in mesh.devices.flat}
+        self.collective = processes(src) != processes(dst)
+        if self.collective:
+            pair = Mesh(np.stack([src.devices, dst.devices]), ("pair", src.axis_names[0]))
+            self._pair = NamedSharding(pair, P("pair"))
+            self._send = jax.jit(jax.shard_map(lambda x: jax.lax.ppermute(x, "pair", [(0, 1)]), mesh=pair,
+                                               in_specs=P("pair"), out_specs=P("pair")))
+            here = jax.process_index()
+            self._src_here = [d for d in src.devices.flat if d.process_index == here]
+            self._dst_here = [d for d in dst.devices.flat if d.process_index == here]
+            self._blank: dict[tuple, list[jax.Array]] = {}  # receive buffers, by (shape, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if not self.collective:
+            return jax.device_put(x, self.dst)
+        key = (x.shape, x.dtype)
+        if key not in self._blank:  # read-only input of the ppermute: made once per shape
+            self._blank[key] = [jax.device_put(np.zeros(x.shape, x.dtype), d) for d in self._dst_here]
+        by_device = {shard.device: shard.data for shard in x.addressable_shards}
+        halves = [by_device[d] for d in self._src_here] + self._blank[key]
+        both = jax.make_array_from_single_device_arrays((2 * x.shape[0], *x.shape[1:]), self._pair, halves)
+        moved = self._send(both)
+        mine = [shard.data for shard in moved.addressable_shards if shard.device in self._dst_here]
+        return jax.make_array_from_single_device_arrays(x.shape, self.dst, mine, dtype=x.dtype)
+

@@ -274,3 +274,15 @@ def test_injected_scheduler_and_observer_seams():
     assert recorder.dispatched == [(1, True)] * 4 and recorder.updates == 4
     engine.remove_observer(recorder)
     assert isinstance(engine.replace_scheduler(functools.partial(Scheduler, config)), Scheduler)
+
+
+def test_the_forward_updates_every_layers_kv_in_place():
+    """Per-layer K/V donated as a whole: XLA aliases every layer's pages to the program's outputs and
+    keeps no second copy of the cache (temporaries far below the pool's size)."""
+    engine = tiny_engine(num_pages=2048, page_size=4)
+    kv_bytes = engine.runner.kv_bytes
+    for tokens in (8, 64):
+        key = ("forward", tokens, 8, engine.buckets.max_pages, 0)  # stage 0, the only one
+        stats = engine.runner.compiled_program(key).memory_analysis()
+        assert stats.alias_size_in_bytes == kv_bytes
+        assert stats.temp_size_in_bytes < kv_bytes / 4, (stats.temp_size_in_bytes, kv_bytes)

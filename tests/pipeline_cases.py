@@ -21,13 +21,13 @@ from orca_jax.tokenizer import ByteTokenizer
 sys.path.insert(0, "tests")
 from engine_helpers import drain  # noqa: E402
 
-# 4 layers (so 4 stages get one each) and 4 KV heads (so tensor parallel 4 splits them); the Llama
-# has GQA (8 query heads) and an untied LM head, the GPT ties its embeddings (the table is on the
-# first and the last stage).
+# 4 layers (so 4 stages get one each) and odd vocabularies (padded to the tensor size, masked). The
+# Llama has GQA with 2 KV heads (tensor parallel 4 replicates them) and an untied LM head; the GPT ties
+# its embeddings (the table is on the first and the last stage).
 MODELS = {
-    "llama": ModelConfig(family=ModelFamily.LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=8,
-                         num_kv_heads=4, head_dim=8, ffn_size=128, max_seq_len=128, tie_embeddings=False),
-    "gpt": ModelConfig(family=ModelFamily.GPT, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4,
+    "llama": ModelConfig(family=ModelFamily.LLAMA, vocab_size=255, hidden_size=64, num_layers=4, num_heads=8,
+                         num_kv_heads=2, head_dim=8, ffn_size=128, max_seq_len=128, tie_embeddings=False),
+    "gpt": ModelConfig(family=ModelFamily.GPT, vocab_size=257, hidden_size=64, num_layers=4, num_heads=4,
                        num_kv_heads=4, head_dim=16, ffn_size=256, max_seq_len=128),
 }
 CASES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4)]  # (tensor parallel, stages)
@@ -85,7 +85,7 @@ def program_facts(engine: Engine) -> dict:
     facts = {}
     bucket = min(k[1:4] for k in runner.compiled_shapes if k[0] == "forward")
     for stage in runner.stages:
-        compiled = runner._executable(("forward", *bucket, stage.index))
+        compiled = runner.compiled_program(("forward", *bucket, stage.index))
         text = compiled.as_text()
         own = sum(s.data.nbytes for x in jax.tree_util.tree_leaves((stage.params, stage.kv))
                   for s in x.addressable_shards if s.device == stage.mesh.devices.flat[0])

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-PIPELINE_STAGES = 1  # -> 2 after `pipe` is merged
+PIPELINE_STAGES = 2  # the exact (tp, pp) = (2, 2) layout of issue 12
 
 SCRIPT = textwrap.dedent("""
     import dataclasses, json, sys

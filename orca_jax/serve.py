@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=int, default=1, help="controller processes (one per host or GPU)")
     p.add_argument("--process-id", type=int, default=0, help="0 serves HTTP and schedules; others mirror")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compilation-cache-dir", default="auto",
+                   help="JAX's persistent compilation cache, so a second start is fast: 'auto' (a per-user "
+                   "directory, $ORCA_JAX_CACHE_DIR or ~/.cache/orca_jax/xla), a path, or 'none' to turn it off")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="plan each iteration only after the previous one's tokens reach the host")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="max_tokens of a chat request that names none, capped by the context left; 0: the "
                    "rest of the context (each such request then reserves KV for all of it)")
@@ -106,13 +111,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_batch_size=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=SchedulingPolicy(args.scheduling_policy),
-                                  max_waiting=args.max_waiting),
+                                  max_waiting=args.max_waiting, async_scheduling=args.async_scheduling),
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size,
                                 tensor_parallel=args.tensor_parallel_size,
                                 coordinator_address=args.coordinator_address,
                                 num_processes=args.num_processes, process_id=args.process_id),
         attention=AttentionBackend(args.attention_backend),
-        dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+        dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+        compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
 
 
 class _Server(uvicorn.Server):

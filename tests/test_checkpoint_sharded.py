@@ -6,12 +6,11 @@ devices with the rules' sharding, equal the adapted originals, and give the orig
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from mesh_helpers import run_on_fake_devices
 
 MESHES = [(1, 1), (1, 4), (2, 2), (2, 4)]
 
@@ -98,13 +97,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(MESHES)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices(8, "-c", SCRIPT, json.dumps(MESHES))
 
 
 @pytest.mark.parametrize("pp,tp", MESHES)

@@ -16,6 +16,8 @@ import pytest
 from orca_jax.config import ModelConfig, ModelFamily, ParallelConfig
 from orca_jax.sharding.mesh import check_parallel_fits, make_stage_meshes, stage_layer_ranges
 
+from mesh_helpers import run_on_fake_devices
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4)]  # (tensor parallel, stages), as in pipeline_cases
 MODELS = ("llama", "gpt")
@@ -24,12 +26,7 @@ MODEL_VOCAB = {"llama": 255, "gpt": 257}  # odd, as pipeline_cases.MODELS has th
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "tests/pipeline_cases.py"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices(8, "tests/pipeline_cases.py", timeout=900)
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -6,13 +6,11 @@ PIPELINE_STAGES is 1 until pipeline stages land (branch `pipe`); flipping it to 
 (tp, pp) = (2, 2) layout that issue 12 runs on 4 H200s.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from mesh_helpers import run_on_fake_devices
 
 PIPELINE_STAGES = 2  # the exact (tp, pp) = (2, 2) layout of issue 12
 
@@ -50,13 +48,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(PIPELINE_STAGES)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices(4, "-c", SCRIPT, str(PIPELINE_STAGES))
 
 
 def test_scaled_gpt3_on_the_issue_12_layout_gives_the_one_device_tokens(results):

@@ -4,14 +4,12 @@ The models are picked to need tensor_plan's two fixes: an odd vocabulary (padded
 heads than shards (replicated). One subprocess with 8 fake devices runs every case.
 """
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
+
+from mesh_helpers import run_on_fake_devices
 
 SCRIPT = textwrap.dedent("""
     import importlib.util, json, sys, tempfile
@@ -77,13 +75,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_on_fake_devices(8, "-c", SCRIPT)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -16,7 +16,6 @@ Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, F ffn
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import flax.linen as nn

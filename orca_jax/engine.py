@@ -49,6 +49,9 @@ class EngineStats:
     scheduled_tokens_total: int = 0
     host_seconds_total: float = 0.0  # scheduling + batch building + output handling
     device_wait_seconds_total: float = 0.0  # blocked on the device's tokens
+    num_preemptions: int = 0  # requests whose KV was freed to make room (recomputed later)
+    deadline_hits: int = 0  # requests with a deadline that finished by it
+    deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
 
     @property
     def mean_batch_size(self) -> float:
@@ -197,10 +200,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: fill the pipeline, then take the oldest batch's tokens."""
         start = phase_start = time.perf_counter()
+        dropped: list[RequestOutput] = []
         while self.scheduler.can_schedule:
             output = self.scheduler.schedule()
             scheduled_at = time.perf_counter()
             self._schedule_s += scheduled_at - phase_start
+            dropped += [self._output_for(request, 0) for request in output.dropped]
             if not output.scheduled:
                 break
             batch = build_batch(output, self.buckets)
@@ -212,7 +217,7 @@ class Engine:
             for observer in self._observers:
                 observer.on_dispatch(batch, timing)
         if not self._in_flight:
-            return []
+            return dropped
         flight = self._in_flight.popleft()
         wait_start = time.perf_counter()
         result = self.runner.fetch(flight.packed, flight.batch)
@@ -220,7 +225,7 @@ class Engine:
         outputs = self._process(flight, result)
         end = time.perf_counter()
         self._record(flight.output, end - start, wait_end - wait_start)
-        return outputs
+        return dropped + outputs
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
         scheduled = flight.output.scheduled
@@ -252,6 +257,10 @@ class Engine:
         ids = request.output_token_ids
         if request.status.finished:
             detok.flush()
+            met = request.deadline_met
+            if met is not None:
+                self._stats.deadline_hits += met
+                self._stats.deadline_misses += not met
         new_text = detok.take_new_text()
         new_logprobs = None
         if request.sampling.logprobs is not None and num_new:
@@ -264,7 +273,8 @@ class Engine:
             output_token_ids=list(ids), text=detok.text, num_prompt_tokens=request.num_prompt_tokens,
             finished=request.status.finished,
             finish_reason=request.status.value if request.status.finished else None,
-            new_logprobs=new_logprobs)
+            new_logprobs=new_logprobs,
+            queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time)
         return output
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:
@@ -285,5 +295,6 @@ class Engine:
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_pages_used = self.kv.num_used_pages
         stats.kv_pages_reserved = self.kv.num_reserved_pages
+        stats.num_preemptions = self.scheduler.num_preemptions
         stats.num_compiled_buckets = len(self.runner.compiled_shapes)
         return stats

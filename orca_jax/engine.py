@@ -153,8 +153,12 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *,
                     request_id: str | None = None, priority: int = 0,
-                    deadline: float | None = None) -> str:
-        """Queue a request; raises ValueError if it can never run, QueueFullError if the pool is full."""
+                    deadline: float | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; raises ValueError if it can never run, QueueFullError if the pool is full.
+
+        deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
+        scheduler counts iterations); arrival_time None: now.
+        """
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
@@ -164,6 +168,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else \
             zlib.crc32(f"{self.config.seed}:{request_id}".encode())
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
+                          arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           priority=priority, deadline=deadline,
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,

@@ -14,7 +14,8 @@ def test_trace_follows_tcb_workload():
 
 
 def test_tiny_policy_run(tmp_path):
-    rows = run_policies(str(tmp_path), num_requests=24, batch_sizes=(4,), variances=(20.0,), loads=(2.0,))
+    rows = run_policies(str(tmp_path), num_requests=24, batch_sizes=(4,), variances=(20.0,), loads=(2.0,),
+                        deadlines=("uniform",))
     assert [r["policy"] for r in rows] == ["fcfs", "sjf", "edf", "das"]
     for row in rows:
         assert 0 < row["utility"] <= row["max_utility"] and 0 < row["hit_rate"] <= 1

@@ -38,6 +38,11 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1)) if match else float("nan")
 
 
+def _mean_batch(a: str, b: str) -> float:
+    count = _metric(b, "batch_size_count") - _metric(a, "batch_size_count")
+    return round((_metric(b, "batch_size_sum") - _metric(a, "batch_size_sum")) / max(count, 1), 2)
+
+
 async def _chats(url: str) -> list[dict]:
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
         async def one(prompt: str) -> dict:
@@ -64,7 +69,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise RuntimeError("server not ready")
 
 
-def run_config(name: str, flags: list[str], port: int, extra: list[str]) -> dict:
+def run_config(name: str, flags: list[str], port: int, extra: list[str], with_batch: bool = True) -> dict:
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "orca_jax.serve", "--port", str(port), "--log-level",
                              "warning", *flags, *extra])
@@ -75,6 +80,10 @@ def run_config(name: str, flags: list[str], port: int, extra: list[str]) -> dict
         chats = asyncio.run(_chats(url))
         chats_s = time.perf_counter() - start
         middle = httpx.get(url + "/metrics").text
+        if not with_batch:
+            return {"config": name, "flags": flags, "chats_seconds": round(chats_s, 1), "chats": chats,
+                    "chats_mean_batch": _mean_batch(before, middle),
+                    "preemptions": _metric(middle, "num_preemptions_total")}
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write("\n".join(BATCH_PROMPTS) + "\n")
         start = time.perf_counter()
@@ -84,14 +93,10 @@ def run_config(name: str, flags: list[str], port: int, extra: list[str]) -> dict
         after = httpx.get(url + "/metrics").text
         results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
-        def mean_batch(a: str, b: str) -> float:
-            count = _metric(b, "batch_size_count") - _metric(a, "batch_size_count")
-            return (_metric(b, "batch_size_sum") - _metric(a, "batch_size_sum")) / max(count, 1)
-
         return {"config": name, "flags": flags, "chats_seconds": round(chats_s, 1), "chats": chats,
-                "chats_mean_batch": round(mean_batch(before, middle), 2),
+                "chats_mean_batch": _mean_batch(before, middle),
                 "batch_seconds": round(batch_s, 1), "batch_ok": len(results), "batch_rc": out.returncode,
-                "batch_mean_batch": round(mean_batch(middle, after), 2),
+                "batch_mean_batch": _mean_batch(middle, after),
                 "preemptions": _metric(after, "num_preemptions_total")}
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -104,12 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="write the JSON rows here")
     p.add_argument("--configs", default=None, help="comma list of CONFIGS indices (default: all)")
     p.add_argument("--port", type=int, default=8470)
+    p.add_argument("--chats-only", action="store_true", help="skip the 6-prompt client batch run")
     p.add_argument("serve_flags", nargs="*", help="more serve flags for every configuration (after --)")
     args = p.parse_args(argv)
     picked = CONFIGS if args.configs is None else [CONFIGS[int(i)] for i in args.configs.split(",")]
     rows = []
     for name, flags in picked:
-        row = run_config(name, flags, args.port, args.serve_flags)
+        row = run_config(name, flags, args.port, args.serve_flags, with_batch=not args.chats_only)
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:

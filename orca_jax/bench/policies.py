@@ -3,9 +3,10 @@
 Requests (TCB ICPP '22, section 6): lengths l in [3, 100] from a normal distribution (mean 20,
 variance 20 or 100), Poisson arrivals, batch sizes 16 and 64, several arrival rates. A request of
 length l feeds a prompt of max(1, l // 4) tokens and generates the rest (ignore_eos, so every length
-is exact); its utility is 1 / l (TCB's v_n). Deadlines (our choice, stated): arrival + slack x l
-iterations, slack ~ U(1, 3), so a request admitted at once always makes it and one kept waiting about
-its own length does not. Time is counted in engine iterations (the scheduler's clock is the
+is exact); its utility is 1 / l (TCB's v_n). Deadlines (our choice, stated; two models):
+"proportional": arrival + slack x l iterations, slack ~ U(1, 3), so a request admitted at once always
+makes it and one kept waiting about its own length does not; "uniform": arrival + U(20, 80)
+iterations whatever the length (TCB draws deadlines independently of lengths). Time is counted in engine iterations (the scheduler's clock is the
 iteration count), so the shared CPU's noise cannot pick the winner; the engine really runs every
 batch on a tiny random-weight model. Total utility = sum of 1 / l over requests that finish by their
 deadline; every policy drops a request still waiting past its deadline (TCB).
@@ -14,6 +15,7 @@ deadline; every policy drops a request still waiting past its deadline (TCB).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -26,13 +28,14 @@ POLICIES = (SchedulingPolicy.FCFS, SchedulingPolicy.SJF, SchedulingPolicy.EDF, S
 VARIANCES = (20.0, 100.0)
 BATCH_SIZES = (16, 64)
 LOADS = (0.75, 1.5, 3.0)  # arrival rate / the batch's service rate (slots / mean generation length)
+DEADLINES = ("proportional", "uniform")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TraceRequest:
     arrival: float  # iterations
     length: int  # TCB's l: prompt + generated tokens
-    slack: float
+    budget: float  # iterations from arrival to deadline
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,17 +47,21 @@ class TraceRequest:
 
     @property
     def deadline(self) -> float:
-        return self.arrival + self.slack * self.length
+        return self.arrival + self.budget
 
 
-def make_trace(num_requests: int, variance: float, rate: float, seed: int) -> list[TraceRequest]:
+def make_trace(num_requests: int, variance: float, rate: float, seed: int,
+               deadlines: str = "proportional") -> list[TraceRequest]:
     """TCB's workload: clipped-normal lengths, Poisson arrivals at `rate` requests per iteration."""
+    if deadlines not in DEADLINES:
+        raise ValueError(f"deadlines must be one of {DEADLINES}, got {deadlines!r}")
     rng = random.Random(seed)
     now, trace = 0.0, []
     for _ in range(num_requests):
         now += rng.expovariate(rate)
         length = min(100, max(3, round(rng.gauss(20.0, variance ** 0.5))))
-        trace.append(TraceRequest(now, length, rng.uniform(1.0, 3.0)))
+        slack, span = rng.uniform(1.0, 3.0), rng.uniform(20.0, 80.0)
+        trace.append(TraceRequest(now, length, slack * length if deadlines == "proportional" else span))
     return trace
 
 
@@ -111,7 +118,7 @@ def run_one(engine, policy: SchedulingPolicy, trace: list[TraceRequest], batch_s
 
 
 def run_policies(out_dir: str | None, *, num_requests: int = 160, batch_sizes=BATCH_SIZES,
-                 variances=VARIANCES, loads=LOADS, policies=POLICIES, seed: int = 0,
+                 variances=VARIANCES, loads=LOADS, policies=POLICIES, deadlines=DEADLINES, seed: int = 0,
                  model: str = "tiny-llama") -> list[dict]:
     """Every (batch size, variance, load, policy) on one engine; writes JSON, markdown and a plot."""
     from orca_jax.engine import Engine
@@ -121,19 +128,17 @@ def run_policies(out_dir: str | None, *, num_requests: int = 160, batch_sizes=BA
                                                            max_num_batched_tokens=256),
                                  precompile=False, seed=seed))
     rows = []
-    for batch_size in batch_sizes:
-        for variance in variances:
-            capacity = service_rate(batch_size, variance)
-            for load in loads:
-                trace = make_trace(num_requests * batch_size // 16 if batch_size > 16 else num_requests,
-                                   variance, load * capacity, seed)
-                for policy in policies:
-                    row = {"batch_size": batch_size, "variance": variance, "load": load,
-                           "rate_per_iteration": round(load * capacity, 3), "num_requests": len(trace),
-                           "max_utility": round(sum(1.0 / r.length for r in trace), 4),
-                           **run_one(engine, policy, trace, batch_size)}
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+    for deadline_model, batch_size, variance, load in itertools.product(deadlines, batch_sizes, variances, loads):
+        capacity = service_rate(batch_size, variance)
+        trace = make_trace(num_requests * batch_size // 16 if batch_size > 16 else num_requests,
+                           variance, load * capacity, seed, deadline_model)
+        for policy in policies:
+            row = {"deadlines": deadline_model, "batch_size": batch_size, "variance": variance, "load": load,
+                   "rate_per_iteration": round(load * capacity, 3), "num_requests": len(trace),
+                   "max_utility": round(sum(1.0 / r.length for r in trace), 4),
+                   **run_one(engine, policy, trace, batch_size)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     if out_dir:
         write_results(rows, out_dir)
     return rows
@@ -144,15 +149,15 @@ def write_results(rows: list[dict], out_dir: str) -> None:
     with open(os.path.join(out_dir, "policies.json"), "w") as f:
         json.dump({"device": "CPU (2 shared cores), tiny-llama (random weights, fp32)",
                    "workload": __doc__, "rows": rows}, f, indent=1)
-    keys = sorted({(r["batch_size"], r["variance"], r["load"]) for r in rows})
+    keys = sorted({(r["deadlines"], r["batch_size"], r["variance"], r["load"]) for r in rows})
     names = [p.value for p in POLICIES if any(r["policy"] == p.value for r in rows)]
-    lines = ["| batch | variance | load | rate/iter | " + " | ".join(f"{n} utility (hit %)" for n in names) + " |",
-             "|---|---|---|---|" + "---|" * len(names)]
+    lines = ["| deadlines | batch | variance | load | rate/iter | " + " | ".join(f"{n} utility (hit %)" for n in names) + " |",
+             "|---|---|---|---|---|" + "---|" * len(names)]
     for key in keys:
-        cell = {r["policy"]: r for r in rows if (r["batch_size"], r["variance"], r["load"]) == key}
+        cell = {r["policy"]: r for r in rows if (r["deadlines"], r["batch_size"], r["variance"], r["load"]) == key}
         any_row = next(iter(cell.values()))
         best = max(cell.values(), key=lambda r: r["utility"])["policy"]
-        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]:g} | {any_row['rate_per_iteration']} | " + " | ".join(
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | {key[3]:g} | {any_row['rate_per_iteration']} | " + " | ".join(
             (f"**{cell[n]['utility']:.3f}** ({100 * cell[n]['hit_rate']:.0f})" if n == best else
              f"{cell[n]['utility']:.3f} ({100 * cell[n]['hit_rate']:.0f})") for n in names) + " |")
     with open(os.path.join(out_dir, "policies.md"), "w") as f:
@@ -166,18 +171,23 @@ def _plot(rows: list[dict], keys, names, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(b, v) for b, v, _ in keys})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
-    for ax, (batch_size, variance) in zip(axes[0], panels):
-        for name in names:
-            points = sorted((r["load"], r["utility"] / r["max_utility"]) for r in rows
-                            if (r["batch_size"], r["variance"], r["policy"]) == (batch_size, variance, name))
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-        ax.set_title(f"batch {batch_size}, variance {variance:g}")
-        ax.set_xlabel("load (arrival rate / service rate)")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(0, 1.05)
-    axes[0][0].set_ylabel("utility / utility of all requests")
-    axes[0][0].legend()
+    models = sorted({d for d, *_ in keys})
+    panels = sorted({(b, v) for _, b, v, _ in keys})
+    fig, axes = plt.subplots(len(models), len(panels), figsize=(3.6 * len(panels), 3.0 * len(models)),
+                             squeeze=False)
+    for row_axes, model in zip(axes, models):
+        for ax, (batch_size, variance) in zip(row_axes, panels):
+            for name in names:
+                points = sorted((r["load"], r["utility"] / r["max_utility"]) for r in rows
+                                if (r["deadlines"], r["batch_size"], r["variance"], r["policy"])
+                                == (model, batch_size, variance, name))
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            ax.set_title(f"{model} deadlines, batch {batch_size}, var {variance:g}", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(0, 1.05)
+        row_axes[0].set_ylabel("utility / total utility")
+    for ax in axes[-1]:
+        ax.set_xlabel("load (arrival / service rate)")
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

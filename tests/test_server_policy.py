@@ -56,3 +56,17 @@ async def test_request_still_waiting_at_its_deadline_is_dropped_504_or_error_eve
         assert 'orca_jax:request_queue_time_seconds_count{model_name="tiny",priority="3"} 1.0' in text
         assert async_engine.latest_stats.deadline_misses == 2
 
+
+
+def test_serve_flags_for_policies_and_kv_allocation():
+    from orca_jax.config import KVAllocation
+    from orca_jax.serve import build_parser, engine_config_from_args
+
+    config = engine_config_from_args(build_parser().parse_args([])).scheduler
+    assert (config.policy, config.kv_allocation, config.priority_preemption) == (
+        SchedulingPolicy.PRIORITY, KVAllocation.ON_DEMAND, True)
+    config = engine_config_from_args(build_parser().parse_args(
+        ["--scheduling-policy", "das", "--kv-allocation", "reserve", "--no-priority-preemption",
+         "--priority-aging-s", "3"])).scheduler
+    assert (config.policy, config.kv_allocation, config.priority_preemption, config.priority_aging_s) == (
+        SchedulingPolicy.DAS, KVAllocation.RESERVE, False, 3.0)

@@ -182,14 +182,18 @@ class Scheduler:
             return request.max_total_tokens
         return request.num_initiation_tokens
 
+    def _watermark_pages(self) -> int:
+        """Pages ON_DEMAND admission leaves unreserved, so running requests can grow a while."""
+        if self.config.kv_allocation is KVAllocation.RESERVE:
+            return 0
+        return int(self.config.kv_watermark * self.kv.num_usable_pages)
+
     def _may_admit(self, request: Request) -> bool:
         num_tokens = self._admission_tokens(request)
         if not self.policy.may_admit(request, self.kv, num_tokens):
             return False
-        if self.config.kv_allocation is KVAllocation.RESERVE:
-            return True
         left = self.kv.num_unreserved_pages - self.kv.num_pages_for(num_tokens)
-        return left >= int(self.config.kv_watermark * self.kv.num_usable_pages)
+        return left >= self._watermark_pages()
 
     def _admit(self, request: Request, batch: list[Request], preempted: set[Request], now: float) -> bool:
         """Give a waiting request its KV (preempting lower-ranked requests if the policy may)."""
@@ -198,7 +202,7 @@ class Scheduler:
                 return False
             victims = [r for r in self._ranked_running(now)
                        if r not in batch and self.policy.outranks(request, r, now)]
-            need = self.kv.num_pages_for(self._admission_tokens(request))
+            need = self.kv.num_pages_for(self._admission_tokens(request)) + self._watermark_pages()
             if self.kv.num_unreserved_pages + sum(self.kv.num_reserved_for(v.request_id)
                                                   for v in victims) < need:
                 return False  # even all of them would not make room: take nothing

@@ -25,8 +25,10 @@ class SchedulingPolicy(enum.Enum):
     """How the scheduler orders requests (ORCA Algorithm 1 is FCFS)."""
 
     FCFS = "fcfs"
-    PRIORITY = "priority"  # higher priority first, arrival order within one priority
-    EDF = "edf"  # earliest deadline first (not TCB's DAS, which is a different algorithm)
+    PRIORITY = "priority"  # higher priority first (aged, so nothing starves); may preempt lower
+    EDF = "edf"  # earliest deadline first
+    SJF = "sjf"  # shortest job (prompt + max_tokens) first
+    DAS = "das"  # TCB's deadline-aware scheduler, admitting per iteration
     DEADLINE = "edf"  # the old name of EDF: an alias, the same member
 
     @classmethod
@@ -127,6 +129,17 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.kv_memory_gib must be positive, got {self.kv_memory_gib}")
 
 
+class KVAllocation(enum.Enum):
+    """When a request gets its KV pages."""
+
+    # ORCA Algorithm 1: reserve prompt + max_tokens at admission; the pool can never run dry, but a
+    # request with a large max_tokens holds pages it may never use (and blocks others meanwhile).
+    RESERVE = "reserve"
+    # vLLM's way: pages as the request grows; when the pool runs dry, the lowest-ranked running
+    # request is preempted (pages freed, recomputed later from prompt + its outputs so far).
+    ON_DEMAND = "on_demand"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """ORCA Algorithm 1's knobs plus the per-iteration token budget."""
@@ -139,8 +152,31 @@ class SchedulerConfig:
     # k+1 straight from the device (its id reaches the host one iteration later). Needs two batch
     # slots; the engine turns it off for pipeline stages, where in-flight batches are disjoint.
     async_scheduling: bool = True
+    kv_allocation: KVAllocation = KVAllocation.RESERVE
+    # ON_DEMAND admits a request only while this fraction of the pool stays unreserved after it, so
+    # running requests have room to grow before anyone must be preempted (vLLM uses 1%).
+    kv_watermark: float = 0.01
+    # PRIORITY: a request's effective priority grows by 1 per this many seconds since its arrival,
+    # so a request of priority p overtakes every later arrival of priority <= p + k after k steps.
+    priority_aging_s: float = 10.0
+    # PRIORITY: a request that does not fit may preempt running requests it outranks (their KV is
+    # freed and they recompute later). Off here, so Algorithm 1's runs stay as they were; serve turns
+    # it on, so an interactive chat need not wait for batch work to drain the pool.
+    priority_preemption: bool = False
+    # DAS (TCB): eta of the free slots go to the highest-utility requests; of the rest, those whose
+    # utility reaches q x the mean of that set go in deadline order; eta + q = 1.
+    das_eta: float = 0.5
+    das_q: float = 0.5
 
     def __post_init__(self):
+        if not 0.0 <= self.kv_watermark < 1.0:
+            raise ValueError(f"SchedulerConfig.kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.priority_aging_s <= 0:
+            raise ValueError(f"SchedulerConfig.priority_aging_s must be positive, got {self.priority_aging_s}")
+        if not (0.0 < self.das_eta <= 1.0 and 0.0 <= self.das_q < 1.0) \
+                or abs(self.das_eta + self.das_q - 1.0) > 1e-9:
+            raise ValueError(f"SchedulerConfig.das_eta + das_q must be 1 with eta in (0, 1], got "
+                             f"{self.das_eta} + {self.das_q}")
         if self.max_batch_size <= 0:
             raise ValueError(f"SchedulerConfig.max_batch_size must be positive, got {self.max_batch_size}")
         if self.max_num_batched_tokens < self.max_batch_size:

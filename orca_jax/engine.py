@@ -54,6 +54,9 @@ class EngineStats:
     # to n_stages in flight, so every pipeline stage has one): the most seen, and the sum for the mean.
     max_batches_in_flight: int = 0
     batches_in_flight_total: int = 0
+    num_preemptions: int = 0  # requests whose KV was freed to make room (recomputed later)
+    deadline_hits: int = 0  # requests with a deadline that finished by it
+    deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
 
     @property
     def mean_batch_size(self) -> float:
@@ -162,8 +165,12 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *,
                     request_id: str | None = None, priority: int = 0,
-                    deadline: float | None = None) -> str:
-        """Queue a request; raises ValueError if it can never run, QueueFullError if the pool is full."""
+                    deadline: float | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; raises ValueError if it can never run, QueueFullError if the pool is full.
+
+        deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
+        scheduler counts iterations); arrival_time None: now.
+        """
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
@@ -173,6 +180,7 @@ class Engine:
         seed = sampling.seed if sampling.seed is not None else \
             zlib.crc32(f"{self.config.seed}:{request_id}".encode())
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
+                          arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           priority=priority, deadline=deadline,
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
@@ -209,10 +217,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: fill the pipeline, then take the oldest batch's tokens."""
         start = phase_start = time.perf_counter()
+        dropped: list[RequestOutput] = []
         while self.scheduler.can_schedule:
             output = self.scheduler.schedule()
             scheduled_at = time.perf_counter()
             self._schedule_s += scheduled_at - phase_start
+            dropped += [self._output_for(request, 0) for request in output.dropped]
             if not output.scheduled:
                 break
             batch = build_batch(output, self.buckets)
@@ -224,7 +234,7 @@ class Engine:
             for observer in self._observers:
                 observer.on_dispatch(batch, timing)
         if not self._in_flight:
-            return []
+            return dropped
         in_flight = len(self._in_flight)
         flight = self._in_flight.popleft()
         wait_start = time.perf_counter()
@@ -235,7 +245,7 @@ class Engine:
         self._record(flight.output, end - start, wait_end - wait_start)
         self._stats.max_batches_in_flight = max(self._stats.max_batches_in_flight, in_flight)
         self._stats.batches_in_flight_total += in_flight
-        return outputs
+        return dropped + outputs
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
         scheduled = flight.output.scheduled
@@ -267,6 +277,10 @@ class Engine:
         ids = request.output_token_ids
         if request.status.finished:
             detok.flush()
+            met = request.deadline_met
+            if met is not None:
+                self._stats.deadline_hits += met
+                self._stats.deadline_misses += not met
         new_text = detok.take_new_text()
         new_logprobs = None
         if request.sampling.logprobs is not None and num_new:
@@ -279,7 +293,8 @@ class Engine:
             output_token_ids=list(ids), text=detok.text, num_prompt_tokens=request.num_prompt_tokens,
             finished=request.status.finished,
             finish_reason=request.status.value if request.status.finished else None,
-            new_logprobs=new_logprobs)
+            new_logprobs=new_logprobs,
+            queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time)
         return output
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:
@@ -300,5 +315,6 @@ class Engine:
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_pages_used = self.kv.num_used_pages
         stats.kv_pages_reserved = self.kv.num_reserved_pages
+        stats.num_preemptions = self.scheduler.num_preemptions
         stats.num_compiled_buckets = len(self.runner.compiled_shapes)
         return stats

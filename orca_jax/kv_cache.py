@@ -101,6 +101,29 @@ class KVCacheManager:
         self._page_tables[request_id] = []
         self._num_reserved_pages += num_pages
 
+    def grow(self, request_id: str, num_tokens: int) -> bool:
+        """Raise request_id's reservation to cover num_tokens if the unreserved pages allow.
+
+        On-demand allocation: a request reserves what it holds plus what it is about to write, so
+        the same accounting (and the same never-run-dry guarantee of allocate_up_to) covers both
+        modes. False, changing nothing, when the pool cannot give the extra pages.
+        """
+        held = self._reserved_pages.get(request_id)
+        if held is None:
+            raise KVCacheError(f"request {request_id!r} has no reservation")
+        extra = self.num_pages_for(num_tokens) - held
+        if extra <= 0:
+            return True
+        if extra > self.num_unreserved_pages:
+            return False
+        self._reserved_pages[request_id] = held + extra
+        self._num_reserved_pages += extra
+        return True
+
+    def num_reserved_for(self, request_id: str) -> int:
+        """Pages request_id has reserved (0 if none): what freeing it would give back."""
+        return self._reserved_pages.get(request_id, 0)
+
     # ---- allocation -----------------------------------------------------------------------------
     def allocate_up_to(self, request_id: str, num_tokens: int) -> None:
         """Make request_id own enough pages for num_tokens tokens, within its reservation."""

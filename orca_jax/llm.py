@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, ParallelConfig,
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
 from orca_jax.models.loader import LoadedModel
@@ -58,7 +59,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, page_size: int = 16, num_kv_pages: int | None = None,
                  kv_cache_memory_gib: float | None = None, max_model_len: int | None = None,
                  dtype: str | None = None, attention_backend: str = "auto",
-                 scheduling_policy: str = "fcfs", tensor_parallel_size: int = 1,
+                 scheduling_policy: str = "fcfs", kv_allocation: str = "reserve", tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, seed: int = 0,
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         config = engine_config or EngineConfig(
@@ -66,7 +67,8 @@ class LLM:
             cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib),
             scheduler=SchedulerConfig(max_batch_size=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      policy=SchedulingPolicy(scheduling_policy)),
+                                      policy=SchedulingPolicy(scheduling_policy),
+                                      kv_allocation=KVAllocation(kv_allocation)),
             parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
             attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
             seed=seed)
@@ -75,11 +77,18 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[GenerationOutput]:
-        """Generate for every prompt (a string or a token-id list); results come in input order."""
+                 use_tqdm: bool = True, priority: int = 0,
+                 deadline_ms: float | None = None) -> list[GenerationOutput]:
+        """Generate for every prompt (a string or a token-id list); results come in input order.
+
+        priority and deadline_ms (from now) apply to every prompt; a prompt still waiting at its
+        deadline ends with finish_reason "deadline" and no tokens.
+        """
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        deadline = None if deadline_ms is None else time.monotonic() + deadline_ms / 1000
+        ids = [self.engine.add_request(p, sp, priority=priority, deadline=deadline)
+               for p, sp in zip(prompts, params)]
         finished = self._run_to_completion(set(ids), use_tqdm)
         return [_to_generation_output(finished[i], p, self.engine) for i, p in zip(ids, prompts)]
 

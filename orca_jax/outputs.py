@@ -25,5 +25,6 @@ class RequestOutput:
     text: str  # all generated text so far
     num_prompt_tokens: int
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "deadline" once finished
     new_logprobs: list[TokenLogprob] | None = None  # when SamplingParams.logprobs is set
+    queue_seconds: float | None = None  # arrival to first admission; None while never admitted

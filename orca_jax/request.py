@@ -56,11 +56,12 @@ class SamplingParams:
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"  # in the pool, never scheduled, no KV reserved
+    WAITING = "waiting"  # in the pool, no KV held: never scheduled, or preempted
     RUNNING = "running"  # KV reserved; initiation or increment phase
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens reached
     FINISHED_ABORTED = "abort"  # client gone, shutdown, or error
+    FINISHED_DEADLINE = "deadline"  # dropped: its deadline passed before it started (TCB)
 
     @property
     def finished(self) -> bool:
@@ -76,7 +77,7 @@ class Request:
     sampling: SamplingParams
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0  # larger runs first under SchedulingPolicy.PRIORITY
-    deadline: float | None = None  # monotonic seconds; SchedulingPolicy.EDF
+    deadline: float | None = None  # monotonic seconds; dropped if still waiting after it (EDF, DAS)
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0  # the sampling seed, resolved once when the request is added (SamplingParams.seed or derived)
     # Text and stop strings of the output; None when nobody wants text (the scheduler's own tests).
@@ -89,6 +90,11 @@ class Request:
     num_iterations: int = 0  # iterations this request took part in
     first_token_time: float | None = None
     finish_time: float | None = None
+    scheduled_time: float | None = None  # first admission: arrival to this is the queue time
+    # Preemption frees a request's KV and sends it back to the pool; it then feeds its prompt and the
+    # outputs it had (recompute_len tokens) as one long initiation, and samples on from where it was.
+    num_preemptions: int = 0
+    recompute_len: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,9 +116,22 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def num_initiation_tokens(self) -> int:
+        """Tokens fed before the next sample: the prompt, or after a preemption, all it had then."""
+        return max(self.num_prompt_tokens, self.recompute_len)
+
+    @property
     def in_initiation(self) -> bool:
         """True while prompt tokens remain to be fed (ORCA's initiation phase)."""
-        return self.num_computed_tokens < self.num_prompt_tokens
+        return self.num_computed_tokens < self.num_initiation_tokens
+
+    @property
+    def deadline_met(self) -> bool | None:
+        """Whether a finished request with a deadline ended by it (None: no deadline or not finished)."""
+        if self.deadline is None or self.finish_time is None:
+            return None
+        return self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) \
+            and self.finish_time <= self.deadline
 
     def token_ids_at(self, start: int, count: int) -> list[int]:
         """The token ids at positions [start, start + count) of prompt + output."""

@@ -8,127 +8,19 @@ its increment phase feeds its last sampled token, and both ride in the same batc
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
-from orca_jax.config import SchedulerConfig
+from orca_jax.config import KVAllocation, SchedulerConfig
 from orca_jax.kv_cache import KVCacheManager
+from orca_jax.plan import (PlanningView, ScheduledRequest, SchedulerInterface, SchedulerOutput,  # noqa: F401
+                           own_view, plan_request)
 from orca_jax.policies import Policy, make_policy
-from orca_jax.request import Request, RequestStatus, SamplingParams, stop_status
+from orca_jax.request import Request, RequestStatus, stop_status
 
 
 class QueueFullError(RuntimeError):
     """The request pool holds SchedulerConfig.max_waiting requests already; try again later."""
-
-
-# ---- the plan handed to the batch builder ---------------------------------------------------------
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of an iteration: everything the batch builder needs, as plain data."""
-
-    request: Request  # for update() and the engine's outputs; build_batch never reads it
-    start: int  # position of the first token fed: tokens already in the KV cache
-    token_ids: tuple[int, ...]  # fed this iteration: a prompt chunk (initiation) or 1 token (increment)
-    page_ids: tuple[int, ...]  # the request's KV pages covering positions [0, start + len(token_ids))
-    seed: int  # the request's sampling seed (Request.seed)
-    sampling: SamplingParams
-    step: int  # output tokens generated before this iteration's, so each draw gets a fresh key
-    # Async scheduling: the row of the previous batch's samples (still on device) that holds the one
-    # token fed, whose id the host does not know yet (token_ids then holds a placeholder 0); -1: none.
-    token_source: int = -1
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens fed this iteration."""
-        return len(self.token_ids)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PlanningView:
-    """Where a request stands for planning: its own state, advanced past the batch it is in flight in."""
-
-    start: int  # tokens in the KV cache once every in-flight batch has run
-    step: int  # output tokens sampled once every in-flight batch has run
-    token_source: int  # row of the in-flight batch whose sample is the next token to feed; -1: none
-    num_prompt_tokens: int
-
-    @property
-    def in_initiation(self) -> bool:
-        return self.start < self.num_prompt_tokens
-
-
-def own_view(request: Request) -> PlanningView:
-    """A request planned from its own state (in no unreturned batch)."""
-    return PlanningView(request.num_computed_tokens, len(request.output_token_ids), -1,
-                        request.num_prompt_tokens)
-
-
-def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
-                 view: PlanningView | None = None) -> ScheduledRequest:
-    """Allocate KV pages for a request's next num_new_tokens and return its share of the plan."""
-    view = view or own_view(request)
-    start = view.start
-    end = start + num_new_tokens
-    kv.allocate_up_to(request.request_id, end)
-    tokens = (0,) if view.token_source >= 0 else tuple(request.token_ids_at(start, num_new_tokens))
-    return ScheduledRequest(
-        request=request, start=start, token_ids=tokens,
-        page_ids=tuple(kv.page_ids(request.request_id)[:kv.num_pages_for(end)]), seed=request.seed,
-        sampling=request.sampling, step=view.step, token_source=view.token_source)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    """The whole plan of one iteration, in the policy's order."""
-
-    scheduled: tuple[ScheduledRequest, ...]
-    iteration: int  # counts non-empty batches; an empty output does not use up a number
-    page_size: int  # tokens per KV page, to place each token in its page
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens fed this iteration, all requests together."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_requests(self) -> int:
-        """Requests in this iteration's batch."""
-        return len(self.scheduled)
-
-
-class SchedulerInterface(Protocol):
-    """What the Engine calls on its scheduler, and nothing more."""
-
-    @property
-    def num_waiting(self) -> int: ...
-
-    @property
-    def num_running(self) -> int: ...
-
-    @property
-    def can_schedule(self) -> bool:
-        """Whether another batch may be put in flight now."""
-        ...
-
-    def has_unfinished(self) -> bool: ...
-
-    def add_request(self, request: Request) -> None:
-        """Put a request in the pool; ValueError if it can never run, QueueFullError if full."""
-        ...
-
-    def schedule(self) -> SchedulerOutput:
-        """This iteration's plan; an empty one means nothing can run now."""
-        ...
-
-    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
-               logprobs: Sequence[tuple[float, dict[int, float]] | None] | None = None) -> list[Request]:
-        """Take a batch's sampled tokens, apply stop conditions; return the requests it finished."""
-        ...
-
-    def abort(self, request_id: str) -> bool:
-        """Finish a request now and free its KV; False if unknown."""
-        ...
 
 
 class Scheduler:
@@ -149,7 +41,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.num_stages = num_stages
         self._clock = clock
-        self.policy = policy if policy is not None else make_policy(config.policy)
+        self.policy = policy if policy is not None else make_policy(config.policy, config)
         # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
         self._requests: dict[str, Request] = {}
         self._num_waiting = 0
@@ -158,11 +50,12 @@ class Scheduler:
         self._in_flight_rows: dict[Request, list[tuple[int, int, int]]] = {}
         self._in_flight_iterations: set[int] = set()
         self._next_iteration = 0
+        self.num_preemptions = 0  # since start: requests sent back to the pool to free KV
 
     # ---- queries --------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        """Requests never scheduled (no KV reserved)."""
+        """Requests holding no KV: never scheduled, or preempted."""
         return self._num_waiting
 
     @property
@@ -224,38 +117,42 @@ class Scheduler:
 
         Walk the requests not finished and not in flight (with async scheduling: not in flight but in
         the batch planned last, see _planning_view) in the policy's order, up to max_batch_size.
-        A request's first selection reserves KV for prompt + max_tokens when the policy's may_admit
-        agrees; once it refuses, no later request is admitted either (strict order: a small late request must not overtake a big
-        early one), but requests already holding a reservation still run, so a priority or deadline
-        order can never starve the requests that would free the pool.
+        A request's first selection takes KV (RESERVE: prompt + max_tokens; ON_DEMAND: its prompt)
+        when the policy's may_admit agrees; once it refuses, no later request is admitted either
+        when the policy is strict (a small late request must not overtake a big early one), but
+        requests already holding KV still run, so no order can starve the requests that would free
+        the pool. A policy that preempts for admission may first free lower-ranked running requests.
         Token budget: every increment-phase request gets its 1 token first; what remains of
         max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order.
-        A request whose chunk comes out as 0 sits this iteration out but keeps its reservation.
+        A request whose chunk comes out as 0 sits this iteration out but keeps its KV.
+        Under ON_DEMAND each planned request then grows its KV to what it writes; when the pool is
+        dry the lowest-ranked running request is preempted (possibly the one growing itself).
+        Waiting requests that never started and whose deadline has passed are dropped (TCB).
         """
         if not self.can_schedule:
             raise RuntimeError(f"{self.num_in_flight} batches already in flight "
                                f"(num_stages={self.num_stages}); call update() first")
+        now = self._clock()
+        dropped = self._drop_expired(now)
         batch: list[Request] = []
+        preempted: set[Request] = set()  # not re-admitted in the iteration that preempted them
         can_admit = True
         views = {r: view for r in self._requests.values() if (view := self._planning_view(r)) is not None}
-        for request in self.policy.order(list(views), self._clock()):
+        for request in self.policy.order(list(views), now):
             if len(batch) >= self.config.max_batch_size:
                 break
             if request.status is RequestStatus.WAITING:
-                if not can_admit:
+                if not can_admit or request in preempted:
                     continue
-                if not self.policy.may_admit(request, self.kv):
+                if not self._admit(request, batch, preempted, now):
                     can_admit = not self.policy.blocks_later_admissions
                     continue
-                self.kv.reserve(request.request_id, request.max_total_tokens)
-                request.status = RequestStatus.RUNNING
-                self._num_waiting -= 1
             batch.append(request)
 
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_batch_size.
         budget = self.config.max_num_batched_tokens
         budget -= sum(1 for r in batch if not views[r].in_initiation)
-        scheduled: list[ScheduledRequest] = []
+        planned: list[tuple[Request, int]] = []
         for request in batch:
             view = views[request]
             if view.in_initiation:
@@ -265,16 +162,121 @@ class Scheduler:
                     continue
             else:
                 num_new = 1
-            scheduled.append(plan_request(request, num_new, self.kv, view))
+            planned.append((request, num_new))
+        if self.config.kv_allocation is KVAllocation.ON_DEMAND:
+            planned = self._grow(planned, views, now)
+        scheduled = [plan_request(request, num_new, self.kv, views[request]) for request, num_new in planned]
 
         if not scheduled:
-            return SchedulerOutput((), self._next_iteration, self.kv.page_size)
-        output = SchedulerOutput(tuple(scheduled), self._next_iteration, self.kv.page_size)
+            return SchedulerOutput((), self._next_iteration, self.kv.page_size, dropped)
+        output = SchedulerOutput(tuple(scheduled), self._next_iteration, self.kv.page_size, dropped)
         self._next_iteration += 1
         self._in_flight_iterations.add(output.iteration)
         for row, s in enumerate(scheduled):
             self._in_flight_rows.setdefault(s.request, []).append((output.iteration, row, s.num_new_tokens))
         return output
+
+    # ---- KV: admission, growth, preemption --------------------------------------------------------
+    def _admission_tokens(self, request: Request) -> int:
+        if self.config.kv_allocation is KVAllocation.RESERVE:
+            return request.max_total_tokens
+        return request.num_initiation_tokens
+
+    def _watermark_pages(self) -> int:
+        """Pages ON_DEMAND admission leaves unreserved, so running requests can grow a while."""
+        if self.config.kv_allocation is KVAllocation.RESERVE:
+            return 0
+        return int(self.config.kv_watermark * self.kv.num_usable_pages)
+
+    def _may_admit(self, request: Request) -> bool:
+        num_tokens = self._admission_tokens(request)
+        if not self.policy.may_admit(request, self.kv, num_tokens):
+            return False
+        left = self.kv.num_unreserved_pages - self.kv.num_pages_for(num_tokens)
+        return left >= self._watermark_pages()
+
+    def _admit(self, request: Request, batch: list[Request], preempted: set[Request], now: float) -> bool:
+        """Give a waiting request its KV (preempting lower-ranked requests if the policy may)."""
+        if not self._may_admit(request):
+            if not self.policy.preempts_for_admission:
+                return False
+            victims = [r for r in self._ranked_running(now)
+                       if r not in batch and self.policy.outranks(request, r, now)]
+            need = self.kv.num_pages_for(self._admission_tokens(request)) + self._watermark_pages()
+            if self.kv.num_unreserved_pages + sum(self.kv.num_reserved_for(v.request_id)
+                                                  for v in victims) < need:
+                return False  # even all of them would not make room: take nothing
+            while victims and not self._may_admit(request):
+                victim = victims.pop()  # the lowest-ranked first
+                self.preempt(victim)
+                preempted.add(victim)
+            if not self._may_admit(request):
+                return False
+        self.kv.reserve(request.request_id, self._admission_tokens(request))
+        request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = now
+        self._num_waiting -= 1
+        return True
+
+    def _ranked_running(self, now: float) -> list[Request]:
+        """Requests holding KV (in flight or not), best first in the policy's order."""
+        return self.policy.order([r for r in self._requests.values() if r.status is RequestStatus.RUNNING],
+                                 now)
+
+    def _grow(self, planned: list[tuple[Request, int]], views: dict[Request, PlanningView],
+              now: float) -> list[tuple[Request, int]]:
+        """ON_DEMAND: make every planned request's KV cover what it writes, best-ranked first.
+
+        When the pool is dry, free the lowest-ranked running request below the one growing (in this
+        plan or not, in flight or not); if there is none, the growing request preempts itself. The
+        best-ranked running request can therefore always grow (add_request checks that a request
+        alone fits the pool), so the pool never deadlocks and every request eventually finishes.
+        """
+        ranked = self._ranked_running(now)
+        rank = {r: i for i, r in enumerate(ranked)}
+        planned = sorted(planned, key=lambda item: rank[item[0]])
+        kept: list[tuple[Request, int]] = []
+        for request, num_new in planned:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for a better-ranked one in this loop
+            while not self.kv.grow(request.request_id, views[request].start + num_new):
+                victim = ranked.pop()  # the lowest-ranked request still holding KV
+                self.preempt(victim)
+                if victim is request:
+                    break
+            else:
+                kept.append((request, num_new))
+        order = {r: i for i, (r, _) in enumerate(planned)}
+        return sorted(kept, key=lambda item: order[item[0]])
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's KV and send it back to the pool; it recomputes later.
+
+        Its outputs stay: it feeds prompt + outputs as one initiation and samples on from its own
+        step, so its tokens equal those of an uninterrupted run. Safe while it is in flight: pages
+        it frees are reused only by batches that run after its batch on every stage, and that
+        batch's row for it is dropped in update() (the request has left _in_flight_rows).
+        """
+        if request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"only a running request can be preempted, not {request.status.value}")
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.recompute_len = request.num_tokens
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._in_flight_rows.pop(request, None)
+        self._num_waiting += 1
+        self.num_preemptions += 1
+
+    def _drop_expired(self, now: float) -> tuple[Request, ...]:
+        """TCB: a request still waiting, never started, past its deadline can only fail: end it."""
+        expired = tuple(r for r in self._requests.values()
+                        if r.status is RequestStatus.WAITING and r.scheduled_time is None
+                        and r.deadline is not None and now > r.deadline)
+        for request in expired:
+            self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
+        return expired
 
     def _planning_view(self, request: Request) -> PlanningView | None:
         """The request's state for the next plan, or None if it cannot be in it.
@@ -295,7 +297,7 @@ class Scheduler:
         step = len(request.output_token_ids) + samples
         if samples and step >= request.sampling.max_tokens:
             return None
-        return PlanningView(start, step, row if samples else -1, request.num_prompt_tokens)
+        return PlanningView(start, step, row if samples else -1, request.num_initiation_tokens)
 
     # ---- Algorithm 1: after the engine ran a batch ---------------------------------------------
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
@@ -320,7 +322,9 @@ class Scheduler:
         finished: list[Request] = []
         for i, s in enumerate(output.scheduled):
             request = s.request
-            rows = self._in_flight_rows[request]
+            rows = self._in_flight_rows.get(request)
+            if not rows or rows[0][0] != output.iteration:
+                continue  # preempted while in flight: this row's token is stale, it recomputes
             rows.pop(0)  # batches return in the order they were planned
             if not rows:
                 del self._in_flight_rows[request]

@@ -19,12 +19,15 @@ from types import FrameType
 
 import uvicorn
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig,
-                             SchedulingPolicy)
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
+                             SchedulerConfig, SchedulingPolicy)
 from orca_jax.server.app import LOCAL_HOSTS
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("orca_jax.serve")
+# The server's default, unlike the library's (RESERVE, ORCA as published): chats without max_tokens
+# then share the pool instead of running one at a time (measured: notes/policy.md, README).
+SERVE_KV_ALLOCATION = KVAllocation.ON_DEMAND
 
 
 def _default(config_class: type, field_name: str):
@@ -51,7 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued beyond the running batch; more get 503 + Retry-After")
     p.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy] + ["deadline"],
                    default=SchedulingPolicy.PRIORITY.value,
-                   help="priority lets interactive chat (high 'priority') overtake batch jobs")
+                   help="priority lets interactive chat (high 'priority') overtake batch jobs; das is TCB's "
+                   "deadline-aware scheduler (requests' deadline_ms); sjf and edf for comparison")
+    p.add_argument("--kv-allocation", choices=[k.value for k in KVAllocation], default=SERVE_KV_ALLOCATION.value,
+                   help="on_demand: KV pages as requests grow, preempting (and later recomputing) the "
+                   "lowest-ranked request when the pool runs dry; reserve: ORCA's up-front reservation of "
+                   "prompt + max_tokens, which never preempts but runs requests with a large max_tokens "
+                   "few at a time")
+    p.add_argument("--priority-preemption", action=argparse.BooleanOptionalAction, default=True,
+                   help="under --scheduling-policy priority, a request that does not fit preempts running "
+                   "requests it outranks (recomputed later, nothing lost)")
+    p.add_argument("--priority-aging-s", type=float, default=_default(SchedulerConfig, "priority_aging_s"),
+                   help="seconds of waiting that raise a request's effective priority by 1 (no starvation)")
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
     p.add_argument("--page-size", type=int, default=_default(CacheConfig, "page_size"), help="tokens per KV page")
     p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages")
@@ -111,7 +125,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_batch_size=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=SchedulingPolicy(args.scheduling_policy),
-                                  max_waiting=args.max_waiting, async_scheduling=args.async_scheduling),
+                                  max_waiting=args.max_waiting, async_scheduling=args.async_scheduling,
+                                  kv_allocation=KVAllocation(args.kv_allocation),
+                                  priority_preemption=args.priority_preemption,
+                                  priority_aging_s=args.priority_aging_s),
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size,
                                 tensor_parallel=args.tensor_parallel_size,
                                 coordinator_address=args.coordinator_address,

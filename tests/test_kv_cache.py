@@ -124,3 +124,18 @@ def test_pages_for_budget():
     assert pages_for_budget(100, 1, 0) == 0
     with pytest.raises(ValueError):
         pages_for_budget(0, 16, 100)
+
+
+def test_grow_raises_the_reservation_only_while_the_pool_allows():
+    kv = KVCacheManager(num_pages=5, page_size=4)  # 4 usable pages
+    kv.reserve("a", 4)
+    kv.reserve("b", 4)
+    assert kv.grow("a", 4) and kv.num_reserved_for("a") == 1  # already covered
+    assert kv.grow("a", 12) and kv.num_reserved_for("a") == 3
+    assert not kv.grow("b", 8) and kv.num_reserved_for("b") == 1  # nothing changed
+    kv.allocate_up_to("a", 12)
+    assert_consistent(kv)
+    kv.free("a")
+    assert kv.grow("b", 16) and kv.num_unreserved_pages == 0
+    with pytest.raises(KVCacheError):
+        kv.grow("a", 4)

@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,report,kernels,iteration,serve}`:
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,report,kernels,iteration,serve,policies}`:
 see each subcommand's --help."""
 
 from __future__ import annotations
@@ -82,6 +82,11 @@ def main(argv=None) -> None:
     core.add_argument("--sections", default="cold_start,engine,hf", help="comma list of cold_start, engine, hf")
     core_start.add_argument("--cache-dir", required=True)
 
+    policies = sub.add_parser("policies", help="fcfs/sjf/edf/das on TCB's workload (utility, deadline hits)")
+    policies.add_argument("--out", default="benchmarks/results/cpu")
+    policies.add_argument("--num-requests", type=int, default=160, help="per run at batch 16 (x4 at 64)")
+    policies.add_argument("--seed", type=int, default=0)
+
     # Its own parser takes the rest of the line (see the dispatch below); listed here for --help.
     sub.add_parser("kernels", help="ragged attention kernel vs the jnp reference on a GPU")
 
@@ -157,6 +162,9 @@ def main(argv=None) -> None:
         print(write_report(args.results_dir))
     elif args.command == "serve":
         serve_client.main(args)
+    elif args.command == "policies":
+        from orca_jax.bench.policies import run_policies
+        run_policies(args.out, num_requests=args.num_requests, seed=args.seed)
 
 
 if __name__ == "__main__":

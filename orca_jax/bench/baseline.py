@@ -67,6 +67,8 @@ class RequestLevelScheduler:
         return cls(max_batch_size, max_num_batched_tokens, kv, max_model_len)
 
     # ---- the queries Engine uses ----------------------------------------------------------------
+    num_preemptions = 0  # a request-level batch never preempts
+
     @property
     def can_schedule(self) -> bool:
         return len(self._in_flight) < self.num_stages

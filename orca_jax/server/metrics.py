@@ -69,6 +69,11 @@ class _EngineStatsCollector(Collector):
             family.add_metric((self._model_name,), value)
             yield family
         counters = (
+            ("num_preemptions", "Requests preempted (KV freed, recomputed later) to make room",
+             stats.num_preemptions),
+            ("deadline_hits", "Requests with a deadline that finished by it", stats.deadline_hits),
+            ("deadline_misses", "Requests with a deadline that finished after it or were dropped",
+             stats.deadline_misses),
             ("prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total),
             ("generation_tokens", "Tokens generated", stats.generated_tokens_total),
             ("iterations", "Engine iterations run", stats.iterations),
@@ -118,6 +123,10 @@ class ServerMetrics:
         self.batch_size = histogram("batch_size", "Requests per engine iteration", _BATCH_BUCKETS)
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens fed per engine iteration", _TOKEN_BUCKETS)
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "From request arrival to its first admission into "
+            "the running batch, by request priority", labelnames=("model_name", "priority"),
+            buckets=_REQUEST_BUCKETS, registry=self.registry)
         self.requests_finished = Counter(
             PREFIX + "request_success", "Requests that ended, by finish reason (abort: the client "
             "left or the server shut down)", labelnames=("finished_reason", "model_name"),
@@ -133,10 +142,10 @@ class ServerMetrics:
         self.batch_size.observe(stats.last_batch_size)
         self.iteration_tokens.observe(stats.last_num_tokens)
 
-    def request_timer(self, num_prompt_tokens: int, max_tokens: int) -> RequestTimer:
+    def request_timer(self, num_prompt_tokens: int, max_tokens: int, priority: int = 0) -> RequestTimer:
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_max_tokens.observe(max_tokens)
-        return RequestTimer(self)
+        return RequestTimer(self, priority)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -145,8 +154,10 @@ class ServerMetrics:
 class RequestTimer:
     """Latencies of one engine request, fed with its outputs as they reach the handler."""
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, priority: int = 0):
         self._metrics = metrics
+        self._priority = str(priority)
+        self._queue_time_seen = False
         self._arrival = time.monotonic()
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
@@ -156,6 +167,10 @@ class RequestTimer:
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()
         metrics = self._metrics
+        if output.queue_seconds is not None and not self._queue_time_seen:
+            self._queue_time_seen = True
+            metrics.request_queue_time.labels(model_name=metrics.labels["model_name"],
+                                              priority=self._priority).observe(output.queue_seconds)
         num_new = len(output.new_token_ids)
         if num_new:
             if self._last_token_time is None:

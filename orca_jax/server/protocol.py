@@ -73,7 +73,21 @@ class _GenerationRequest(_StrictBody):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)  # extension; higher runs first
-    deadline: float | None = Field(None, gt=0.0, le=86400.0)  # extension: seconds from arrival
+    # Extension: milliseconds from arrival. A request still waiting when it passes is dropped (504,
+    # or an error event when streamed), as TCB drops requests that can no longer be served in time.
+    deadline_ms: int | None = Field(None, gt=0, le=86_400_000)
+    deadline: float | None = Field(None, gt=0.0, le=86400.0)  # the same in seconds (the older name)
+
+    @model_validator(mode="after")
+    def _one_deadline(self):
+        if self.deadline_ms is not None and self.deadline is not None:
+            raise ValueError("give deadline_ms or deadline (seconds), not both")
+        return self
+
+    @property
+    def deadline_seconds(self) -> float | None:
+        """Seconds from arrival to the request's deadline, whichever field gave it; None: none."""
+        return self.deadline_ms / 1000 if self.deadline_ms is not None else self.deadline
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

@@ -27,6 +27,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # a handful of such chats share the KV pool instead of each reserving the whole context.
 DEFAULT_MAX_TOKENS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
+DEADLINE = "deadline"  # RequestStatus.FINISHED_DEADLINE's finish reason
+DEADLINE_MESSAGE = "the deadline ({:g} s after arrival) passed before the request could start; it was dropped"
 # SamplingParams names the failing field in its ValueError ("SamplingParams.top_p must be ...");
 # its fields share the request's names, so that name is the param to report.
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
@@ -143,11 +145,12 @@ class OpenAIServing:
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
                         request_id: str, choices: list[Choice],
                         formatter: CompletionFormatter | ChatFormatter) -> Response:
-        deadline = time.monotonic() + body.deadline if body.deadline is not None else None
-        timers = [self.metrics.request_timer(len(c.prompt_ids), c.sampling.max_tokens) for c in choices]
+        deadline = None if body.deadline_seconds is None else time.monotonic() + body.deadline_seconds
+        timers = [self.metrics.request_timer(len(c.prompt_ids), c.sampling.max_tokens, body.priority)
+                  for c in choices]
         streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline), timers)
         if body.stream:
-            return StreamingResponse(self._sse(streams, choices, formatter), media_type="text/event-stream",
+            return StreamingResponse(self._sse(streams, choices, formatter, body.deadline_seconds), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             finals = await streams.collect(request)
@@ -155,6 +158,9 @@ class OpenAIServing:
             raise APIError(503, str(error), code="engine_unavailable") from None
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if any(final.finish_reason == DEADLINE for final, _ in finals):
+            raise APIError(504, DEADLINE_MESSAGE.format(body.deadline_seconds), param="deadline_ms",
+                           code="deadline_exceeded")
         usage = usage_of(choices, [final for final, _ in finals])
         return JSONResponse(formatter.response(finals, usage).model_dump(mode="json"))
 
@@ -175,13 +181,19 @@ class OpenAIServing:
             raise APIError(400, str(error), code="invalid_request") from None
 
     async def _sse(self, streams: ChoiceStreams, choices: list[Choice],
-                   formatter: CompletionFormatter | ChatFormatter) -> AsyncIterator[str]:
+                   formatter: CompletionFormatter | ChatFormatter,
+                   deadline_seconds: float | None) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; `finally` then aborts.
         finals: list = [None] * len(choices)
         try:
             for payload in formatter.opening_chunks(len(choices)):
                 yield f"data: {payload}\n\n"
             async for index, output in streams.merged():
+                if output.finish_reason == DEADLINE:  # OpenAI streams report errors as an error event
+                    body = error_body(504, DEADLINE_MESSAGE.format(deadline_seconds),
+                                      param="deadline_ms", code="deadline_exceeded")
+                    yield f"data: {json.dumps(body)}\n\n"
+                    break
                 for payload in formatter.chunks(index, output):
                     yield f"data: {payload}\n\n"
                 finals[index] = output

@@ -60,12 +60,6 @@ class RequestLevelScheduler:
         self._next_iteration = 0
         self.batches: list[tuple[int, int, int]] = []  # (size, padded prompt, padded gen) per batch
 
-    @classmethod
-    def for_engine(cls, max_batch_size: int, max_num_batched_tokens: int, kv: KVCacheManager,
-                   max_model_len: int, num_stages: int) -> "RequestLevelScheduler":
-        """The Engine's SchedulerFactory signature after the first two (request-level runs one batch)."""
-        return cls(max_batch_size, max_num_batched_tokens, kv, max_model_len)
-
     # ---- the queries Engine uses ----------------------------------------------------------------
     num_preemptions = 0  # a request-level batch never preempts
 

@@ -7,19 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 
-
-def _time(fn, *args, reps: int = 20) -> float:
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / reps
+from orca_jax.bench.timing import time_call
 
 
 def scan_vs_unrolled(num_layers: int = 32, hidden: int = 4096, ffn: int = 14336, tokens=(8, 128)) -> dict:
@@ -44,7 +36,8 @@ def scan_vs_unrolled(num_layers: int = 32, hidden: int = 4096, ffn: int = 14336,
     rows = []
     for t in tokens:
         x = jax.random.normal(jax.random.key(1), (t, hidden), jnp.bfloat16)
-        s, u = _time(scanned, x, stacked, down), _time(unrolled, x, layers)
+        s, u = (time_call(scanned, x, stacked, down, warmup=1, iters=20, reps=1),
+                time_call(unrolled, x, layers, warmup=1, iters=20, reps=1))
         rows.append({"tokens": t, "scan_ms": 1e3 * s, "unrolled_ms": 1e3 * u,
                      "scan_GB_s": weight_bytes / s / 1e9, "unrolled_GB_s": weight_bytes / u / 1e9})
     return {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": jax.devices()[0].device_kind,

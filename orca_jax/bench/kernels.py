@@ -15,7 +15,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import time
 import traceback
 
@@ -23,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax.bench.timing import time_call
 from orca_jax.kernels import ragged_attention as ra
 from orca_jax.kernels import ragged_attention_tiles as tiles
 
@@ -72,20 +72,6 @@ def make_batch(q_lens, kv_lens, *, num_heads, num_kv_heads, head_dim, page_size=
     # Query i of a request sees kv - q + i + 1 keys; 4 flops per (query head, key, dim).
     pairs = sum(ql * (kv - ql) + ql * (ql + 1) // 2 for ql, kv in zip(q_lens, kv_lens))
     return Batch(args, kv_bytes, 4.0 * pairs * num_heads * head_dim, num_tokens)
-
-
-def time_call(fn, *args, warmup=3, iters=10, reps=7) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
 
 
 def kernel_fn(block_sizes=None):

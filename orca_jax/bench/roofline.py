@@ -10,12 +10,11 @@ same process: a large elementwise device-to-device copy and a large bf16 matmul.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from orca_jax.bench.timing import time_call
 from orca_jax.config import ModelConfig, ModelFamily
 
 
@@ -30,31 +29,19 @@ class Peaks:
                 "device": self.device}
 
 
-def _time(fn, *args, reps: int = 10, rounds: int = 3) -> float:
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / reps)
-    return statistics.median(samples)
-
-
 def measure_peaks(copy_bytes: int = 2 << 30, matmul_dim: int = 8192) -> Peaks:
     """HBM bandwidth from an elementwise copy of copy_bytes; bf16 matmul FLOP/s at matmul_dim^3."""
     device = jax.devices()[0]
     if device.platform == "cpu":  # only the plumbing is tested there: keep it quick
         copy_bytes, matmul_dim = min(copy_bytes, 64 << 20), min(matmul_dim, 1024)
     x = jnp.ones((copy_bytes // 2,), jnp.bfloat16)
-    seconds = _time(jax.jit(lambda a: a + jnp.bfloat16(1)), x)
+    seconds = time_call(jax.jit(lambda a: a + jnp.bfloat16(1)), x, warmup=1, reps=3)
     bandwidth = 2 * copy_bytes / seconds
     del x
     keys = jax.random.split(jax.random.key(0))
     a = jax.random.normal(keys[0], (matmul_dim, matmul_dim), jnp.bfloat16)
     b = jax.random.normal(keys[1], (matmul_dim, matmul_dim), jnp.bfloat16)
-    seconds = _time(jax.jit(lambda p, q: p @ q), a, b)
+    seconds = time_call(jax.jit(lambda p, q: p @ q), a, b, warmup=1, reps=3)
     return Peaks(bandwidth, 2 * matmul_dim ** 3 / seconds, device.device_kind)
 
 

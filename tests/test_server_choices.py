@@ -8,7 +8,7 @@ from orca_jax.server import AsyncEngine, create_app
 from orca_jax.server.choices import derive_seed
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 
-from server_helpers import FakeEngine, asgi_client, expected_text, parse_sse
+from server_helpers import FakeEngine, asgi_client, expected_text, parse_sse, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -88,11 +88,14 @@ async def test_too_many_choices_and_best_of_are_400():
 
 
 async def test_a_refused_choice_takes_its_siblings_with_it():
-    engine = FakeEngine(max_batch_size=1, max_waiting=2)
+    # 100 tokens at 50 ms a step: the accepted choices cannot finish on their own inside wait_until's 5 s.
+    engine = FakeEngine(max_batch_size=1, max_waiting=2, step_seconds=0.05)
     async with asgi_client(create_app(AsyncEngine(engine, max_in_flight=100))) as client:
-        response = await client.post("/v1/completions", json={"prompt": "a", "n": 5, "max_tokens": 3})
+        response = await client.post("/v1/completions", json={"prompt": "a", "n": 5, "max_tokens": 100})
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
-        assert not engine.has_unfinished()  # the accepted ones were aborted, not left running
+        # The aborts travel to the engine thread as commands, so they land just after the reply.
+        await wait_until(lambda: not engine.has_unfinished())
+        assert engine.aborted  # the accepted ones were aborted, not left running
         assert (await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})).status_code == 200
 
 

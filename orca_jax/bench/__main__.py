@@ -79,7 +79,9 @@ def main(argv=None) -> None:
     core.add_argument("--num-requests", type=int, default=512)
     core.add_argument("--out", required=True, help="directory for <model>_core.json")
     core.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
-    core.add_argument("--sections", default="cold_start,engine,hf", help="comma list of cold_start, engine, hf")
+    core.add_argument("--sections", default="cold_start,engine,http,hf",
+                      help="comma list of cold_start, engine, http, hf")
+    core.add_argument("--cache-dir", default=None, help="compilation cache every section shares (default: a fresh one)")
     core_start.add_argument("--cache-dir", required=True)
 
     policies = sub.add_parser("policies", help="fcfs/sjf/edf/das on TCB's workload (utility, deadline hits)")
@@ -136,7 +138,7 @@ def main(argv=None) -> None:
             print(json.dumps(start_probe(setup, args.cache_dir)))
         else:
             sections = set(args.sections.split(",")) - ({"hf"} if args.no_hf else set())
-            run_core(setup, args.out, sections=sections)
+            run_core(setup, args.out, sections=sections, cache_dir=args.cache_dir)
     elif args.command == "iteration":
         from orca_jax.bench.iteration import main as iteration_main
         iteration_main(args.out_file)

@@ -10,6 +10,8 @@
 - the GPU's idle fraction between iterations with async scheduling (host/device overlap) on and off:
   device-busy time of a batch-32 decode bucket replayed back to back, over the engine's wall time
   per batch-32 decode iteration;
+- the uniform trace replayed twice through `python -m orca_jax.serve` (http_replay.py): programs
+  compiled while serving (must be none) and throughput over the in-process figure;
 - transformers' continuous batching on the same uniform trace (its own process; --no-hf skips).
 Results go to DIR/<model>_core.json.
 """
@@ -147,23 +149,22 @@ def device_busy_ms(engine: Engine, tokens: int) -> float:
     return 1e3 * (time.perf_counter() - start) / 20
 
 
-def cold_start(setup: CoreSetup) -> dict:
-    """Two child processes with one fresh cache directory: the empty-cache start, then the warm one."""
-    with tempfile.TemporaryDirectory(prefix="orca_jax_cache_") as cache_dir:
-        runs = []
-        for label in ("empty_cache", "warm_cache"):
-            cmd = [sys.executable, "-m", "orca_jax.bench", "core-start", "--model", setup.model,
-                   "--max-num-seqs", str(setup.max_num_seqs),
-                   "--max-num-batched-tokens", str(setup.max_num_batched_tokens), "--cache-dir", cache_dir]
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            wall = time.perf_counter() - start
-            if proc.returncode != 0:
-                runs.append({"label": label, "error": proc.stderr[-2000:]})
-                continue
-            child = json.loads(proc.stdout.strip().splitlines()[-1])
-            runs.append({"label": label, "process_to_ready_s": wall, **child})
-        return {"runs": runs}
+def cold_start(setup: CoreSetup, cache_dir: str) -> dict:
+    """Two child processes with cache_dir (empty at first): the empty-cache start, then the warm one."""
+    runs = []
+    for label in ("empty_cache", "warm_cache"):
+        cmd = [sys.executable, "-m", "orca_jax.bench", "core-start", "--model", setup.model,
+               "--max-num-seqs", str(setup.max_num_seqs),
+               "--max-num-batched-tokens", str(setup.max_num_batched_tokens), "--cache-dir", cache_dir]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            runs.append({"label": label, "error": proc.stderr[-2000:]})
+            continue
+        child = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs.append({"label": label, "process_to_ready_s": wall, **child})
+    return {"runs": runs}
 
 
 def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
@@ -174,10 +175,13 @@ def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
             "num_programs": engine.runner.num_compiled_programs, "params_init_s": engine.runner.params_seconds}
 
 
-def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "hf"),
-             hf_timeout_s: float = 400.0) -> dict:
+def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "http", "hf"),
+             hf_timeout_s: float = 400.0, cache_dir: str | None = None) -> dict:
     """The sections asked for, in order; the JSON is rewritten after each, so a cut-off run keeps what
-    it got."""
+    it got. Every section compiles into cache_dir (None: a fresh temporary one), so the cold start
+    fills it and the engine sections after it start warm."""
+    if cache_dir is None:
+        cache_dir = tempfile.mkdtemp(prefix="orca_jax_cache_")
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{setup.model}_core.json")
     result: dict = {"setup": dataclasses.asdict(setup) | {"lengths": str(setup.lengths)},
@@ -189,12 +193,13 @@ def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "
             json.dump(result, f, indent=1)
 
     if "cold_start" in sections:
-        result["cold_start"] = cold_start(setup)
+        result["cold_start"] = cold_start(setup, cache_dir)
         save()
     peaks = roofline.measure_peaks()
     result["peaks"] = peaks.as_dict()
     for overlap in (True, False) if "engine" in sections else ():
-        engine = Engine(engine_config(setup, async_scheduling=overlap), random_model(setup.model, setup.dtype))
+        engine = Engine(engine_config(setup, async_scheduling=overlap, compilation_cache_dir=cache_dir),
+                        random_model(setup.model, setup.dtype))
         label = "async_scheduling" if overlap else "sync_scheduling"
         section: dict = {"num_programs": engine.runner.num_compiled_programs}
         weight_bound_ms = 1e3 * engine.runner.params_bytes / peaks.hbm_bytes_per_s
@@ -213,6 +218,15 @@ def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "
         result[label] = section
         save()
         del engine
+    if "http" in sections:
+        from orca_jax.bench.http_replay import http_replay
+        replay = http_replay(setup, cache_dir, os.path.join(out_dir, f"{setup.model}_core_server.log"),
+                             PRESETS[setup.model].vocab_size)
+        in_process = result.get("async_scheduling", {}).get("uniform", {}).get("runs", [{}])[-1]
+        if "tokens_per_s" in in_process:
+            replay["warm_over_in_process"] = replay["runs"][-1]["output_throughput"] / in_process["tokens_per_s"]
+        result["http"] = replay
+        save()
     if "hf" in sections:
         from orca_jax.bench.suite import run_hf_subprocess
         result["hf"] = run_hf_subprocess(setup.model, setup.num_requests, 0,

@@ -246,6 +246,7 @@ class AsyncEngine:
             logger.info("compiled %s (%d of %d, %.1fs)", key, done, total, seconds)
 
         report = self.engine.precompile(progress)
+        self.latest_stats = self.engine.stats()  # /metrics shows the programs before any request runs
         self.readiness = Readiness(True, report.num_programs, report.num_programs)
         logger.info("ready: %d programs compiled in %.1fs", report.num_programs, time.monotonic() - start)
 

@@ -9,21 +9,23 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-import logging
-import time
 import functools
+import logging
+import os
+import time
 import zlib
 from typing import Callable, Protocol
 
 from orca_jax import multihost
 from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
+from orca_jax.compilation_cache import configure_compilation_cache
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.executable_cache import ExecutableCache
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.compilation_cache import configure_compilation_cache
 from orca_jax.runner import ModelRunner, PrecompileReport, ProgressFn, StepResult
 from orca_jax.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
 
@@ -115,14 +117,16 @@ class Engine:
                  scheduler_factory: SchedulerFactory | None = None,
                  precompile_progress: ProgressFn | None = None):
         self.config = config
-        configure_compilation_cache(config.compilation_cache_dir)
+        cache_dir = configure_compilation_cache(config.compilation_cache_dir)
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.tokenizer = loaded.tokenizer
         self.model_config = model_config_for(config, loaded)
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
-                                  max_seqs=config.scheduler.max_batch_size)
+                                  max_seqs=config.scheduler.max_batch_size,
+                                  executable_cache=None if cache_dir is None else
+                                  ExecutableCache(os.path.join(cache_dir, "executables")))
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
         factory = scheduler_factory or functools.partial(Scheduler, scheduler_config)

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from orca_jax import multihost
 from orca_jax.batch import RaggedBatch, empty_batch, next_power_of_two
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
+from orca_jax.executable_cache import ExecutableCache, describe_arrays
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
@@ -118,7 +119,7 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
-                 max_seqs: int = 256):
+                 max_seqs: int = 256, executable_cache: ExecutableCache | None = None):
         check_parallel_fits(parallel, config)
         # Vocabulary padded and KV heads replicated to fit the tensor size; from here on `config` is
         # the device shapes (the logits width, the KV pages), the plan keeps the model's own.
@@ -165,6 +166,11 @@ class ModelRunner:
         self._compile_lock = threading.Lock()
         # Several controller processes: process 0 sends each call to the others (see multihost.py).
         self._mirror = multihost.Mirror() if jax.process_count() > 1 else None
+        self.executable_cache = executable_cache if self._mirror is None else None
+        # What every program of this runner depends on beyond its own key and input arrays.
+        self._identity = (repr(config), backend.value, self.device.platform, self.tensor_plan.vocab_size,
+                          max_seqs, [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
+                                     for s in self.stages])
 
     # ---- compiled programs ----
 
@@ -242,6 +248,23 @@ class ModelRunner:
         return executable
 
     def _lower_and_compile(self, key: ProgramKey) -> jax.stages.Compiled:
+        """From the executable cache where it holds the program, else lowered and compiled (and kept)."""
+        if self.executable_cache is None:
+            return self._lower_and_compile_now(key)
+        if key[0] == "forward":
+            stage = self.stages[key[4]]
+            inputs = (describe_arrays(stage.params), describe_arrays(stage.kv))
+        else:
+            stage, inputs = self.stages[-1], ()  # sampling runs on the last stage's mesh
+        devices = list(stage.mesh.devices.flat)
+        fingerprint = self.executable_cache.fingerprint((self._identity, key, inputs, [d.id for d in devices]))
+        compiled = self.executable_cache.load(fingerprint, devices)
+        if compiled is None:
+            compiled = self._lower_and_compile_now(key)
+            self.executable_cache.store(fingerprint, compiled)
+        return compiled
+
+    def _lower_and_compile_now(self, key: ProgramKey) -> jax.stages.Compiled:
         if key[0] == "forward":
             _, t, s, p, stage = key
             return self.stages[stage].lower(t, s, p, self.max_seqs).compile()

@@ -235,24 +235,41 @@ def _dummy_inputs(config: ModelConfig):
     return x, jnp.zeros((1,), jnp.int32), layer_kv, meta
 
 
-def _init_all(config: ModelConfig, key: jax.Array):
-    """Random params in the device layout (one dict per layer), in the config's dtype."""
+def _init_layer(config: ModelConfig, key: jax.Array):
+    """One layer's random params (Flax's init runs the block once on dummy inputs; XLA drops that)."""
     from orca_jax.kernels.ragged_attention import ragged_attention_reference  # init runs it once
 
-    block = Block(config, ragged_attention_reference)
-    keys = jax.random.split(key, config.num_layers + 3)
-    dummy = _dummy_inputs(config)
-    dtype = _dtype(config)
-    h = config.hidden_size
-    params = {
-        "embed": _init_weight(keys[0], (config.vocab_size, h), dtype),
-        "final_norm": Norm(config).init(keys[1], dummy[0])["params"],
-        "layers": [block.init(keys[3 + i], *dummy)["params"] for i in range(config.num_layers)],
+    return Block(config, ragged_attention_reference).init(key, *_dummy_inputs(config))["params"]
+
+
+def _init_rest(config: ModelConfig, keys: jax.Array, names) -> dict:
+    """The params outside the layers that `names` lists (embed, final_norm, pos_embed, lm_head)."""
+    dtype, h = _dtype(config), config.hidden_size
+    makers = {
+        "embed": lambda: _init_weight(keys[0], (config.vocab_size, h), dtype),
+        "final_norm": lambda: Norm(config).init(keys[1], _dummy_inputs(config)[0])["params"],
+        "pos_embed": lambda: nn.initializers.normal(0.01)(keys[2], (config.max_seq_len, h), dtype),
+        "lm_head": lambda: _init_weight(jax.random.fold_in(keys[0], 1), (h, config.vocab_size), dtype),
     }
-    if config.family is ModelFamily.GPT:
-        params["pos_embed"] = nn.initializers.normal(0.01)(keys[2], (config.max_seq_len, h), dtype)
-    if not config.tie_embeddings:
-        params["lm_head"] = _init_weight(jax.random.fold_in(keys[0], 1), (h, config.vocab_size), dtype)
+    return {name: makers[name]() for name in names}
+
+
+def _top_level_names(config: ModelConfig) -> tuple[str, ...]:
+    names = ("embed", "final_norm")
+    names += ("pos_embed",) if config.family is ModelFamily.GPT else ()
+    return names + (() if config.tie_embeddings else ("lm_head",))
+
+
+def _param_keys(config: ModelConfig, seed_key: jax.Array) -> jax.Array:
+    """keys[0..2] for the params outside the layers, keys[3 + i] for layer i."""
+    return jax.random.split(seed_key, config.num_layers + 3)
+
+
+def _init_all(config: ModelConfig, key: jax.Array):
+    """Random params in the device layout (one dict per layer), in the config's dtype."""
+    keys = _param_keys(config, key)
+    params = _init_rest(config, keys, _top_level_names(config))
+    params["layers"] = [_init_layer(config, keys[3 + i]) for i in range(config.num_layers)]
     return params
 
 
@@ -274,15 +291,38 @@ def stacked_param_shapes(config: ModelConfig):
 def init_params(config: ModelConfig, seed: int = 0, out_shardings=None, adapt=None, select=None):
     """Random weights made on device inside jit, in the config's dtype (the paper's evaluation setup).
 
-    `adapt` (e.g. TensorPlan.adapt_params) reshapes them inside the same jit, so the weights are
-    drawn for `config` whatever the device shapes: every mesh gets the same model. `select(params)
-    -> subtree` then keeps a part (a pipeline stage's); XLA drops the rest unmade.
+    Made piece by piece: one program draws a layer and runs once per layer, one draws the rest, so
+    compile time does not grow with depth (one program for all of llama-8b took 105 s to compile on
+    an H100). Each piece comes from its own key, so the weights are the same whatever part is made.
+    `adapt` (e.g. TensorPlan.adapt_params, which goes by parameter names) reshapes each piece inside
+    its program, so the weights are drawn for `config` whatever the device shapes: every mesh gets the
+    same model. `select(params) -> subtree` keeps a part (a pipeline stage's); only that part is made.
+    `out_shardings` matches the selected tree.
     """
-    def init(key):
-        params = _init_all(config, key)
-        params = params if adapt is None else adapt(params)
-        return params if select is None else select(params)
-    return jax.jit(init, out_shardings=out_shardings)(jax.random.key(seed))
+    adapt = adapt or (lambda tree: tree)
+    keys = _param_keys(config, jax.random.key(seed))
+    # Which pieces `select` keeps, found by running it on a tree of the pieces' names.
+    names = _top_level_names(config)
+    skeleton = {name: name for name in names} | {"layers": list(range(config.num_layers))}
+    chosen = skeleton if select is None else select(skeleton)
+    rest_names = tuple(name for name in names if name in chosen)
+
+    def jit(fn, shardings):
+        return jax.jit(fn) if out_shardings is None else jax.jit(fn, out_shardings=shardings)
+
+    rest = jit(lambda k: adapt(_init_rest(config, k, rest_names)),
+               None if out_shardings is None else {n: out_shardings[n] for n in rest_names})(keys)
+    layer_shardings = None if out_shardings is None else out_shardings["layers"]
+    make_layer = {}  # one jitted program per distinct sharding (all layers share one in practice)
+    layers = []
+    for j, i in enumerate(chosen["layers"]):
+        shardings = None if layer_shardings is None else layer_shardings[j]
+        cache_key = None if shardings is None else tuple(jax.tree_util.tree_leaves(shardings))
+        if cache_key not in make_layer:
+            make_layer[cache_key] = jit(lambda k: adapt({"layers": [_init_layer(config, k)]})["layers"][0],
+                                        shardings)
+        layers.append(make_layer[cache_key](keys[3 + i]))
+    return {**rest, "layers": layers}
 
 
 def unstack_layers(params):

@@ -1,0 +1,68 @@
+"""Compiled programs reloaded from disk without tracing (executable_cache.py): a second start loads
+every program, runs them to the same tokens, and never loads a program built for something else."""
+
+import glob
+import os
+
+import jax
+import pytest
+
+from orca_jax.request import SamplingParams
+
+from engine_helpers import drain, tiny_engine
+
+PROMPTS = [[5, 6, 7], [9] * 11, list(range(3, 40))]
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    """A cache directory of the test's own; jax's session-wide setting is put back afterwards."""
+    before = jax.config.jax_compilation_cache_dir
+    yield str(tmp_path)
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def generate(engine) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0))
+           for p in PROMPTS]
+    done = drain(engine)
+    return [done[i] for i in ids]
+
+
+def engine_with(cache_dir, **overrides):
+    return tiny_engine(max_batch_size=4, max_num_batched_tokens=32, precompile=True,
+                       compilation_cache_dir=cache_dir, **overrides)
+
+
+def test_a_second_start_loads_every_program_and_generates_the_same_tokens(cache_dir):
+    first = engine_with(cache_dir)
+    cache = first.runner.executable_cache
+    assert cache.hits == 0 and cache.misses == first.runner.num_compiled_programs > 0
+    expected = generate(first)
+    second = engine_with(cache_dir)
+    assert second.runner.executable_cache.hits == second.runner.num_compiled_programs == cache.misses
+    assert second.runner.executable_cache.misses == 0
+    assert generate(second) == expected == generate(engine_with(None))  # None: no cache at all
+
+
+def test_a_different_pool_or_model_compiles_its_own_programs(cache_dir):
+    engine_with(cache_dir)
+    other_pool = engine_with(cache_dir, num_pages=200)  # the KV inputs' shapes differ
+    programs = other_pool.runner.compiled_shapes
+    num_forward = sum(key[0] == "forward" for key in programs)
+    # Sampling sees only [S, vocab] logits, the same for both pools: those are rightly shared.
+    assert other_pool.runner.executable_cache.misses == num_forward > 0
+    assert other_pool.runner.executable_cache.hits == len(programs) - num_forward
+    other_model = engine_with(cache_dir, model="tiny-gpt")  # every program names its model
+    assert other_model.runner.executable_cache.hits == 0
+
+
+def test_an_unreadable_entry_is_dropped_and_compiled_again(cache_dir):
+    expected = generate(engine_with(cache_dir))
+    files = sorted(glob.glob(os.path.join(cache_dir, "executables", "*.bin")))
+    with open(files[0], "wb") as f:
+        f.write(b"not an executable")
+    again = engine_with(cache_dir)
+    assert again.runner.executable_cache.misses == 1
+    assert again.runner.executable_cache.hits == again.runner.num_compiled_programs - 1
+    assert generate(again) == expected

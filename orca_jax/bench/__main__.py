@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     core.add_argument("--out", required=True, help="directory for <model>_core.json")
     core.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     core.add_argument("--sections", default="cold_start,engine,http,hf",
-                      help="comma list of cold_start, engine, http, hf")
+                      help="comma list of cold_start, http, hf, engine (or async, sync: one of its two runs)")
     core.add_argument("--cache-dir", default=None, help="compilation cache every section shares (default: a fresh one)")
     core_start.add_argument("--cache-dir", required=True)
 

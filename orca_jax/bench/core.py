@@ -192,12 +192,26 @@ def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
+    # Child processes first: once this process has run an engine, jax's allocator keeps the memory,
+    # and a server or transformers started after it would find too little (the server ran out).
     if "cold_start" in sections:
         result["cold_start"] = cold_start(setup, cache_dir)
         save()
+    if "http" in sections:
+        from orca_jax.bench.http_replay import http_replay
+        result["http"] = http_replay(setup, cache_dir, os.path.join(out_dir, f"{setup.model}_core_server.log"),
+                                     PRESETS[setup.model].vocab_size)
+        save()
+    if "hf" in sections:
+        from orca_jax.bench.suite import run_hf_subprocess
+        result["hf"] = run_hf_subprocess(setup.model, setup.num_requests, 0,
+                                         os.path.join(out_dir, f"{setup.model}_core_hf.json"), hf_timeout_s,
+                                         micro=False)
+        save()
     peaks = roofline.measure_peaks()
     result["peaks"] = peaks.as_dict()
-    for overlap in (True, False) if "engine" in sections else ():
+    # "engine" runs both; "async" or "sync" one of them.
+    for overlap in [o for o in (True, False) if {"engine", "async" if o else "sync"} & set(sections)]:
         engine = Engine(engine_config(setup, async_scheduling=overlap, compilation_cache_dir=cache_dir),
                         random_model(setup.model, setup.dtype))
         label = "async_scheduling" if overlap else "sync_scheduling"
@@ -216,21 +230,9 @@ def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "
         section["idle"]["idle_fraction"] = 1 - section["idle"]["device_busy_ms_b32"] / \
             section["idle"]["ms_per_iteration_decode_b32"]
         result[label] = section
+        if overlap and "http" in result:
+            result["http"]["warm_over_in_process"] = (result["http"]["runs"][-1]["output_throughput"]
+                                                      / section["uniform"]["runs"][-1]["tokens_per_s"])
         save()
         del engine
-    if "http" in sections:
-        from orca_jax.bench.http_replay import http_replay
-        replay = http_replay(setup, cache_dir, os.path.join(out_dir, f"{setup.model}_core_server.log"),
-                             PRESETS[setup.model].vocab_size)
-        in_process = result.get("async_scheduling", {}).get("uniform", {}).get("runs", [{}])[-1]
-        if "tokens_per_s" in in_process:
-            replay["warm_over_in_process"] = replay["runs"][-1]["output_throughput"] / in_process["tokens_per_s"]
-        result["http"] = replay
-        save()
-    if "hf" in sections:
-        from orca_jax.bench.suite import run_hf_subprocess
-        result["hf"] = run_hf_subprocess(setup.model, setup.num_requests, 0,
-                                         os.path.join(out_dir, f"{setup.model}_core_hf.json"), hf_timeout_s,
-                                         micro=False)
-        save()
     return result

@@ -21,3 +21,9 @@ def test_core_benchmark_runs_and_reports_against_its_bounds(tmp_path):
         assert uniform["runs"][1]["generated_tokens"] == uniform["runs"][0]["generated_tokens"] > 0
         assert 1.0 <= uniform["fed_over_real"] < 2.0 and uniform["bound_s"] > 0
         assert 0 <= section["idle"]["device_busy_ms_b32"]
+    # The report reads those numbers back, one row per results file.
+    from orca_jax.bench.core_report import markdown, rows
+    (row,) = rows(str(tmp_path))
+    assert row["async_uniform_tok_s"] == result["async_scheduling"]["uniform"]["runs"][-1]["tokens_per_s"]
+    assert row["sync_b1_ms"] == result["sync_scheduling"]["decode"][0]["ms_per_iteration"]
+    assert "| async_uniform_tok_s |" in markdown([row])

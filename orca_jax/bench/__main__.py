@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,report,kernels,iteration,serve,policies}`:
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,policies}`:
 see each subcommand's --help."""
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def main(argv=None) -> None:
 
     report = sub.add_parser("report", help="plots and summary.md from a results directory")
     report.add_argument("results_dir")
+    core_report = sub.add_parser("core-report", help="table (core.md) and figure (core.png) from `core` results")
+    core_report.add_argument("results_dir")
 
     serve = sub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP (TTFT, TPOT, ITL)")
     from orca_jax.bench import serve_client
@@ -162,6 +164,9 @@ def main(argv=None) -> None:
     elif args.command == "report":
         from orca_jax.bench.report import write_report
         print(write_report(args.results_dir))
+    elif args.command == "core-report":
+        from orca_jax.bench.core_report import main as core_report_main
+        core_report_main(args.results_dir)
     elif args.command == "serve":
         serve_client.main(args)
     elif args.command == "policies":

@@ -54,11 +54,17 @@ def describe_arrays(tree) -> list[tuple]:
                                      is_leaf=lambda leaf: isinstance(leaf, tuple))
 
 
-class ExecutableCache:
-    """Serialized executables in `directory`, one file per fingerprint."""
+DEFAULT_MAX_BYTES = 4 * 2**30  # a few models' programs; every code change starts a new set
 
-    def __init__(self, directory: str):
+
+class ExecutableCache:
+    """Serialized executables in `directory`, one file per fingerprint, the least recently used
+    removed once they pass max_bytes together (each source change makes a new set: without a cap a
+    developer's cache would only grow)."""
+
+    def __init__(self, directory: str, max_bytes: int = DEFAULT_MAX_BYTES):
         self.directory = directory
+        self.max_bytes = max_bytes
         os.makedirs(directory, exist_ok=True)
         self.hits = self.misses = 0
 
@@ -98,6 +104,10 @@ class ExecutableCache:
                 pass
             return None
         self.hits += 1
+        try:
+            os.utime(path)  # recently used: evicted last
+        except OSError:
+            pass
         return compiled
 
     def store(self, fingerprint: str, compiled: jax.stages.Compiled) -> None:
@@ -117,3 +127,25 @@ class ExecutableCache:
             log.warning("could not store a cached executable in %s: %r", self.directory, error)
             if os.path.exists(tmp):
                 os.remove(tmp)
+            return
+        self._evict()
+
+    def _evict(self) -> None:
+        """Remove the least recently used entries until the rest fit in max_bytes."""
+        entries = []
+        for name in os.listdir(self.directory):
+            if name.endswith(".bin"):
+                try:
+                    info = os.stat(os.path.join(self.directory, name))
+                except FileNotFoundError:
+                    continue  # another process evicted it
+                entries.append((info.st_mtime, info.st_size, name))
+        total = sum(size for _, size, _ in entries)
+        for _, size, name in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            try:
+                os.remove(os.path.join(self.directory, name))
+            except FileNotFoundError:
+                pass
+            total -= size

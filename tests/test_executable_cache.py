@@ -3,10 +3,13 @@ every program, runs them to the same tokens, and never loads a program built for
 
 import glob
 import os
+import pickle
 
 import jax
 import pytest
+from jax.experimental import serialize_executable
 
+from orca_jax.executable_cache import ExecutableCache
 from orca_jax.request import SamplingParams
 
 from engine_helpers import drain, tiny_engine
@@ -66,3 +69,18 @@ def test_an_unreadable_entry_is_dropped_and_compiled_again(cache_dir):
     assert again.runner.executable_cache.misses == 1
     assert again.runner.executable_cache.hits == again.runner.num_compiled_programs - 1
     assert generate(again) == expected
+
+
+def test_the_cache_keeps_to_its_size_by_dropping_the_least_recently_used(tmp_path):
+    compiled = jax.jit(lambda x: x * 2).lower(jax.numpy.zeros(4)).compile()
+    size = len(pickle.dumps(serialize_executable.serialize(compiled)))
+    cache = ExecutableCache(str(tmp_path), max_bytes=int(2.5 * size))  # room for two
+    device = jax.devices()[:1]
+    for name in ("a", "b"):
+        cache.store(name, compiled)
+    os.utime(os.path.join(tmp_path, "a.bin"), (1, 1))  # "a" is the oldest ...
+    os.utime(os.path.join(tmp_path, "b.bin"), (2, 2))
+    assert cache.load("a", device) is not None  # ... until it is used
+    cache.store("c", compiled)
+    assert sorted(os.listdir(tmp_path)) == ["a.bin", "c.bin"]
+    assert cache.load("a", device)(jax.numpy.ones(4)).tolist() == [2.0] * 4

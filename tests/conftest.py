@@ -5,7 +5,9 @@ otherwise compile the same program twice; jax's persistent compilation cache mak
 disk read. The cache lives in a per-session temporary directory, so runs stay independent.
 """
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -18,6 +20,7 @@ _CACHE_SETTINGS = {
     "jax_persistent_cache_min_compile_time_secs": 0.0,
     "jax_persistent_cache_min_entry_size_bytes": -1,
 }
+atexit.register(shutil.rmtree, _CACHE_SETTINGS["jax_compilation_cache_dir"], ignore_errors=True)
 for _name, _value in _CACHE_SETTINGS.items():
     jax.config.update(_name, _value)
     os.environ[_name.upper()] = str(_value)  # subprocesses (server, notebook kernel) share the cache

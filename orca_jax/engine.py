@@ -175,7 +175,7 @@ class Engine:
         deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
         scheduler counts iterations); arrival_time None: now.
         """
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")

@@ -34,9 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, precompile=False), loaded)
 
     tokenizer = engine.tokenizer
-    text = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-            if args.chat else args.prompt)
-    prompt_ids = tokenizer.encode(text)
+    prompt_ids = (tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+                  if args.chat else tokenizer.encode_prompt(args.prompt))
     max_tokens = min(args.max_tokens, engine.max_model_len - len(prompt_ids))
     if not args.chat:
         sys.stdout.write(args.prompt)

@@ -152,7 +152,7 @@ def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
 
 
 def _to_generation_output(out: RequestOutput, prompt: Prompt, engine: Engine) -> GenerationOutput:
-    prompt_ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    prompt_ids = engine.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
     completion = CompletionOutput(index=0, text=out.text, token_ids=out.output_token_ids,
                                   finish_reason=out.finish_reason)
     return GenerationOutput(request_id=out.request_id, prompt=prompt if isinstance(prompt, str) else None,

@@ -102,6 +102,7 @@ class BaseTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = False,
                split_special_tokens: bool = False) -> list[int]: ...
+    def encode_prompt(self, text: str, split_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
@@ -206,6 +207,12 @@ class Tokenizer:
         backend = self._plain_backend if split_special_tokens else self.backend
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str, split_special_tokens: bool = False) -> list[int]:
+        """A completion prompt's ids, as transformers' `tokenizer(text)` gives them: with the prefix
+        the directory's tokenizer.json adds (Llama's and Mistral's BOS; nothing for GPT-2 or Qwen2).
+        Chat prompts get theirs from the template instead (encode_chat)."""
+        return self.encode(text, add_special_tokens=True, split_special_tokens=split_special_tokens)
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
                     split_special_tokens: bool = True) -> list[int]:
         """Token ids of the chat prompt; control tokens typed in message content stay plain text.
@@ -305,6 +312,10 @@ class ByteTokenizer:
         # No text spells a special token here: every byte is its own id.
         prefix = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
         return prefix + list(text.encode("utf-8"))
+
+    def encode_prompt(self, text: str, split_special_tokens: bool = False) -> list[int]:
+        """The bytes alone: byte-level vocabularies, like GPT-2's, put nothing before a prompt."""
+        return self.encode(text)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
                     split_special_tokens: bool = True) -> list[int]:

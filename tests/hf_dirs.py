@@ -56,8 +56,9 @@ _CORPUS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time the
 
 
 def write_tokenizer(directory: str, chat_template: str, bos: str | None, eos: str) -> None:
-    """A byte-level BPE (fits in VOCAB ids) plus tokenizer_config.json with the chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE (fits in VOCAB ids) plus tokenizer_config.json with the chat template; with a
+    BOS, the post-processor adds it to every encoding, as real Llama and Mistral tokenizer.json do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -65,6 +66,9 @@ def write_tokenizer(directory: str, chat_template: str, bos: str | None, eos: st
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(SPECIALS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(_CORPUS, trainer)
+    if bos is not None:
+        backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                               special_tokens=[(bos, SPECIALS.index(bos))])
     backend.save(os.path.join(directory, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat_template,
               "bos_token": bos, "eos_token": eos, "clean_up_tokenization_spaces": False}

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from hf_dirs import KINDS, write_hf_dir
-from model_helpers import hf_greedy, hf_logits, hf_offline, our_greedy, our_logits
+from model_helpers import hf_greedy, hf_logits, hf_offline, our_engine, our_greedy, our_logits
 from orca_jax.config import RopeScaling
 from orca_jax.models.decoder import rope_inv_freq
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.models.weights import WeightsError
+from orca_jax.request import SamplingParams
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -86,6 +87,20 @@ def test_greedy_matches(pair):
     _, theirs, ours, _ = pair
     ids = ours.tokenizer.encode("Once upon a time there was")
     assert our_greedy(ours, ids, 20) == hf_greedy(theirs, ids, 20, ours.config.eos_token_ids)
+
+
+def test_a_text_prompt_is_encoded_like_transformers_with_its_bos(pair):
+    # Completion prompts as the engine and the server take them (chat prompts take BOS from the template).
+    kind, theirs_model, ours, directory = pair
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    text = "Once upon a time there was"
+    expected = theirs(text).input_ids
+    assert ours.tokenizer.encode_prompt(text) == expected
+    assert (expected[0] == ours.tokenizer.bos_token_id) == (KINDS[kind][4] is not None)  # qwen2 has no BOS
+    engine = our_engine(ours)
+    engine.add_request(text, SamplingParams(max_tokens=1))
+    (first,) = engine.step() or engine.step()
+    assert first.num_prompt_tokens == len(expected)
 
 
 @pytest.mark.parametrize("chat", CHATS, ids=["one-turn", "three-turns"])

@@ -193,3 +193,26 @@ def test_split_special_tokens_encodes_control_tokens_as_bytes():
     tok = chatml_tokenizer()
     assert tok.encode("<|im_end|>") == [257]
     assert tok.encode("<|im_end|>", split_special_tokens=True) == list(b"<|im_end|>")
+
+
+def test_completion_prompts_get_the_prefix_the_directory_defines_like_transformers(tmp_path):
+    # Real Llama 2/3 and Mistral tokenizer.json files add BOS in their post-processor; the model was
+    # trained with it, so a completion prompt without it reads as a mid-document fragment.
+    import transformers
+    from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, processors
+
+    backend = RustTokenizer(models.BPE(vocab={"<s>": 0, "a": 1, "b": 2, "ab": 3, "</s>": 4}, merges=[("a", "b")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}')
+    ours = Tokenizer.from_hf_dir(str(tmp_path))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ("ab", "abab a", "b</s>"):
+        assert ours.encode_prompt(text) == theirs(text).input_ids
+    assert ours.encode_prompt("ab") == [0, 3] and ours.encode("ab") == [3]  # raw encode adds nothing
+    # Byte-level vocabularies (the tiny presets), like GPT-2's, put nothing before a prompt.
+    assert ByteTokenizer(eos_token_ids=(2,), bos_token_id=1).encode_prompt("a") == [97]

@@ -58,7 +58,7 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
-        prompts = [self.tokenizer.encode(p, split_special_tokens=self.split_special_tokens)
+        prompts = [self.tokenizer.encode_prompt(p, split_special_tokens=self.split_special_tokens)
                    if isinstance(p, str) else list(p) for p in body.prompts()]
         choices = self._choices(body, prompts, requested=body.max_tokens,
                                 default=COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=body.logprobs, param="prompt")

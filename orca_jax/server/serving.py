@@ -127,7 +127,8 @@ class OpenAIServing:
         return requested
 
     def _kv_pool_tokens(self) -> int:
-        # ORCA reserves KV for all of max_tokens at once, so a request never outgrows the pool.
+        # A request must fit the whole pool on its own in either KV mode (reserve takes all of it up
+        # front; on_demand grows into it and may preempt others, but never itself past the pool).
         return self.async_engine.latest_stats.kv_pages_total * self.page_size
 
     def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,

@@ -4,7 +4,7 @@ and consistent (the GPU run is what the numbers are for)."""
 import json
 
 from orca_jax.bench.core import CoreSetup, run_core
-from orca_jax.bench.traces import LengthSpec
+from orca_jax.bench.traces import LengthSpec, TraceKind, make_trace
 
 
 def test_core_benchmark_runs_and_reports_against_its_bounds(tmp_path):
@@ -27,3 +27,13 @@ def test_core_benchmark_runs_and_reports_against_its_bounds(tmp_path):
     assert row["async_uniform_tok_s"] == result["async_scheduling"]["uniform"]["runs"][-1]["tokens_per_s"]
     assert row["sync_b1_ms"] == result["sync_scheduling"]["decode"][0]["ms_per_iteration"]
     assert "| async_uniform_tok_s |" in markdown([row])
+
+
+def test_the_trace_through_the_server_compiles_nothing_new(tmp_path):
+    setup = CoreSetup("tiny-llama", max_num_seqs=16, max_num_batched_tokens=64, num_requests=8,
+                      dtype="float32", lengths=LengthSpec(prompt_range=(8, 40), gen_range=(1, 6)))
+    http = run_core(setup, str(tmp_path), sections=("http",))["http"]
+    assert [run["completed"] for run in http["runs"]] == [8, 8]
+    assert http["runs"][0]["total_output_tokens"] == sum(r.max_tokens for r in make_trace(
+        TraceKind.UNIFORM, 8, None, 0, setup.lengths).requests)  # EOS ignored: every token asked for
+    assert http["programs_after"] == http["programs_at_ready"] > 0

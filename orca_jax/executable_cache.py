@@ -15,24 +15,36 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import pickle
 import tempfile
+import threading
+import time
 
+import flax
 import jax
 import jaxlib
+import numpy as np
 from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Context-manager state and the axis environment: empty outside a trace, and their reprs hold
+# memory addresses (a fingerprint with them would never match another process's).
+_UNSTABLE_TRACE_SETTINGS = ("mesh_context_manager", "abstract_mesh_context_manager",
+                            "compute_on_context_manager", "xla_metadata_context_manager",
+                            "pallas_tpu_interpret_mode_context_manager", "user_context", "axis_env_state")
+# Settings outside jax's trace context that still change a program: random bits and XLA's effort.
+_COMPILE_SETTINGS = ("jax_default_prng_impl", "jax_optimization_level", "jax_memory_fitting_level",
+                     "jax_exec_time_optimization_effort", "jax_memory_fitting_effort")
 
 
-@functools.lru_cache(maxsize=1)
-def source_digest() -> str:
-    """sha256 of every .py file of the package: any code change starts a fresh set of programs."""
-    digest = hashlib.sha256()
+def source_digest() -> str | None:
+    """sha256 of every .py file of the package (None without any: then nothing is cached)."""
+    digest, found = hashlib.sha256(), False
     for root, dirs, files in os.walk(_PACKAGE_DIR):
         dirs.sort()
         for name in sorted(f for f in files if f.endswith(".py")):
@@ -40,7 +52,30 @@ def source_digest() -> str:
             digest.update(os.path.relpath(path, _PACKAGE_DIR).encode())
             with open(path, "rb") as f:
                 digest.update(f.read())
-    return digest.hexdigest()
+            found = True
+    return digest.hexdigest() if found else None
+
+
+# The code this process runs is the code imported now: a file saved while an engine starts must not
+# label the old code's programs with the new code's digest (store() checks the digest again).
+IMPORTED_SOURCE_DIGEST = source_digest()
+
+
+def _trace_settings() -> tuple:
+    from jax._src import config as jax_config  # the list of settings jax's own jit cache keys on
+    names = getattr(jax_config, "trace_context_names", lambda: ())()
+    values = jax_config.trace_context() if names else ()
+    traced = tuple((n, v) for n, v in zip(names, values) if n not in _UNSTABLE_TRACE_SETTINGS)
+    return traced + tuple((n, getattr(jax.config, n, None)) for n in _COMPILE_SETTINGS)
+
+
+@functools.lru_cache(maxsize=1)
+def _library_versions() -> tuple:
+    """Versions of what shapes a program besides jax: flax builds the layers, numpy the constants,
+    the CUDA plugin holds XLA's GPU compiler."""
+    plugins = sorted((d.metadata["Name"], d.version) for d in importlib.metadata.distributions()
+                     if (d.metadata["Name"] or "").lower().replace("_", "-").startswith(("jax-cuda", "jaxlib")))
+    return (jax.__version__, jaxlib.__version__, flax.__version__, np.__version__, tuple(plugins))
 
 
 def describe_arrays(tree) -> list[tuple]:
@@ -60,50 +95,77 @@ DEFAULT_MAX_BYTES = 4 * 2**30  # a few models' programs; every code change start
 class ExecutableCache:
     """Serialized executables in `directory`, one file per fingerprint, the least recently used
     removed once they pass max_bytes together (each source change makes a new set: without a cap a
-    developer's cache would only grow)."""
+    developer's cache would only grow). Disk trouble never stops an engine: a program that cannot be
+    stored or read is compiled as if the cache were off."""
 
     def __init__(self, directory: str, max_bytes: int = DEFAULT_MAX_BYTES):
         self.directory = directory
         self.max_bytes = max_bytes
-        os.makedirs(directory, exist_ok=True)
         self.hits = self.misses = 0
+        self._lock = threading.Lock()  # the precompile threads count concurrently
+        self.enabled = IMPORTED_SOURCE_DIGEST is not None and self._usable()
+
+    def _usable(self) -> bool:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            info = os.stat(self.directory)
+        except OSError as error:
+            log.warning("executable cache off: %s is unusable (%r)", self.directory, error)
+            return False
+        # Entries are unpickled: a directory others can write to could hand this process code.
+        if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o022):
+            log.warning("executable cache off: %s is not this user's alone", self.directory)
+            return False
+        return True
 
     @staticmethod
     def fingerprint(identity) -> str:
         """A file name for the program `identity` describes (any repr-able, deterministic value)."""
         device = jax.devices()[0]
-        context = (source_digest(), jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+        kinds = sorted({d.device_kind for d in jax.devices()})
+        context = (IMPORTED_SOURCE_DIGEST, _library_versions(), device.platform, kinds,
                    device.client.platform_version, jax.device_count(), os.environ.get("XLA_FLAGS"),
-                   # the settings that change what a trace computes
-                   jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64,
-                   jax.config.jax_numpy_dtype_promotion)
+                   _trace_settings())
         return hashlib.sha256(repr((context, identity)).encode()).hexdigest()
 
     def _path(self, fingerprint: str) -> str:
         return os.path.join(self.directory, f"{fingerprint}.bin")
 
+    def _count(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self.hits += 1
+            else:
+                self.misses += 1
+
     def load(self, fingerprint: str, devices: list[jax.Device]) -> jax.stages.Compiled | None:
         """The stored executable, loaded onto `devices` (its mesh's, in mesh order: the fingerprint
-        must cover their ids), or None (absent, or unreadable by this jax: then removed)."""
+        must cover their ids), or None: absent, unreadable (kept), or not loadable by this jax
+        (removed)."""
+        if not self.enabled:
+            self._count(hit=False)
+            return None
         path = self._path(fingerprint)
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
+                blob = f.read()
+        except OSError:  # absent, or another user's file: compile, leave it be
+            self._count(hit=False)
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(blob)
             compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                                  backend=devices[0].client,
                                                                  execution_devices=devices)
-        except FileNotFoundError:
-            self.misses += 1
-            return None
         except Exception as error:  # noqa: BLE001 - a bad entry costs a compile, never a failure
             log.warning("dropping unreadable cached executable %s: %r", path, error)
-            self.misses += 1
+            self._count(hit=False)
             try:
                 os.remove(path)
             except OSError:
                 pass
             return None
-        self.hits += 1
+        self._count(hit=True)
         try:
             os.utime(path)  # recently used: evicted last
         except OSError:
@@ -111,35 +173,52 @@ class ExecutableCache:
         return compiled
 
     def store(self, fingerprint: str, compiled: jax.stages.Compiled) -> None:
-        """Write atomically (a reader never sees half a file); programs that cannot be serialized
-        are skipped with a debug line."""
+        """Write atomically (a reader never sees half a file). Skipped, with a log line, for programs
+        that cannot be serialized, when the package's files changed since import, and on any disk
+        error."""
+        if not self.enabled:
+            return
+        if source_digest() != IMPORTED_SOURCE_DIGEST:
+            log.warning("not caching executables: orca_jax's files changed since this process imported them")
+            self.enabled = False
+            return
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception as error:  # noqa: BLE001 - not every executable serializes
             log.debug("not caching an executable that cannot be serialized: %r", error)
             return
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide entries from tools that copy the cache
             os.replace(tmp, self._path(fingerprint))
+            tmp = None
+            self._evict()
         except OSError as error:
             log.warning("could not store a cached executable in %s: %r", self.directory, error)
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            return
-        self._evict()
+        finally:
+            if tmp is not None:
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
 
     def _evict(self) -> None:
-        """Remove the least recently used entries until the rest fit in max_bytes."""
+        """Remove the least recently used entries until the rest fit in max_bytes, and temporary
+        files an interrupted write left more than an hour ago."""
         entries = []
         for name in os.listdir(self.directory):
-            if name.endswith(".bin"):
-                try:
-                    info = os.stat(os.path.join(self.directory, name))
-                except FileNotFoundError:
-                    continue  # another process evicted it
-                entries.append((info.st_mtime, info.st_size, name))
+            path = os.path.join(self.directory, name)
+            try:
+                info = os.stat(path)
+                if name.endswith(".tmp") and info.st_mtime < time.time() - 3600:
+                    os.remove(path)
+                elif name.endswith(".bin"):
+                    entries.append((info.st_mtime, info.st_size, name))
+            except FileNotFoundError:
+                continue  # another process got there first
         total = sum(size for _, size, _ in entries)
         for _, size, name in sorted(entries):
             if total <= self.max_bytes:

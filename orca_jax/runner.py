@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_GIB = 0.5
 _GPU_KV_FRACTION = 0.85  # of the memory left after the weights
+_POOL_PAGES_MULTIPLE = 256  # a pool computed from free memory is a multiple of this many pages
 
 # Program keys: ("forward", T, S, P, stage) and ("sample", S, K, all_greedy).
 ProgramKey = tuple
@@ -82,6 +83,10 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
         stats = device.memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", params_bytes)
         budget = max(free, 0) * _GPU_KV_FRACTION * num_devices
+        # Rounded down: free memory differs by a few MiB from start to start, and the pool's size is
+        # in every forward program's shapes (a different one would miss the executable cache).
+        pages = int(budget // (config.kv_bytes_per_token * cache.page_size))
+        return max(2, pages - pages % _POOL_PAGES_MULTIPLE if pages > _POOL_PAGES_MULTIPLE else pages)
     else:
         budget = _CPU_DEFAULT_KV_GIB * 2**30
     return max(2, int(budget // (config.kv_bytes_per_token * cache.page_size)))

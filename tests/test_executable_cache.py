@@ -84,3 +84,47 @@ def test_the_cache_keeps_to_its_size_by_dropping_the_least_recently_used(tmp_pat
     cache.store("c", compiled)
     assert sorted(os.listdir(tmp_path)) == ["a.bin", "c.bin"]
     assert cache.load("a", device)(jax.numpy.ones(4)).tolist() == [2.0] * 4
+
+
+def test_nothing_is_stored_once_the_code_on_disk_is_not_the_code_running(cache_dir, monkeypatch):
+    # A file saved while an engine starts must not label the old code's programs with the new digest.
+    from orca_jax import executable_cache
+
+    monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited since import")
+    engine = engine_with(cache_dir)
+    assert not engine.runner.executable_cache.enabled
+    assert not glob.glob(os.path.join(cache_dir, "executables", "*.bin"))
+
+
+def test_a_directory_others_can_write_to_is_not_read(tmp_path):
+    # Entries are unpickled, so a group- or world-writable directory could hand this process code.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert not ExecutableCache(str(shared)).enabled
+    assert ExecutableCache(str(tmp_path / "own")).enabled
+
+
+def test_a_disk_that_refuses_writes_costs_only_the_cache(tmp_path, monkeypatch):
+    cache = ExecutableCache(str(tmp_path))
+    compiled = jax.jit(lambda x: x + 1).lower(jax.numpy.zeros(2)).compile()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tempfile.mkstemp", full_disk)
+    cache.store("a", compiled)  # logs a warning, raises nothing
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("setting", ["jax_threefry_partitionable", "jax_default_matmul_precision"])
+def test_a_jax_setting_that_changes_the_program_changes_the_fingerprint(setting):
+    before = getattr(jax.config, setting)
+    changed = (not before) if isinstance(before, bool) else "highest"
+    key = ExecutableCache.fingerprint("a program")
+    try:
+        jax.config.update(setting, changed)
+        assert ExecutableCache.fingerprint("a program") != key
+    finally:
+        jax.config.update(setting, before)
+    assert ExecutableCache.fingerprint("a program") == key  # and nothing else moved

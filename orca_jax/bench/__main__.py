@@ -74,6 +74,7 @@ def main(argv=None) -> None:
     http_cost.add_argument("--num-requests", type=int, default=512)
     http_cost.add_argument("--seed", type=int, default=0)
     http_cost.add_argument("--max-batch-size", type=int, default=128)
+    http_cost.add_argument("--max-tokens", type=int, default=None, help="every request's (default: the trace's)")
     http_cost.add_argument("--host-ms", type=float, default=0.0, help="GIL-held CPU per engine step")
     http_cost.add_argument("--device-ms", type=float, default=0.0, help="GIL-free wait per engine step")
     http_cost.add_argument("--profile", default=None, help="cProfile the event-loop thread into this file")
@@ -177,7 +178,7 @@ def main(argv=None) -> None:
     elif args.command == "http-cost":
         from orca_jax.bench.http_cost import print_profile, run_http_cost
         result = run_http_cost(args.num_requests, seed=args.seed, max_batch_size=args.max_batch_size,
-                               host_ms=args.host_ms, device_ms=args.device_ms, profile_path=args.profile)
+                               max_tokens=args.max_tokens, host_ms=args.host_ms, device_ms=args.device_ms, profile_path=args.profile)
         print(json.dumps(result, indent=1))
         if args.out:
             with open(args.out, "w") as f:

@@ -39,13 +39,14 @@ def _thread_cpu_seconds(ident: int) -> float:
     return time.clock_gettime(time.pthread_getcpuclockid(ident))
 
 
-def in_process_tokens_per_s(engine: SyntheticEngine, num_requests: int, seed: int) -> float:
+def in_process_tokens_per_s(engine: SyntheticEngine, num_requests: int, seed: int,
+                            max_tokens: int | None = None) -> float:
     """The trace through engine.step() alone: the number the served one is compared with."""
     trace = make_trace(TraceKind.UNIFORM, num_requests, None, seed)
     start = time.perf_counter()
     for index, spec in enumerate(trace.requests):
         engine.add_request(trace.prompt_ids(index, engine.model_config.vocab_size),
-                           SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True))
+                           SamplingParams(max_tokens=max_tokens or spec.max_tokens, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
     return engine.stats().generated_tokens_total / (time.perf_counter() - start)
@@ -81,13 +82,14 @@ def _served(app, profiler: cProfile.Profile | None) -> Iterator[tuple[str, threa
         sock.close()
 
 
-def _run_client(base_url: str, num_requests: int, seed: int, vocab_size: int) -> tuple[dict, float]:
+def _run_client(base_url: str, num_requests: int, seed: int, vocab_size: int,
+                max_tokens: int | None) -> tuple[dict, float]:
     """The serve client in a child process: its summary and the CPU seconds it used."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "client.json")
         cmd = [sys.executable, "-m", "orca_jax.bench", "serve", "--base-url", base_url, "--model", "synthetic",
                "--num-prompts", str(num_requests), "--seed", str(seed), "--vocab-size", str(vocab_size),
-               "--no-progress", "--out", out]
+               "--no-progress", "--out", out] + (["--max-tokens", str(max_tokens)] if max_tokens else [])
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -96,7 +98,7 @@ def _run_client(base_url: str, num_requests: int, seed: int, vocab_size: int) ->
     return summary, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
-def served_run(engine: SyntheticEngine, num_requests: int, seed: int, *,
+def served_run(engine: SyntheticEngine, num_requests: int, seed: int, *, max_tokens: int | None = None,
                profile_path: str | None = None) -> dict:
     """The trace through the served app; tokens/s and CPU microseconds per token of each thread."""
     profiler = cProfile.Profile() if profile_path else None
@@ -104,7 +106,8 @@ def served_run(engine: SyntheticEngine, num_requests: int, seed: int, *,
     with _served(app, profiler) as (base_url, loop_thread):
         loop_cpu = _thread_cpu_seconds(loop_thread.ident)
         tokens = engine.stats().generated_tokens_total
-        summary, client_cpu = _run_client(base_url, num_requests, seed, engine.model_config.vocab_size)
+        summary, client_cpu = _run_client(base_url, num_requests, seed, engine.model_config.vocab_size,
+                                          max_tokens)
         loop_cpu = _thread_cpu_seconds(loop_thread.ident) - loop_cpu
         engine_cpu = _thread_cpu_seconds(engine.step_thread_ident)  # that thread started with this run
         tokens = engine.stats().generated_tokens_total - tokens
@@ -122,8 +125,9 @@ def served_run(engine: SyntheticEngine, num_requests: int, seed: int, *,
     }
 
 
-def run_http_cost(num_requests: int = 512, *, seed: int = 0, max_batch_size: int = 128, host_ms: float = 0.0,
-                  device_ms: float = 0.0, profile_path: str | None = None) -> dict:
+def run_http_cost(num_requests: int = 512, *, seed: int = 0, max_batch_size: int = 128,
+                  max_tokens: int | None = None, host_ms: float = 0.0, device_ms: float = 0.0,
+                  profile_path: str | None = None) -> dict:
     """In-process and served tokens/s of one trace, and where the served run's CPU went."""
 
     def engine() -> SyntheticEngine:
@@ -131,9 +135,9 @@ def run_http_cost(num_requests: int = 512, *, seed: int = 0, max_batch_size: int
                                host_seconds=host_ms / 1e3, device_seconds=device_ms / 1e3)
 
     result = {"num_requests": num_requests, "seed": seed, "max_batch_size": max_batch_size,
-              "host_ms": host_ms, "device_ms": device_ms,
-              "in_process_tokens_per_s": in_process_tokens_per_s(engine(), num_requests, seed)}
-    result.update(served_run(engine(), num_requests, seed, profile_path=profile_path))
+              "max_tokens": max_tokens, "host_ms": host_ms, "device_ms": device_ms,
+              "in_process_tokens_per_s": in_process_tokens_per_s(engine(), num_requests, seed, max_tokens)}
+    result.update(served_run(engine(), num_requests, seed, max_tokens=max_tokens, profile_path=profile_path))
     result["served_over_in_process"] = result["served_tokens_per_s"] / result["in_process_tokens_per_s"]
     return result
 

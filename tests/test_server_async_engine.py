@@ -146,3 +146,18 @@ async def test_priority_reaches_the_engine():
     await asyncio.gather(drain(blocker), *(drain(s) for s in low), drain(high))
     assert finished_order[:2] == [blocker.request_id, "high"]
     async_engine.shutdown()
+
+
+async def test_next_outputs_hands_over_everything_queued_and_an_error_after_it():
+    from orca_jax.outputs import RequestOutput
+    from orca_jax.server.async_engine import RequestStream
+
+    stream = RequestStream("r", 3, asyncio.get_running_loop(), abort=lambda request_id: None)
+    outputs = [RequestOutput("r", [97 + i], chr(97 + i), [], "", 3) for i in range(3)]
+    for output in outputs:
+        stream.put(output)
+    stream.put(EngineDeadError("boom"))
+    assert await stream.next_outputs() == outputs  # all that queued, in order, the error held back
+    with pytest.raises(EngineDeadError):
+        await stream.next_outputs()
+    assert await stream.next_outputs() == []

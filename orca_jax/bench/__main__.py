@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,policies}`:
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,http-cost,policies}`:
 see each subcommand's --help."""
 
 from __future__ import annotations
@@ -70,6 +70,17 @@ def main(argv=None) -> None:
     serve = sub.add_parser("serve", help="load-test any OpenAI-compatible server over HTTP (TTFT, TPOT, ITL)")
     from orca_jax.bench import serve_client
     serve_client.add_arguments(serve)
+
+    http_cost = sub.add_parser("http-cost", help="the HTTP server's tokens/s and CPU per streamed token on CPU, "
+                               "with a synthetic engine (no model)")
+    http_cost.add_argument("--num-requests", type=int, default=512)
+    http_cost.add_argument("--seed", type=int, default=0)
+    http_cost.add_argument("--max-batch-size", type=int, default=128)
+    http_cost.add_argument("--max-tokens", type=int, default=None, help="every request's (default: the trace's)")
+    http_cost.add_argument("--host-ms", type=float, default=0.0, help="GIL-held CPU per engine step")
+    http_cost.add_argument("--device-ms", type=float, default=0.0, help="GIL-free wait per engine step")
+    http_cost.add_argument("--profile", default=None, help="cProfile the event-loop thread into this file")
+    http_cost.add_argument("--out", default=None, help="write the result as JSON to this file")
 
     core = sub.add_parser("core", help="engine core: cold start, decode vs weight-read bound, traces vs roofline, "
                                        "async scheduling on/off, transformers peer")
@@ -169,6 +180,16 @@ def main(argv=None) -> None:
         core_report_main(args.results_dir)
     elif args.command == "serve":
         serve_client.main(args)
+    elif args.command == "http-cost":
+        from orca_jax.bench.http_cost import print_profile, run_http_cost
+        result = run_http_cost(args.num_requests, seed=args.seed, max_batch_size=args.max_batch_size,
+                               max_tokens=args.max_tokens, host_ms=args.host_ms, device_ms=args.device_ms, profile_path=args.profile)
+        print(json.dumps(result, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        if args.profile:
+            print_profile(args.profile)
     elif args.command == "policies":
         from orca_jax.bench.policies import run_policies
         run_policies(args.out, num_requests=args.num_requests, seed=args.seed)

@@ -83,19 +83,22 @@ class ChoiceStreams:
             stream.abort()
             timer.on_abort()
 
-    async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output) as they come, across all choices; ends when all have finished."""
+    async def merged(self) -> AsyncIterator[tuple[int, list[RequestOutput]]]:
+        """(choice index, its outputs delivered by then) as they come, across all choices; ends when
+        all have finished. Batches, not single outputs: see RequestStream.next_outputs."""
         if len(self.streams) == 1:  # the common case needs no pumping
-            async for output in self.streams[0]:
-                self.timers[0].on_output(output)
-                yield 0, output
+            stream, timer = self.streams[0], self.timers[0]
+            while outputs := await stream.next_outputs():
+                for output in outputs:
+                    timer.on_output(output)
+                yield 0, outputs
             return
-        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, list[RequestOutput] | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream) -> None:
             try:
-                async for output in stream:
-                    queue.put_nowait((index, output))
+                while outputs := await stream.next_outputs():
+                    queue.put_nowait((index, outputs))
             except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((index, error))
             queue.put_nowait((index, None))
@@ -110,7 +113,8 @@ class ChoiceStreams:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    self.timers[index].on_output(item)
+                    for output in item:
+                        self.timers[index].on_output(output)
                     yield index, item
         finally:
             for task in tasks:
@@ -122,10 +126,11 @@ class ChoiceStreams:
         finals: list[RequestOutput | None] = [None] * len(self.streams)
         logprobs: list[list[TokenLogprob] | None] = [None] * len(self.streams)
         try:
-            async for index, output in self.merged():
-                if output.new_logprobs is not None:
-                    logprobs[index] = (logprobs[index] or []) + output.new_logprobs
-                finals[index] = output
+            async for index, outputs in self.merged():
+                for output in outputs:
+                    if output.new_logprobs is not None:
+                        logprobs[index] = (logprobs[index] or []) + output.new_logprobs
+                    finals[index] = output
         finally:
             watcher.cancel()
             self.abort_all()  # no-op once finished; frees the KV when we were cancelled

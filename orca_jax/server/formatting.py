@@ -6,6 +6,8 @@ prompts): every method takes the choice's index, and per-choice state is kept by
 
 from __future__ import annotations
 
+import json
+
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.server.protocol import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
@@ -22,6 +24,31 @@ Final = tuple[RequestOutput, list[TokenLogprob] | None]
 
 def _clamp(logprob: float) -> float:
     return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
+
+
+def _json(value: str | None) -> str:
+    # ensure_ascii=False writes text as pydantic does (UTF-8, not \u escapes).
+    return "null" if value is None else json.dumps(value, ensure_ascii=False)
+
+
+class _ChunkFrame:
+    """A streamed chunk's JSON with a hole where its one choice goes; built once per response.
+
+    Each token of each stream is one chunk. Building and serializing pydantic models for it took
+    more of the event loop than anything else we control, and that loop shares the GIL with the
+    engine thread; the per-token choices are now written as strings into this frame instead.
+    test_server_formatting checks that the result equals the models' JSON byte for byte.
+    """
+
+    def __init__(self, chunk_without_choices_json: str):
+        head, hole, tail = chunk_without_choices_json.partition('"choices":[]')
+        if not hole:
+            raise ValueError(f"no empty choices list in {chunk_without_choices_json!r}")
+        self.head = head + '"choices":['
+        self.tail = "]" + tail
+
+    def around(self, choice_json: str) -> str:
+        return self.head + choice_json + self.tail
 
 
 class _Formatter:
@@ -44,6 +71,7 @@ class CompletionFormatter(_Formatter):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._text_offsets: dict[int, int] = {}  # choice -> where its next token's text starts
+        self._frame = _ChunkFrame(self._response([], usage=None).model_dump_json())
 
     def logprobs(self, index: int, items: list[TokenLogprob]) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -64,10 +92,13 @@ class CompletionFormatter(_Formatter):
     def chunks(self, index: int, output: RequestOutput) -> list[str]:
         if not (output.new_text or output.finished or output.new_logprobs):
             return []  # text held back (a stop string may be forming): nothing to say yet
-        logprobs = self.logprobs(index, output.new_logprobs) if output.new_logprobs is not None else None
-        choice = CompletionChoice(index=index, text=output.new_text, logprobs=logprobs,
-                                  finish_reason=output.finish_reason if output.finished else None)
-        return [self._response([choice], usage=None).model_dump_json()]
+        finish_reason = output.finish_reason if output.finished else None
+        if output.new_logprobs is None:  # the common case, written by hand: see _ChunkFrame
+            return [self._frame.around(f'{{"index":{index},"text":{_json(output.new_text)},'
+                                       f'"logprobs":null,"finish_reason":{_json(finish_reason)}}}')]
+        choice = CompletionChoice(index=index, text=output.new_text, finish_reason=finish_reason,
+                                  logprobs=self.logprobs(index, output.new_logprobs))
+        return [self._frame.around(choice.model_dump_json())]
 
     def usage_chunk(self, usage: Usage) -> str:
         return self._response([], usage=usage).model_dump_json()
@@ -85,6 +116,11 @@ class CompletionFormatter(_Formatter):
 
 class ChatFormatter(_Formatter):
     """Bodies of /v1/chat/completions ("chat.completion" and "chat.completion.chunk")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._frame = _ChunkFrame(ChatCompletionChunk(id=self.response_id, created=self.created,
+                                                      model=self.model, choices=[]).model_dump_json())
 
     def logprobs(self, items: list[TokenLogprob]) -> ChatLogprobs:
         return ChatLogprobs(content=[
@@ -105,9 +141,13 @@ class ChatFormatter(_Formatter):
     def chunks(self, index: int, output: RequestOutput) -> list[str]:
         if not (output.new_text or output.finished or output.new_logprobs):
             return []
-        logprobs = self.logprobs(output.new_logprobs) if output.new_logprobs is not None else None
+        finish_reason = output.finish_reason if output.finished else None
+        if output.new_logprobs is None:  # the common case, written by hand: see _ChunkFrame
+            delta = f'{{"content":{_json(output.new_text)}}}' if output.new_text else "{}"
+            return [self._frame.around(f'{{"index":{index},"delta":{delta},"logprobs":null,'
+                                       f'"finish_reason":{_json(finish_reason)}}}')]
         delta = ChatDelta(content=output.new_text) if output.new_text else ChatDelta()
-        return [self._chunk(index, delta, logprobs, output.finish_reason if output.finished else None)]
+        return [self._chunk(index, delta, self.logprobs(output.new_logprobs), finish_reason)]
 
     def usage_chunk(self, usage: Usage) -> str:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
@@ -124,5 +164,4 @@ class ChatFormatter(_Formatter):
     def _chunk(self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None,
                finish_reason: str | None) -> str:
         choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
-                                   choices=[choice]).model_dump_json()
+        return self._frame.around(choice.model_dump_json())

@@ -32,7 +32,8 @@ def _check_encodable(value: object) -> None:
                              f"at character {error.start}") from None
     elif isinstance(value, (list, tuple)):
         for item in value:
-            _check_encodable(item)
+            if not isinstance(item, int):  # a prompt's hundreds of token ids need no call each
+                _check_encodable(item)
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_encodable(key)

@@ -189,15 +189,21 @@ class OpenAIServing:
         try:
             for payload in formatter.opening_chunks(len(choices)):
                 yield f"data: {payload}\n\n"
-            async for index, output in streams.merged():
-                if output.finish_reason == DEADLINE:  # OpenAI streams report errors as an error event
+            async for index, outputs in streams.merged():
+                # One event per output as ever, but all that queued up go out in one send.
+                events = []
+                for output in outputs:
+                    if output.finish_reason == DEADLINE:
+                        break
+                    events.extend(f"data: {payload}\n\n" for payload in formatter.chunks(index, output))
+                    finals[index] = output
+                if events:
+                    yield "".join(events)
+                if outputs[-1].finish_reason == DEADLINE:  # OpenAI streams report errors as an error event
                     body = error_body(504, DEADLINE_MESSAGE.format(deadline_seconds),
                                       param="deadline_ms", code="deadline_exceeded")
                     yield f"data: {json.dumps(body)}\n\n"
                     break
-                for payload in formatter.chunks(index, output):
-                    yield f"data: {payload}\n\n"
-                finals[index] = output
             if formatter.include_usage and all(final is not None for final in finals):
                 yield f"data: {formatter.usage_chunk(usage_of(choices, finals))}\n\n"
         except EngineUnavailableError as error:

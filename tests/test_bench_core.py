@@ -20,7 +20,7 @@ def test_core_benchmark_runs_and_reports_against_its_bounds(tmp_path):
         uniform = section["uniform"]
         assert uniform["runs"][1]["generated_tokens"] == uniform["runs"][0]["generated_tokens"] > 0
         assert 1.0 <= uniform["fed_over_real"] < 2.0 and uniform["bound_s"] > 0
-        assert 0 <= section["idle"]["device_busy_ms_b32"]
+        assert section["idle"]["device_busy_ms_b32"] > 0
     # The report reads those numbers back, one row per results file.
     from orca_jax.bench.core_report import markdown, rows
     (row,) = rows(str(tmp_path))

@@ -1,6 +1,7 @@
 """The engine-core benchmark's plumbing on CPU with the tiny model: every section's numbers are there
 and consistent (the GPU run is what the numbers are for)."""
 
+import gzip
 import json
 
 from orca_jax.bench.core import CoreSetup, run_core
@@ -11,7 +12,7 @@ def test_core_benchmark_runs_and_reports_against_its_bounds(tmp_path):
     setup = CoreSetup("tiny-llama", max_num_seqs=32, max_num_batched_tokens=64, num_requests=12,
                       dtype="float32", lengths=LengthSpec(prompt_range=(8, 96), gen_range=(1, 12),
                                                           homogeneous=(48, 8)))
-    result = run_core(setup, str(tmp_path), sections=("engine",))  # cold_start: two child processes
+    result = run_core(setup, str(tmp_path), sections=("engine",), profile=True)  # cold_start: two child processes
     assert json.load(open(tmp_path / "tiny-llama_core.json"))["setup"]["model"] == "tiny-llama"
     for label in ("async_scheduling", "sync_scheduling"):
         section = result[label]
@@ -21,6 +22,8 @@ def test_core_benchmark_runs_and_reports_against_its_bounds(tmp_path):
         assert uniform["runs"][1]["generated_tokens"] == uniform["runs"][0]["generated_tokens"] > 0
         assert 1.0 <= uniform["fed_over_real"] < 2.0 and uniform["bound_s"] > 0
         assert section["idle"]["device_busy_ms_b32"] > 0
+        with gzip.open(section["profile"]["perfetto"]) as trace:  # the profiler's window, readable
+            assert json.load(trace)["traceEvents"]
     # The report reads those numbers back, one row per results file.
     from orca_jax.bench.core_report import markdown, rows
     (row,) = rows(str(tmp_path))

@@ -95,6 +95,8 @@ def main(argv=None) -> None:
     core.add_argument("--sections", default="cold_start,engine,http,hf",
                       help="comma list of cold_start, http, hf, engine (or async, sync: one of its two runs)")
     core.add_argument("--cache-dir", default=None, help="compilation cache every section shares (default: a fresh one)")
+    core.add_argument("--profile", action="store_true",
+                      help="also a jax profiler trace of 30 uniform-trace iterations per engine section")
     core_start.add_argument("--cache-dir", required=True)
 
     policies = sub.add_parser("policies", help="fcfs/sjf/edf/das on TCB's workload (utility, deadline hits)")
@@ -151,7 +153,7 @@ def main(argv=None) -> None:
             print(json.dumps(start_probe(setup, args.cache_dir)))
         else:
             sections = set(args.sections.split(",")) - ({"hf"} if args.no_hf else set())
-            run_core(setup, args.out, sections=sections, cache_dir=args.cache_dir)
+            run_core(setup, args.out, sections=sections, cache_dir=args.cache_dir, profile=args.profile)
     elif args.command == "iteration":
         from orca_jax.bench.iteration import main as iteration_main
         iteration_main(args.out_file)

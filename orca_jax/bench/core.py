@@ -19,8 +19,10 @@ Results go to DIR/<model>_core.json.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -165,6 +167,34 @@ def device_busy_ms(engine: Engine, batch) -> float:
     return 1e3 * (time.perf_counter() - start) / 20
 
 
+def profile_window(engine: Engine, trace: Trace, directory: str, iterations: int = 30) -> dict:
+    """A jax profiler trace (perfetto's trace.json.gz under `directory`) of the trace's first
+    `iterations` iterations, the prefill-heavy ones whose share of the roofline is in question;
+    then the requests are dropped."""
+    vocab = engine.model_config.vocab_size
+    ids = [engine.add_request(trace.prompt_ids(i, vocab), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+           for i, r in enumerate(trace.requests)]
+    for _ in range(3):  # past the first dispatches, into the steady pipeline
+        engine.step()
+    jax.profiler.start_trace(directory, create_perfetto_trace=True)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        engine.step()
+    seconds = time.perf_counter() - start
+    jax.profiler.stop_trace()
+    # perfetto's file sits four folders down; a copy beside the results is easier to carry off.
+    traces = sorted(glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True))
+    perfetto = f"{directory}.perfetto.json.gz" if traces else None
+    if traces:
+        shutil.copyfile(traces[-1], perfetto)
+    for request_id in ids:
+        engine.abort(request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return {"directory": directory, "perfetto": perfetto, "iterations": iterations,
+            "ms_per_iteration": 1e3 * seconds / iterations}
+
+
 def cold_start(setup: CoreSetup, cache_dir: str) -> dict:
     """Two child processes with cache_dir (empty at first): the empty-cache start, then the warm one."""
     runs = []
@@ -192,10 +222,11 @@ def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
 
 
 def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "http", "hf"),
-             hf_timeout_s: float = 400.0, cache_dir: str | None = None) -> dict:
+             hf_timeout_s: float = 400.0, cache_dir: str | None = None, profile: bool = False) -> dict:
     """The sections asked for, in order; the JSON is rewritten after each, so a cut-off run keeps what
     it got. Every section compiles into cache_dir (None: a fresh temporary one), so the cold start
-    fills it and the engine sections after it start warm."""
+    fills it and the engine sections after it start warm. `profile`: a profiler trace of the uniform
+    trace's first iterations in each engine section, under out_dir/profile_<section>."""
     if cache_dir is None:
         cache_dir = tempfile.mkdtemp(prefix="orca_jax_cache_")
     os.makedirs(out_dir, exist_ok=True)
@@ -246,6 +277,10 @@ def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "
             warm = runs[-1]
             section[kind.value] = {"runs": runs, **bound,
                                    "fraction_of_bound": bound["bound_s"] / warm["seconds"]}
+        if profile:
+            section["profile"] = profile_window(engine, make_trace(TraceKind.UNIFORM, setup.num_requests, None, 0,
+                                                                   setup.lengths),
+                                                os.path.join(out_dir, f"profile_{label}"))
         section["idle"] = {"ms_per_iteration_decode_b32": section["decode"][2]["ms_per_iteration"],
                            "device_busy_ms_b32": busy_ms}
         section["idle"]["idle_fraction"] = 1 - section["idle"]["device_busy_ms_b32"] / \

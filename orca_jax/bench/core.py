@@ -214,11 +214,24 @@ def cold_start(setup: CoreSetup, cache_dir: str) -> dict:
 
 
 def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
-    """What `core-start` prints: the engine built and every program compiled, timed inside the child."""
+    """What `core-start` prints: the engine built and every program compiled, timed inside the child,
+    with where the time went (weights, compiling by program kind, first runs, executable cache)."""
     start = time.perf_counter()
-    engine = Engine(engine_config(setup, compilation_cache_dir=cache_dir), random_model(setup.model, setup.dtype))
-    return {"engine_ready_s": time.perf_counter() - start,
-            "num_programs": engine.runner.num_compiled_programs, "params_init_s": engine.runner.params_seconds}
+    engine = Engine(engine_config(setup, compilation_cache_dir=cache_dir, precompile=False),
+                    random_model(setup.model, setup.dtype))
+    built = time.perf_counter()
+    done_at: dict[str, list[float]] = {}
+
+    def progress(done: int, total: int, key: tuple, seconds: float) -> None:
+        done_at.setdefault(key[0], []).append(seconds)
+
+    report = engine.precompile(progress)
+    cache = engine.runner.executable_cache
+    return {"engine_ready_s": time.perf_counter() - start, "engine_built_s": built - start,
+            "num_programs": engine.runner.num_compiled_programs, "params_init_s": engine.runner.params_seconds,
+            "compile_s": report.compile_seconds, "first_runs_s": report.warm_seconds,
+            "last_done_at_s": {kind: max(times) for kind, times in done_at.items()},
+            "executable_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses}}
 
 
 def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "http", "hf"),

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import functools
+import itertools
 import logging
 import os
 import time

@@ -107,7 +107,8 @@ class ExecutableCache:
 
     def _usable(self) -> bool:
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            # 0700 whatever the umask (0002 is common): the check below must pass on our own directory.
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
             info = os.stat(self.directory)
         except OSError as error:
             log.warning("executable cache off: %s is unusable (%r)", self.directory, error)

@@ -128,3 +128,12 @@ def test_a_jax_setting_that_changes_the_program_changes_the_fingerprint(setting)
     finally:
         jax.config.update(setting, before)
     assert ExecutableCache.fingerprint("a program") == key  # and nothing else moved
+
+
+def test_a_permissive_umask_still_makes_a_private_directory(tmp_path):
+    old = os.umask(0o002)  # group-writable by default, as on many desktops
+    try:
+        assert ExecutableCache(str(tmp_path / "fresh")).enabled
+    finally:
+        os.umask(old)
+    assert (tmp_path / "fresh").stat().st_mode & 0o077 == 0

@@ -14,14 +14,12 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import tokenizers
-import uvicorn
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, SchedulerConfig
@@ -29,6 +27,7 @@ from orca_jax.engine import EngineStats
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
 from orca_jax.scheduler import QueueFullError
+from orca_jax.server.in_thread import ServedApp, served_in_thread
 from orca_jax.tokenizer import ByteTokenizer, Tokenizer, byte_to_unicode
 
 FIRST_LETTER, NUM_LETTERS = ord("a"), 26
@@ -250,36 +249,10 @@ async def asgi_client(app, **client_kwargs) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-@dataclasses.dataclass
-class LiveServer:
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-
-@contextlib.contextmanager
-def live_server(app, *, graceful_seconds: float = 5.0) -> Iterator[LiveServer]:
-    """Serve `app` with uvicorn on a free loopback port, in a background thread."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_seconds,
-                            limit_concurrency=None, backlog=2048)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield LiveServer(f"http://127.0.0.1:{port}", server, thread)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+def live_server(app, *, graceful_seconds: float = 5.0) -> contextlib.AbstractContextManager[ServedApp]:
+    """Serve `app` with uvicorn on a free loopback port, in a background thread (.url, .server, .thread)."""
+    return served_in_thread(app, timeout_graceful_shutdown=graceful_seconds, limit_concurrency=None,
+                            backlog=2048)
 
 
 def parse_sse(text: str) -> list[dict | str]:

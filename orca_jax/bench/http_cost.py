@@ -13,26 +13,21 @@ how much event-loop work slows the engine down, as on the GPU.
 
 from __future__ import annotations
 
-import contextlib
 import cProfile
 import json
 import os
 import pstats
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-
-import uvicorn
 
 from orca_jax.bench.synthetic_engine import SyntheticEngine
 from orca_jax.bench.traces import TraceKind, make_trace
 from orca_jax.request import SamplingParams
 from orca_jax.server.app import create_app
+from orca_jax.server.in_thread import served_in_thread
 
 
 def _thread_cpu_seconds(ident: int) -> float:
@@ -50,36 +45,6 @@ def in_process_tokens_per_s(engine: SyntheticEngine, num_requests: int, seed: in
     while engine.has_unfinished():
         engine.step()
     return engine.stats().generated_tokens_total / (time.perf_counter() - start)
-
-
-@contextlib.contextmanager
-def _served(app, profiler: cProfile.Profile | None) -> Iterator[tuple[str, threading.Thread]]:
-    """uvicorn on a free loopback port, in a thread (under `profiler` when given)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    # serve.py's settings (uvicorn's defaults) plus a backlog for every request arriving at once.
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", backlog=4096))
-
-    def serve() -> None:
-        if profiler is None:
-            server.run(sockets=[sock])
-        else:
-            profiler.runcall(server.run, sockets=[sock])
-
-    thread = threading.Thread(target=serve, name="event-loop", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", thread
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def _run_client(base_url: str, num_requests: int, seed: int, vocab_size: int,
@@ -103,7 +68,9 @@ def served_run(engine: SyntheticEngine, num_requests: int, seed: int, *, max_tok
     """The trace through the served app; tokens/s and CPU microseconds per token of each thread."""
     profiler = cProfile.Profile() if profile_path else None
     app = create_app(engine)
-    with _served(app, profiler) as (base_url, loop_thread):
+    # serve.py's settings (uvicorn's defaults) plus a backlog for every request arriving at once.
+    with served_in_thread(app, backlog=4096, wrap_run=None if profiler is None else profiler.runcall) as served:
+        base_url, loop_thread = served.url, served.thread
         loop_cpu = _thread_cpu_seconds(loop_thread.ident)
         tokens = engine.stats().generated_tokens_total
         summary, client_cpu = _run_client(base_url, num_requests, seed, engine.model_config.vocab_size,

@@ -115,6 +115,9 @@ class PrecompileReport:
     num_programs: int  # compiled by this call (already compiled ones are skipped)
     compile_seconds: float  # wall time of the (parallel) compilation
     warm_seconds: float  # one run of every new forward program (module load, first-call costs)
+    # Each program's own lowering + compiling (or executable-cache load) time, on its worker thread:
+    # their sum over compile_seconds is how parallel the compilation was.
+    seconds_by_key: dict = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -220,10 +223,20 @@ class ModelRunner:
         if self._mirror is not None:
             self._mirror.precompile(keys, warm)
         todo = [key for key in dict.fromkeys(keys) if key not in self._executables]
+        # The biggest programs first, so the last worker does not start a long one while the rest idle.
+        todo.sort(key=lambda key: (key[0] != "forward", -key[1] if key[0] == "forward" else 0))
         start = time.perf_counter()
-        workers = threads or min(8, os.cpu_count() or 1)
+        workers = threads or os.cpu_count() or 1
+        seconds_by_key = {}
+
+        def timed(key):
+            began = time.perf_counter()
+            compiled = self._lower_and_compile(key)
+            seconds_by_key[key] = time.perf_counter() - began
+            return compiled
+
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = {pool.submit(self._lower_and_compile, key): key for key in todo}
+            futures = {pool.submit(timed, key): key for key in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 key = futures[future]
                 self._executables[key] = future.result()
@@ -234,7 +247,7 @@ class ModelRunner:
         if warm:
             for t, s, p in sorted({key[1:4] for key in todo if key[0] == "forward"}):
                 jax.block_until_ready(self._forward(empty_batch(t, s, p)))
-        return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start)
+        return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start, seconds_by_key)
 
     def compiled_program(self, key: ProgramKey) -> jax.stages.Compiled:
         """The compiled executable of a program key (compiled now if it is not yet), e.g. to read its

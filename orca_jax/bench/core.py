@@ -32,7 +32,7 @@ import time
 import jax
 import numpy as np
 
-from orca_jax.bench import roofline
+from orca_jax.bench import profile_summary, roofline
 from orca_jax.bench.traces import LengthSpec, Trace, TraceKind, make_trace
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
@@ -72,10 +72,28 @@ def engine_config(setup: CoreSetup, async_scheduling: bool = True, **overrides) 
                         **overrides)
 
 
+class _HostTimes:
+    """An engine observer summing where the host's time per batch goes (seconds)."""
+
+    def __init__(self):
+        self.schedule_s = self.build_s = self.dispatch_s = self.update_s = 0.0
+
+    def on_dispatch(self, batch, timing) -> None:
+        self.schedule_s += timing.schedule_s
+        self.build_s += timing.build_s
+        self.dispatch_s += timing.dispatch_s
+
+    def on_update(self, output, seconds) -> None:
+        self.update_s += seconds
+
+
 def _run_trace(engine: Engine, trace: Trace) -> dict:
-    """All requests at t=0 (offline), EOS ignored; generated tokens per second over the drain."""
+    """All requests at t=0 (offline), EOS ignored; generated tokens per second over the drain, and
+    the host's time split into scheduling, batch building, dispatch, update and the rest (outputs)."""
     vocab = engine.model_config.vocab_size
     before = engine.stats()
+    host_times = _HostTimes()
+    engine.add_observer(host_times)
     start = time.perf_counter()
     for i, r in enumerate(trace.requests):
         engine.add_request(trace.prompt_ids(i, vocab), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
@@ -83,11 +101,14 @@ def _run_trace(engine: Engine, trace: Trace) -> dict:
     while engine.has_unfinished():
         generated += sum(len(out.new_token_ids) for out in engine.step())
     seconds = time.perf_counter() - start
+    engine.remove_observer(host_times)
     after = engine.stats()
     iterations = after.iterations - before.iterations
+    host_s = after.host_seconds_total - before.host_seconds_total
+    split = {f"{name}_s": getattr(host_times, f"{name}_s") for name in ("schedule", "build", "dispatch", "update")}
     return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
             "iterations": iterations, "ms_per_iteration": 1e3 * seconds / max(iterations, 1),
-            "host_s": after.host_seconds_total - before.host_seconds_total,
+            "host_s": host_s, "host_split": split | {"rest_s": host_s - sum(split.values())},
             "device_wait_s": after.device_wait_seconds_total - before.device_wait_seconds_total}
 
 
@@ -192,7 +213,8 @@ def profile_window(engine: Engine, trace: Trace, directory: str, iterations: int
     while engine.has_unfinished():
         engine.step()
     return {"directory": directory, "perfetto": perfetto, "iterations": iterations,
-            "ms_per_iteration": 1e3 * seconds / iterations}
+            "ms_per_iteration": 1e3 * seconds / iterations,
+            "summary": None if perfetto is None else profile_summary.summarize(perfetto)}
 
 
 def cold_start(setup: CoreSetup, cache_dir: str) -> dict:
@@ -227,10 +249,17 @@ def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
 
     report = engine.precompile(progress)
     cache = engine.runner.executable_cache
+    program_s: dict[str, list[float]] = {}
+    for key, seconds in report.seconds_by_key.items():
+        program_s.setdefault(key[0], []).append(seconds)
+    slowest = sorted(report.seconds_by_key.items(), key=lambda item: -item[1])[:5]
     return {"engine_ready_s": time.perf_counter() - start, "engine_built_s": built - start,
             "num_programs": engine.runner.num_compiled_programs, "params_init_s": engine.runner.params_seconds,
             "compile_s": report.compile_seconds, "first_runs_s": report.warm_seconds,
             "last_done_at_s": {kind: max(times) for kind, times in done_at.items()},
+            # Per kind: programs, the sum of their own times (over compile_s: the parallelism), the longest.
+            "program_s": {kind: {"count": len(t), "sum": sum(t), "max": max(t)} for kind, t in program_s.items()},
+            "slowest": [[list(key), seconds] for key, seconds in slowest],
             "executable_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses}}
 
 

@@ -97,6 +97,8 @@ def main(argv=None) -> None:
     core.add_argument("--cache-dir", default=None, help="compilation cache every section shares (default: a fresh one)")
     core.add_argument("--profile", action="store_true",
                       help="also a jax profiler trace of 30 uniform-trace iterations per engine section")
+    core.add_argument("--profile-skip", type=int, default=3,
+                      help="iterations run before the profiled ones (the first are prefill-heavy)")
     core_start.add_argument("--cache-dir", required=True)
 
     policies = sub.add_parser("policies", help="fcfs/sjf/edf/das on TCB's workload (utility, deadline hits)")
@@ -106,6 +108,7 @@ def main(argv=None) -> None:
 
     # Its own parser takes the rest of the line (see the dispatch below); listed here for --help.
     sub.add_parser("kernels", help="ragged attention kernel vs the jnp reference on a GPU")
+    sub.add_parser("compile-probe", help="one forward program's trace, lower and compile seconds")
 
     iteration = sub.add_parser("iteration", help="one llama-8b engine iteration at batch 64: Pallas vs jnp")
     iteration.add_argument("out_file")
@@ -114,6 +117,10 @@ def main(argv=None) -> None:
     if argv[:1] == ["kernels"]:
         from orca_jax.bench.kernels import main as kernels_main
         kernels_main(argv[1:])
+        return
+    if argv[:1] == ["compile-probe"]:
+        from orca_jax.bench.compile_probe import main as probe_main
+        probe_main(argv[1:])
         return
     args = parser.parse_args(argv)
     if args.command == "suite":
@@ -153,7 +160,8 @@ def main(argv=None) -> None:
             print(json.dumps(start_probe(setup, args.cache_dir)))
         else:
             sections = set(args.sections.split(",")) - ({"hf"} if args.no_hf else set())
-            run_core(setup, args.out, sections=sections, cache_dir=args.cache_dir, profile=args.profile)
+            run_core(setup, args.out, sections=sections, cache_dir=args.cache_dir, profile=args.profile,
+                     profile_skip=args.profile_skip)
     elif args.command == "iteration":
         from orca_jax.bench.iteration import main as iteration_main
         iteration_main(args.out_file)

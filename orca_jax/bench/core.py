@@ -188,14 +188,14 @@ def device_busy_ms(engine: Engine, batch) -> float:
     return 1e3 * (time.perf_counter() - start) / 20
 
 
-def profile_window(engine: Engine, trace: Trace, directory: str, iterations: int = 30) -> dict:
-    """A jax profiler trace (perfetto's trace.json.gz under `directory`) of the trace's first
-    `iterations` iterations, the prefill-heavy ones whose share of the roofline is in question;
-    then the requests are dropped."""
+def profile_window(engine: Engine, trace: Trace, directory: str, iterations: int = 30, skip: int = 3) -> dict:
+    """A jax profiler trace (perfetto's trace.json.gz under `directory`) of `iterations` iterations of
+    the trace after the first `skip` (the first are prefill-heavy, later ones mostly decode); then
+    the requests are dropped."""
     vocab = engine.model_config.vocab_size
     ids = [engine.add_request(trace.prompt_ids(i, vocab), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
            for i, r in enumerate(trace.requests)]
-    for _ in range(3):  # past the first dispatches, into the steady pipeline
+    for _ in range(max(skip, 1)):  # at least past the first dispatch, into the steady pipeline
         engine.step()
     jax.profiler.start_trace(directory, create_perfetto_trace=True)
     start = time.perf_counter()
@@ -212,7 +212,7 @@ def profile_window(engine: Engine, trace: Trace, directory: str, iterations: int
         engine.abort(request_id)
     while engine.has_unfinished():
         engine.step()
-    return {"directory": directory, "perfetto": perfetto, "iterations": iterations,
+    return {"directory": directory, "perfetto": perfetto, "iterations": iterations, "skipped": skip,
             "ms_per_iteration": 1e3 * seconds / iterations,
             "summary": None if perfetto is None else profile_summary.summarize(perfetto)}
 
@@ -264,7 +264,8 @@ def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
 
 
 def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "http", "hf"),
-             hf_timeout_s: float = 400.0, cache_dir: str | None = None, profile: bool = False) -> dict:
+             hf_timeout_s: float = 400.0, cache_dir: str | None = None, profile: bool = False,
+             profile_skip: int = 3) -> dict:
     """The sections asked for, in order; the JSON is rewritten after each, so a cut-off run keeps what
     it got. Every section compiles into cache_dir (None: a fresh temporary one), so the cold start
     fills it and the engine sections after it start warm. `profile`: a profiler trace of the uniform
@@ -322,7 +323,7 @@ def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "
         if profile:
             section["profile"] = profile_window(engine, make_trace(TraceKind.UNIFORM, setup.num_requests, None, 0,
                                                                    setup.lengths),
-                                                os.path.join(out_dir, f"profile_{label}"))
+                                                os.path.join(out_dir, f"profile_{label}"), skip=profile_skip)
         section["idle"] = {"ms_per_iteration_decode_b32": section["decode"][2]["ms_per_iteration"],
                            "device_busy_ms_b32": busy_ms}
         section["idle"]["idle_fraction"] = 1 - section["idle"]["device_busy_ms_b32"] / \

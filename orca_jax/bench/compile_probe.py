@@ -1,0 +1,71 @@
+"""How long one forward program takes to trace, lower and compile, and what makes it long.
+
+`python -m orca_jax.bench compile-probe --model llama-8b --layers 8 --tokens 160 [--attention jnp]`
+builds one stage's forward program from shapes alone (no weights are made) and times its three
+phases on one thread, with no compilation cache. Run it with a few layer counts and attention
+backends, or with XLA_FLAGS set, to see which part of the cold start grows with what.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+
+from orca_jax.config import AttentionBackend
+from orca_jax.models import decoder
+from orca_jax.models.attention import AttentionMetadata, LayerKV
+from orca_jax.models.presets import get_preset
+from orca_jax.pipeline import _stage_forward
+from orca_jax.runner import choose_attention
+
+
+def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int = 4096,
+          attention: AttentionBackend = AttentionBackend.AUTO, page_size: int = 16) -> dict:
+    """Seconds to trace, lower and compile the forward of one (T, S) bucket for `num_layers` layers."""
+    config = dataclasses.replace(get_preset(model), num_layers=num_layers)
+    platform = jax.devices()[0].platform
+    params = decoder.param_shapes(config)
+    dtype = jnp.dtype(config.dtype)
+    page = jax.ShapeDtypeStruct((config.num_kv_heads, pages, page_size, config.head_dim), dtype)
+    kv = tuple(LayerKV(page, page) for _ in range(num_layers))
+    table_width = -(-config.max_seq_len // page_size)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    meta = AttentionMetadata(cu_q_lens=i32(seqs + 1), kv_lens=i32(seqs), page_table=i32(seqs, table_width),
+                             slot_mapping=i32(tokens), num_seqs=i32(1))
+    model_fn = decoder.Decoder(config, choose_attention(attention, platform))
+    forward = jax.jit(_stage_forward, static_argnums=(0, 1, 2), donate_argnums=(4,))
+    start = time.perf_counter()
+    traced = forward.trace(model_fn, True, True, params, kv, (i32(tokens), i32(tokens), i32(seqs)), i32(tokens),
+                           meta, i32(seqs))
+    traced_at = time.perf_counter()
+    lowered = traced.lower()
+    lowered_at = time.perf_counter()
+    lowered.compile()
+    compiled_at = time.perf_counter()
+    return {"model": model, "layers": num_layers, "tokens": tokens, "seqs": seqs, "attention": attention.value,
+            "platform": platform, "trace_s": traced_at - start, "lower_s": lowered_at - traced_at,
+            "compile_s": compiled_at - lowered_at}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="bench compile-probe", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--layers", type=int, nargs="+", default=[8])
+    parser.add_argument("--tokens", type=int, default=160)
+    parser.add_argument("--seqs", type=int, default=128)
+    parser.add_argument("--attention", default="auto", choices=[b.value for b in AttentionBackend])
+    args = parser.parse_args(argv)
+    jax.config.update("jax_enable_compilation_cache", False)
+    for layers in args.layers:
+        print(json.dumps(probe(args.model, layers, args.tokens, args.seqs, attention=AttentionBackend(args.attention))),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -24,8 +24,11 @@ from orca_jax.runner import choose_attention
 
 
 def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int = 4096,
-          attention: AttentionBackend = AttentionBackend.AUTO, page_size: int = 16) -> dict:
-    """Seconds to trace, lower and compile the forward of one (T, S) bucket for `num_layers` layers."""
+          attention: AttentionBackend = AttentionBackend.AUTO, page_size: int = 16,
+          dispatch_runs: int = 0) -> dict:
+    """Seconds to trace, lower and compile the forward of one (T, S) bucket for `num_layers` layers;
+    with dispatch_runs, then the host's time to dispatch it (the call returning, asynchronously) and
+    the device's time per run, on zero weights and pages (every sequence empty)."""
     config = dataclasses.replace(get_preset(model), num_layers=num_layers)
     platform = jax.devices()[0].platform
     params = decoder.param_shapes(config)
@@ -44,11 +47,31 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
     traced_at = time.perf_counter()
     lowered = traced.lower()
     lowered_at = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
     compiled_at = time.perf_counter()
-    return {"model": model, "layers": num_layers, "tokens": tokens, "seqs": seqs, "attention": attention.value,
-            "platform": platform, "trace_s": traced_at - start, "lower_s": lowered_at - traced_at,
-            "compile_s": compiled_at - lowered_at}
+    result = {"model": model, "layers": num_layers, "tokens": tokens, "seqs": seqs, "attention": attention.value,
+              "platform": platform, "trace_s": traced_at - start, "lower_s": lowered_at - traced_at,
+              "compile_s": compiled_at - lowered_at}
+    if dispatch_runs:
+        result.update(dispatch_timing(compiled, (params, kv, (i32(tokens), i32(tokens), i32(seqs)), i32(tokens),
+                                                 meta, i32(seqs)), dispatch_runs))
+    return result
+
+
+def dispatch_timing(compiled, shapes, runs: int) -> dict:
+    """Host ms per call (the call returning) and device ms per run, back to back, on zeros."""
+    params, kv, *rest = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    _, kv = compiled(params, kv, *rest)  # first run: module load
+    jax.block_until_ready(kv)
+    host = []
+    start = time.perf_counter()
+    for _ in range(runs):
+        began = time.perf_counter()
+        _, kv = compiled(params, kv, *rest)  # the pages are donated: thread them through
+        host.append(time.perf_counter() - began)
+    jax.block_until_ready(kv)
+    device_ms = 1e3 * (time.perf_counter() - start) / runs
+    return {"dispatch_ms": 1e3 * sorted(host)[len(host) // 2], "device_ms_per_run": device_ms}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,11 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--seqs", type=int, default=128)
     parser.add_argument("--attention", default="auto", choices=[b.value for b in AttentionBackend])
+    parser.add_argument("--dispatch-runs", type=int, default=0,
+                        help="then time this many runs on zeros (host dispatch vs device time)")
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)
     for layers in args.layers:
-        print(json.dumps(probe(args.model, layers, args.tokens, args.seqs, attention=AttentionBackend(args.attention))),
-              flush=True)
+        print(json.dumps(probe(args.model, layers, args.tokens, args.seqs, attention=AttentionBackend(args.attention),
+                               dispatch_runs=args.dispatch_runs)), flush=True)
 
 
 if __name__ == "__main__":

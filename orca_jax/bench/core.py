@@ -197,7 +197,10 @@ def profile_window(engine: Engine, trace: Trace, directory: str, iterations: int
            for i, r in enumerate(trace.requests)]
     for _ in range(max(skip, 1)):  # at least past the first dispatch, into the steady pipeline
         engine.step()
-    jax.profiler.start_trace(directory, create_perfetto_trace=True)
+    # No Python tracer: it slows the host several-fold, and host speed is what the window is about.
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    jax.profiler.start_trace(directory, create_perfetto_trace=True, profiler_options=options)
     start = time.perf_counter()
     for _ in range(iterations):
         engine.step()

@@ -16,6 +16,7 @@ Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, F ffn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -186,7 +187,7 @@ class Decoder:
             raise ValueError(f"{len(layer_params)} layers of params but {len(kv)} of KV pages")
         new_kv = []
         for params, layer_kv in zip(layer_params, kv):
-            x, layer_kv = self.block.apply({"params": params}, x, positions, layer_kv, meta)
+            x, layer_kv = _apply_block(self, params, x, positions, layer_kv, meta)
             new_kv.append(layer_kv)
         return x, tuple(new_kv)
 
@@ -215,6 +216,15 @@ class Decoder:
         x = self.embed(params, token_ids, positions)
         x, kv = self.layers(params["layers"], kv, x, positions, meta)
         return self.logits(params, x[logits_indices]), kv
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply_block(decoder: Decoder, params, x, positions, layer_kv: LayerKV, meta: AttentionMetadata):
+    """One layer, as its own jitted function: every layer has the same shapes, so a forward program
+    traces and lowers the block once and calls it per layer (XLA inlines the calls again). Tracing
+    32 unrolled copies of it held the GIL for seconds per program and serialized the precompile
+    threads: the cold start was mostly that."""
+    return decoder.block.apply({"params": params}, x, positions, layer_kv, meta)
 
 
 def empty_cache(config: ModelConfig, num_pages: int, page_size: int,

@@ -14,6 +14,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from orca_jax.config import AttentionBackend
 from orca_jax.models import decoder
@@ -25,7 +26,7 @@ from orca_jax.runner import choose_attention
 
 def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int = 4096,
           attention: AttentionBackend = AttentionBackend.AUTO, page_size: int = 16,
-          dispatch_runs: int = 0) -> dict:
+          dispatch_runs: int = 0, fresh_inputs: bool = False) -> dict:
     """Seconds to trace, lower and compile the forward of one (T, S) bucket for `num_layers` layers;
     with dispatch_runs, then the host's time to dispatch it (the call returning, asynchronously) and
     the device's time per run, on zero weights and pages (every sequence empty)."""
@@ -54,20 +55,26 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
               "compile_s": compiled_at - lowered_at}
     if dispatch_runs:
         result.update(dispatch_timing(compiled, (params, kv, (i32(tokens), i32(tokens), i32(seqs)), i32(tokens),
-                                                 meta, i32(seqs)), dispatch_runs))
+                                                 meta, i32(seqs)), dispatch_runs, fresh_inputs))
+        result["fresh_inputs"] = fresh_inputs
     return result
 
 
-def dispatch_timing(compiled, shapes, runs: int) -> dict:
-    """Host ms per call (the call returning) and device ms per run, back to back, on zeros."""
+def dispatch_timing(compiled, shapes, runs: int, fresh_inputs: bool = False) -> dict:
+    """Host ms per call (the call returning) and device ms per run, back to back, on zeros.
+
+    fresh_inputs: the batch inputs come from new numpy arrays each call, as the engine's do (so
+    each call's input buffers are new ones), instead of the same device arrays every time."""
     params, kv, *rest = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    host_rest = jax.tree_util.tree_map(np.asarray, rest)
     _, kv = compiled(params, kv, *rest)  # first run: module load
     jax.block_until_ready(kv)
     host = []
     start = time.perf_counter()
     for _ in range(runs):
+        inputs = jax.tree_util.tree_map(np.copy, host_rest) if fresh_inputs else rest
         began = time.perf_counter()
-        _, kv = compiled(params, kv, *rest)  # the pages are donated: thread them through
+        _, kv = compiled(params, kv, *inputs)  # the pages are donated: thread them through
         host.append(time.perf_counter() - began)
     jax.block_until_ready(kv)
     device_ms = 1e3 * (time.perf_counter() - start) / runs
@@ -85,11 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", default="auto", choices=[b.value for b in AttentionBackend])
     parser.add_argument("--dispatch-runs", type=int, default=0,
                         help="then time this many runs on zeros (host dispatch vs device time)")
+    parser.add_argument("--fresh-inputs", action="store_true",
+                        help="new numpy batch inputs every run, as the engine passes them")
     args = parser.parse_args(argv)
     jax.config.update("jax_enable_compilation_cache", False)
     for layers in args.layers:
         print(json.dumps(probe(args.model, layers, args.tokens, args.seqs, attention=AttentionBackend(args.attention),
-                               dispatch_runs=args.dispatch_runs)), flush=True)
+                               dispatch_runs=args.dispatch_runs, fresh_inputs=args.fresh_inputs)), flush=True)
 
 
 if __name__ == "__main__":

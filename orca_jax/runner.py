@@ -33,8 +33,8 @@ from orca_jax.executable_cache import ExecutableCache, describe_arrays
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
-from orca_jax.models.attention import AttentionMetadata, LayerKV
-from orca_jax.pipeline import Handoff, Stage
+from orca_jax.models.attention import LayerKV
+from orca_jax.pipeline import Handoff, Stage, pack_batch
 from orca_jax.sampling import SamplingArrays, pack, sample
 from orca_jax.sharding import rules, tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
@@ -303,19 +303,15 @@ class ModelRunner:
         return self._forward(batch)
 
     def _forward(self, batch: RaggedBatch) -> jax.Array:
-        t, s, p = batch.token_ids.shape[0], batch.kv_lens.shape[0], batch.page_table.shape[1]
-        meta = AttentionMetadata(cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
-                                 page_table=batch.page_table, slot_mapping=batch.slot_mapping,
-                                 num_seqs=batch.num_seqs)
-        if batch.token_sources is None:
-            inputs = (batch.token_ids, np.full(t, -1, np.int32), self._no_tokens)
-        else:
-            inputs = (batch.token_ids, batch.token_sources, self._next_tokens)
+        t, s, p = bucket = batch.token_ids.shape[0], batch.kv_lens.shape[0], batch.page_table.shape[1]
+        packed = pack_batch(batch)  # i32: every stage gets the same vector
+        # A batch without token sources reads no samples: the constant keeps stage 0 of batch k+1
+        # from waiting for batch k's sampling.
+        inputs = self._no_tokens if batch.token_sources is None else self._next_tokens
         for stage in self.stages:  # activations [T, H] from stage to stage; logits f32[S, V] last
             if stage.index > 0:
                 inputs = self._to_next[stage.index - 1](inputs)
-            inputs = stage.run(self._executable(("forward", t, s, p, stage.index)), inputs,
-                               batch.positions, meta, batch.logits_indices)
+            inputs = stage.run(self._executable(("forward", t, s, p, stage.index)), bucket, packed, inputs)
         return inputs
 
     def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:

@@ -18,9 +18,9 @@ import numpy as np
 
 from orca_jax.config import AttentionBackend
 from orca_jax.models import decoder
-from orca_jax.models.attention import AttentionMetadata, LayerKV
+from orca_jax.models.attention import LayerKV
 from orca_jax.models.presets import get_preset
-from orca_jax.pipeline import _stage_forward
+from orca_jax.pipeline import _stage_forward, packed_size
 from orca_jax.runner import choose_attention
 
 
@@ -38,13 +38,13 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
     kv = tuple(LayerKV(page, page) for _ in range(num_layers))
     table_width = -(-config.max_seq_len // page_size)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    meta = AttentionMetadata(cu_q_lens=i32(seqs + 1), kv_lens=i32(seqs), page_table=i32(seqs, table_width),
-                             slot_mapping=i32(tokens), num_seqs=i32(1))
+    bucket = (tokens, seqs, table_width)
+    size = packed_size(*bucket)
     model_fn = decoder.Decoder(config, choose_attention(attention, platform))
-    forward = jax.jit(_stage_forward, static_argnums=(0, 1, 2), donate_argnums=(4,))
+    forward = jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
+    args = (params, kv, i32(size + 1), i32(size), i32(seqs))
     start = time.perf_counter()
-    traced = forward.trace(model_fn, True, True, params, kv, (i32(tokens), i32(tokens), i32(seqs)), i32(tokens),
-                           meta, i32(seqs))
+    traced = forward.trace(model_fn, True, True, bucket, *args)
     traced_at = time.perf_counter()
     lowered = traced.lower()
     lowered_at = time.perf_counter()
@@ -54,8 +54,7 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
               "platform": platform, "trace_s": traced_at - start, "lower_s": lowered_at - traced_at,
               "compile_s": compiled_at - lowered_at}
     if dispatch_runs:
-        result.update(dispatch_timing(compiled, (params, kv, (i32(tokens), i32(tokens), i32(seqs)), i32(tokens),
-                                                 meta, i32(seqs)), dispatch_runs, fresh_inputs))
+        result.update(dispatch_timing(compiled, args, dispatch_runs, fresh_inputs))
         result["fresh_inputs"] = fresh_inputs
     return result
 
@@ -63,18 +62,18 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
 def dispatch_timing(compiled, shapes, runs: int, fresh_inputs: bool = False) -> dict:
     """Host ms per call (the call returning) and device ms per run, back to back, on zeros.
 
-    fresh_inputs: the batch inputs come from new numpy arrays each call, as the engine's do (so
-    each call's input buffers are new ones), instead of the same device arrays every time."""
-    params, kv, *rest = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    host_rest = jax.tree_util.tree_map(np.asarray, rest)
-    _, kv = compiled(params, kv, *rest)  # first run: module load
+    fresh_inputs: the packed batch inputs come from a new numpy array each call, as the engine's
+    do, instead of the same device array every time."""
+    params, kv, staging, packed, prev = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    host_packed = np.asarray(packed)
+    _, kv, staging = compiled(params, kv, staging, packed, prev)  # first run: module load
     jax.block_until_ready(kv)
     host = []
     start = time.perf_counter()
     for _ in range(runs):
-        inputs = jax.tree_util.tree_map(np.copy, host_rest) if fresh_inputs else rest
+        inputs = host_packed.copy() if fresh_inputs else packed
         began = time.perf_counter()
-        _, kv = compiled(params, kv, *inputs)  # the pages are donated: thread them through
+        _, kv, staging = compiled(params, kv, staging, inputs, prev)  # donated: thread them through
         host.append(time.perf_counter() - began)
     jax.block_until_ready(kv)
     device_ms = 1e3 * (time.perf_counter() - start) / runs

@@ -60,10 +60,9 @@ class Stage:
         self.kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in layers)
         self.kv = None  # made by allocate_kv, once the pool size is known (it depends on the weights)
         # The pages go out with the sharding they came in with; else the second call would recompile.
-        out = (self.replicated, self.kv_shardings, self.replicated)
-        self._forward_fn = jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6),
+        out = (self.replicated, self.kv_shardings)
+        self._forward_fn = jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5,),
                                    out_shardings=out)
-        self._staging: dict[tuple[int, int, int], jax.Array] = {}  # per bucket, see _stage_forward
 
     @property
     def params_bytes(self) -> int:
@@ -83,22 +82,17 @@ class Stage:
         else:
             inputs = jax.ShapeDtypeStruct((t, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
-        size = packed_size(t, s, p)
         return self._forward_fn.lower(self.model, self.first, self.last, (t, s, p), self.params, self.kv,
-                                      i32(size + 1), i32(size), inputs)
+                                      i32(packed_size(t, s, p)), inputs)
 
-    def run(self, executable: jax.stages.Compiled, bucket: tuple[int, int, int], packed: np.ndarray,
-            inputs) -> jax.Array:
+    def run(self, executable: jax.stages.Compiled, packed: np.ndarray, inputs) -> jax.Array:
         """Dispatch this stage (asynchronous): [T, H] activations out, or f32[S, V] logits if last.
 
         `packed`: the batch's inputs in one i32 vector (`pack_batch`). `inputs`: the previous
         iteration's samples i32[max_seqs] (still on device) on the first stage, else the previous
         stage's [T, H] activations, already moved here (`Handoff`).
         """
-        staging = self._staging.get(bucket)
-        if staging is None:
-            staging = jax.device_put(np.zeros(packed_size(*bucket) + 1, np.int32), self.replicated)
-        out, self.kv, self._staging[bucket] = executable(self.params, self.kv, staging, packed, inputs)
+        out, self.kv = executable(self.params, self.kv, packed, inputs)
         return out
 
 
@@ -136,17 +130,9 @@ def _unpack(vector: jax.Array, t: int, s: int, p: int) -> dict[str, jax.Array]:
 
 
 def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: tuple[int, int, int], params, kv,
-                   staging, packed, inputs):
-    """One stage's forward; returns (activations or logits, kv, staging).
-
-    The batch's inputs are copied into `staging`, a donated buffer of this bucket's that stays where
-    it is from call to call, and every layer reads them there. XLA runs the layers as a recorded
-    CUDA graph (command buffer) that it must re-record when a buffer it reads moves: read from a
-    fresh input buffer each iteration, that re-recording took ~3.6 of a llama-8b forward's 4.6 ms
-    of dispatch on an H100. The barrier keeps XLA from reading through the copy to `packed`.
-    """
-    staging = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(staging, packed, (0,)))
-    fields = _unpack(staging, *bucket)
+                   packed, inputs):
+    """One stage's forward: (activations [T, H], or logits f32[S, V] on the last stage; kv)."""
+    fields = _unpack(packed, *bucket)
     meta = AttentionMetadata(cu_q_lens=fields["cu_q_lens"], kv_lens=fields["kv_lens"],
                              page_table=fields["page_table"], slot_mapping=fields["slot_mapping"],
                              num_seqs=fields["num_seqs"])
@@ -161,8 +147,8 @@ def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: tupl
         x = inputs  # [T, H]
     x, kv = model.layers(params["layers"], kv, x, positions, meta)
     if last:
-        return model.logits(params, x[fields["logits_indices"]]), kv, staging  # f32[S, V]
-    return x, kv, staging
+        return model.logits(params, x[fields["logits_indices"]]), kv  # f32[S, V]
+    return x, kv
 
 
 class Handoff:

@@ -303,15 +303,15 @@ class ModelRunner:
         return self._forward(batch)
 
     def _forward(self, batch: RaggedBatch) -> jax.Array:
-        t, s, p = bucket = batch.token_ids.shape[0], batch.kv_lens.shape[0], batch.page_table.shape[1]
-        packed = pack_batch(batch)  # i32: every stage gets the same vector
+        t, s, p = batch.token_ids.shape[0], batch.kv_lens.shape[0], batch.page_table.shape[1]
+        packed = pack_batch(batch)  # i32: one host-to-device copy per stage, not nine
         # A batch without token sources reads no samples: the constant keeps stage 0 of batch k+1
         # from waiting for batch k's sampling.
         inputs = self._no_tokens if batch.token_sources is None else self._next_tokens
         for stage in self.stages:  # activations [T, H] from stage to stage; logits f32[S, V] last
             if stage.index > 0:
                 inputs = self._to_next[stage.index - 1](inputs)
-            inputs = stage.run(self._executable(("forward", t, s, p, stage.index)), bucket, packed, inputs)
+            inputs = stage.run(self._executable(("forward", t, s, p, stage.index)), packed, inputs)
         return inputs
 
     def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:

@@ -41,8 +41,8 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
     bucket = (tokens, seqs, table_width)
     size = packed_size(*bucket)
     model_fn = decoder.Decoder(config, choose_attention(attention, platform))
-    forward = jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5, 6))
-    args = (params, kv, i32(size + 1), i32(size), i32(seqs))
+    forward = jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+    args = (params, kv, i32(size), i32(seqs))
     start = time.perf_counter()
     traced = forward.trace(model_fn, True, True, bucket, *args)
     traced_at = time.perf_counter()
@@ -64,16 +64,16 @@ def dispatch_timing(compiled, shapes, runs: int, fresh_inputs: bool = False) -> 
 
     fresh_inputs: the packed batch inputs come from a new numpy array each call, as the engine's
     do, instead of the same device array every time."""
-    params, kv, staging, packed, prev = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    params, kv, packed, prev = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     host_packed = np.asarray(packed)
-    _, kv, staging = compiled(params, kv, staging, packed, prev)  # first run: module load
+    _, kv = compiled(params, kv, packed, prev)  # first run: module load
     jax.block_until_ready(kv)
     host = []
     start = time.perf_counter()
     for _ in range(runs):
         inputs = host_packed.copy() if fresh_inputs else packed
         began = time.perf_counter()
-        _, kv, staging = compiled(params, kv, staging, inputs, prev)  # donated: thread them through
+        _, kv = compiled(params, kv, inputs, prev)  # the pages are donated: thread them through
         host.append(time.perf_counter() - began)
     jax.block_until_ready(kv)
     device_ms = 1e3 * (time.perf_counter() - start) / runs

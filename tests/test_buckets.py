@@ -9,16 +9,16 @@ from orca_jax.bench.traces import TraceKind, make_trace
 
 def test_ladder_doubles_then_is_geometric():
     ladder = token_ladder(2048)
-    assert ladder[:3] == (16, 32, 64)
+    assert ladder[:4] == (8, 16, 32, 64)
     assert ladder[-1] == 2048 and list(ladder) == sorted(set(ladder))
-    steps = [b / a for a, b in zip(ladder[3:], ladder[4:-1])]
+    steps = [b / a for a, b in zip(ladder[4:], ladder[5:-1])]
     assert all(1.1 <= r <= 1.35 for r in steps), steps  # x1.2 rounded up to 16s
     assert token_ladder(5) == (5,)
 
 
 def test_bucket_rounds_tokens_up_ties_seqs_and_fixes_pages():
     buckets = BucketPolicy(max_num_batched_tokens=512, max_seqs=64, max_pages=100)
-    assert buckets.bucket(1, 1, 1) == (16, 16, 100)
+    assert buckets.bucket(1, 1, 1) == (8, 8, 100)
     assert buckets.bucket(65, 30, 7) == (80, 64, 100)  # S: next power of two of T, capped at max_seqs
     assert buckets.bucket(17, 17, 100) == (32, 32, 100)
     assert buckets.bucket(512, 64, 3) == (512, 64, 100)
@@ -28,7 +28,7 @@ def test_bucket_rounds_tokens_up_ties_seqs_and_fixes_pages():
     with pytest.raises(ValueError, match="exceeds"):
         buckets.bucket(513, 1, 1)
     with pytest.raises(ValueError, match="exceeds"):
-        buckets.bucket(16, 17, 1)  # more sequences than tokens: impossible
+        buckets.bucket(8, 9, 1)  # more sequences than tokens: impossible
     with pytest.raises(ValueError, match="increasing"):
         BucketPolicy(64, 8, 4, ladder=(8, 32))
 

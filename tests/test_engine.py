@@ -158,14 +158,14 @@ def test_full_waiting_pool_pushes_back():
 def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
     """The documented program count: one forward per token bucket, sampling per (S, top-K, greedy).
 
-    With max_batch_size 16 and a 64-token budget the ladder is 16, 32, 64 (3 forward programs) and
-    S is always 16 (the next power of two of T, capped at the batch size), so 1 x 2 x 2 = 4 sampling
-    programs: 7 in all. Two randomized 200-request runs then compile nothing more.
+    With max_batch_size 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs)
+    and S is 8 or 16 (the next power of two of T, capped at the batch size), so 2 x 2 x 2 = 8
+    sampling programs: 12 in all. Two randomized 200-request runs then compile nothing more.
     """
     engine = tiny_engine(max_batch_size=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
-    assert engine.buckets.ladder == (16, 32, 64)
+    assert engine.buckets.ladder == (8, 16, 32, 64)
     compiled = engine.runner.compiled_shapes
-    assert len(compiled) == engine.runner.num_compiled_programs == 3 + 4
+    assert len(compiled) == engine.runner.num_compiled_programs == 4 + 8
     assert compiled == frozenset(engine.program_keys())
 
     def run(seed):

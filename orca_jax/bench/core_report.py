@@ -45,6 +45,15 @@ def rows(results_dir: str) -> list[dict]:
                 row[f"{trace}_bound_tok_s"] = section[trace]["bound_tokens_per_s"]
                 row[f"{trace}_fed_over_real"] = section[trace]["fed_over_real"]
             row[f"{short}_idle_b32"] = section["idle"]["idle_fraction"]
+            uniform = section["uniform"]["runs"][-1]
+            if "host_split" in uniform:  # host ms per iteration: dispatching, and the rest of the host work
+                per_iteration = 1e3 / max(uniform["iterations"], 1)
+                row[f"{short}_dispatch_ms_per_it"] = uniform["host_split"]["dispatch_s"] * per_iteration
+                row[f"{short}_host_other_ms_per_it"] = (uniform["host_s"] - uniform["host_split"]["dispatch_s"]) \
+                    * per_iteration
+            summary = (section.get("profile") or {}).get("summary")
+            if summary and summary["device"]:  # the profiled window's busiest stream
+                row[f"{short}_profile_busy"] = summary["device"][0]["busy_fraction"]
         http = run.get("http")
         if http and http.get("runs"):
             row["http_tok_s"] = http["runs"][-1]["output_throughput"]

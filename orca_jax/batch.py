@@ -27,14 +27,13 @@ def token_ladder(max_tokens: int, smallest: int = 8, doubling_until: int = 64, g
     """Token buckets: doubling from `smallest` up to doubling_until, then x growth (rounded up to
     align), then max.
 
-    Below ~64 tokens an iteration reads the weights for as long as it computes, so padding T costs
-    no time there as long as S (the next power of two of T) stays: powers of two keep every S and
-    drop the 8-token steps' extra forward programs (24, 40, 48, 56). A ladder starting at 16 also
-    dropped S = 8, and batch-1 decode measured slower with it (H100, other calls than the ones
-    before: llama-8b 6.08 -> 6.31 ms, llama-1b 1.52 -> 1.81 ms). Above 64 the ladder is fine: on the paper's trace (prompts U(32, 512), outputs
-    U(1, 128), batch 128, 2048-token budget) it feeds 1.070x the real tokens with 22 buckets,
-    against 1.33x for powers of two (9 buckets): whenever prompts wait, the scheduler fills the
-    budget, and the budget is a bucket.
+    Below ~64 tokens an iteration reads the weights for as long as it computes, so padding T there
+    costs no time as long as S (the next power of two of T) stays: powers of two keep every S with
+    fewer programs than 8-token steps. Above 64 the steps are fine-grained: on the paper's trace
+    (prompts U(32, 512), outputs U(1, 128), batch 128, 2048-token budget) this ladder feeds 1.070x
+    the real tokens with 22 buckets, against 1.33x for powers of two (9 buckets): whenever prompts
+    wait, the scheduler fills the budget, and the budget is a bucket. (Measurements behind these
+    choices: benchmarks/results/h100/notes.md.)
     """
     ladder, t = [], smallest
     while t < max_tokens:
@@ -113,6 +112,56 @@ class RaggedBatch:
         """What decides the compiled programs: (T, S, P, top logprobs, all greedy)."""
         return (self.token_ids.shape[0], self.kv_lens.shape[0], self.page_table.shape[1],
                 self.num_top_logprobs, self.all_greedy)
+
+
+# RaggedBatch's arrays, each with its shape in bucket (T, S, P) and its dtype: the one list that
+# packs a batch into flat vectors (the forward's inputs below; multihost's messages).
+BATCH_ARRAYS = (
+    ("token_ids", lambda t, s, p: (t,), np.int32),
+    ("positions", lambda t, s, p: (t,), np.int32),
+    ("slot_mapping", lambda t, s, p: (t,), np.int32),
+    ("cu_q_lens", lambda t, s, p: (s + 1,), np.int32),
+    ("kv_lens", lambda t, s, p: (s,), np.int32),
+    ("page_table", lambda t, s, p: (s, p), np.int32),
+    ("num_seqs", lambda t, s, p: (1,), np.int32),
+    ("logits_indices", lambda t, s, p: (s,), np.int32),
+    ("temperature", lambda t, s, p: (s,), np.float32),
+    ("top_k", lambda t, s, p: (s,), np.int32),
+    ("top_p", lambda t, s, p: (s,), np.float32),
+    ("seed", lambda t, s, p: (s,), np.uint32),
+    ("step", lambda t, s, p: (s,), np.int32),
+    ("token_sources", lambda t, s, p: (t,), np.int32),  # None on a batch that feeds every token itself
+)
+# What the forward program reads (sampling takes the rest), packed into one i32 vector so a batch
+# reaches the device in one copy.
+_FORWARD_INPUTS = tuple(entry for entry in BATCH_ARRAYS if entry[0] in (
+    "token_ids", "token_sources", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
+    "num_seqs", "logits_indices"))
+
+
+def forward_inputs_size(t: int, s: int, p: int) -> int:
+    """Length of the packed forward inputs of bucket (T, S, P)."""
+    return sum(int(np.prod(shape_of(t, s, p))) for _, shape_of, _ in _FORWARD_INPUTS)
+
+
+def pack_forward_inputs(batch: RaggedBatch) -> np.ndarray:
+    """i32[forward_inputs_size]: the forward's inputs in one vector; token_sources -1 (none) when the
+    batch has none."""
+    t = batch.token_ids.shape[0]
+    sources = batch.token_sources if batch.token_sources is not None else np.full(t, -1, np.int32)
+    return np.concatenate([np.asarray(sources if name == "token_sources" else getattr(batch, name),
+                                      np.int32).ravel() for name, _, _ in _FORWARD_INPUTS])
+
+
+def unpack_forward_inputs(vector, t: int, s: int, p: int) -> dict:
+    """The inverse of pack_forward_inputs, on numpy or (inside a program) jax arrays: name -> array."""
+    out, offset = {}, 0
+    for name, shape_of, _ in _FORWARD_INPUTS:
+        shape = shape_of(t, s, p)
+        size = int(np.prod(shape))
+        out[name] = vector[offset:offset + size].reshape(shape)
+        offset += size
+    return out
 
 
 def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:

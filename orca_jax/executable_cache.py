@@ -1,8 +1,9 @@
 """Compiled programs kept on disk and loaded without tracing: what makes a warm start fast.
 
 JAX's persistent compilation cache skips XLA's compile, but it still traces and lowers each program
-to find the cache key. For llama-8b on an H100 that is most of a warm start (46 programs in 40 s),
-and tracing holds the GIL, so the runner's compile threads cannot overlap it. This cache keys each
+to find the cache key. For llama-8b on an H100 that was most of a warm start (46 programs in 40 s,
+before each layer was traced once per program), and tracing holds the GIL, so the runner's compile
+threads cannot overlap it. This cache keys each
 serialized executable by what its trace depends on, all known before tracing: the program's
 identity as the runner describes it (program key, model config, attention kernel, meshes), the
 shapes, dtypes and shardings of its inputs, the orca_jax source, jax's version and the devices. A

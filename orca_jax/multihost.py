@@ -20,7 +20,7 @@ import json
 import jax
 import numpy as np
 
-from orca_jax.batch import RaggedBatch
+from orca_jax.batch import BATCH_ARRAYS, RaggedBatch
 from orca_jax.config import ParallelConfig
 
 _HEADER_LEN = 11
@@ -47,23 +47,9 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-# RaggedBatch's arrays in message order, with their shapes given (T, S, P).
-_ARRAYS = (
-    ("token_ids", lambda t, s, p: (t,), np.int32),
-    ("positions", lambda t, s, p: (t,), np.int32),
-    ("slot_mapping", lambda t, s, p: (t,), np.int32),
-    ("cu_q_lens", lambda t, s, p: (s + 1,), np.int32),
-    ("kv_lens", lambda t, s, p: (s,), np.int32),
-    ("page_table", lambda t, s, p: (s, p), np.int32),
-    ("num_seqs", lambda t, s, p: (1,), np.int32),
-    ("logits_indices", lambda t, s, p: (s,), np.int32),
-    ("temperature", lambda t, s, p: (s,), np.float32),
-    ("top_k", lambda t, s, p: (s,), np.int32),
-    ("top_p", lambda t, s, p: (s,), np.float32),
-    ("seed", lambda t, s, p: (s,), np.uint32),
-    ("step", lambda t, s, p: (s,), np.int32),
-)
-_SOURCES = ("token_sources", lambda t, s, p: (t,), np.int32)
+# RaggedBatch's arrays in message order; token_sources last, and only when the batch has them.
+_ARRAYS = tuple(entry for entry in BATCH_ARRAYS if entry[0] != "token_sources")
+_SOURCES = next(entry for entry in BATCH_ARRAYS if entry[0] == "token_sources")
 
 
 def encode_batch(batch: RaggedBatch) -> tuple[np.ndarray, np.ndarray]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from orca_jax.batch import RaggedBatch
+from orca_jax.batch import forward_inputs_size, unpack_forward_inputs
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
 from orca_jax.sharding import rules
@@ -60,9 +60,7 @@ class Stage:
         self.kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in layers)
         self.kv = None  # made by allocate_kv, once the pool size is known (it depends on the weights)
         # The pages go out with the sharding they came in with; else the second call would recompile.
-        out = (self.replicated, self.kv_shardings)
-        self._forward_fn = jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5,),
-                                   out_shardings=out)
+        self._forward_fn = forward_program(out_shardings=(self.replicated, self.kv_shardings))
 
     @property
     def params_bytes(self) -> int:
@@ -83,12 +81,12 @@ class Stage:
             inputs = jax.ShapeDtypeStruct((t, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
         return self._forward_fn.lower(self.model, self.first, self.last, (t, s, p), self.params, self.kv,
-                                      i32(packed_size(t, s, p)), inputs)
+                                      i32(forward_inputs_size(t, s, p)), inputs)
 
     def run(self, executable: jax.stages.Compiled, packed: np.ndarray, inputs) -> jax.Array:
         """Dispatch this stage (asynchronous): [T, H] activations out, or f32[S, V] logits if last.
 
-        `packed`: the batch's inputs in one i32 vector (`pack_batch`). `inputs`: the previous
+        `packed`: the batch's forward inputs in one i32 vector (`batch.pack_forward_inputs`). `inputs`: the previous
         iteration's samples i32[max_seqs] (still on device) on the first stage, else the previous
         stage's [T, H] activations, already moved here (`Handoff`).
         """
@@ -96,43 +94,18 @@ class Stage:
         return out
 
 
-# The batch's i32 inputs, in the order they are packed into one vector, and their shapes in bucket (T, S, P).
-_PACKED_FIELDS = ("token_ids", "token_sources", "positions", "slot_mapping", "cu_q_lens", "kv_lens",
-                  "page_table", "num_seqs", "logits_indices")
-
-
-def _field_shapes(t: int, s: int, p: int) -> dict[str, tuple[int, ...]]:
-    return {"token_ids": (t,), "token_sources": (t,), "positions": (t,), "slot_mapping": (t,),
-            "cu_q_lens": (s + 1,), "kv_lens": (s,), "page_table": (s, p), "num_seqs": (1,),
-            "logits_indices": (s,)}
-
-
-def packed_size(t: int, s: int, p: int) -> int:
-    return sum(int(np.prod(shape)) for shape in _field_shapes(t, s, p).values())
-
-
-def pack_batch(batch: RaggedBatch) -> np.ndarray:
-    """i32[packed_size]: every per-iteration input of the forward in one vector, so it reaches the
-    device in one copy; token_sources -1 (none) when the batch has none."""
-    fields = {name: getattr(batch, name) for name in _PACKED_FIELDS if name != "token_sources"}
-    t = batch.token_ids.shape[0]
-    fields["token_sources"] = batch.token_sources if batch.token_sources is not None else np.full(t, -1, np.int32)
-    return np.concatenate([np.asarray(fields[name], np.int32).ravel() for name in _PACKED_FIELDS])
-
-
-def _unpack(vector: jax.Array, t: int, s: int, p: int) -> dict[str, jax.Array]:
-    out, offset = {}, 0
-    for name, shape in _field_shapes(t, s, p).items():
-        size = int(np.prod(shape))
-        out[name] = vector[offset:offset + size].reshape(shape)
-        offset += size
-    return out
+def forward_program(out_shardings=None):
+    """The jitted stage forward: (model, first, last, (T, S, P)) static, the KV pages donated;
+    call or lower it as (model, first, last, bucket, params, kv, packed inputs, samples or activations)."""
+    if out_shardings is None:
+        return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+    return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5,), out_shardings=out_shardings)
 
 
 def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: tuple[int, int, int], params, kv,
                    packed, inputs):
     """One stage's forward: (activations [T, H], or logits f32[S, V] on the last stage; kv)."""
-    fields = _unpack(packed, *bucket)
+    fields = unpack_forward_inputs(packed, *bucket)
     meta = AttentionMetadata(cu_q_lens=fields["cu_q_lens"], kv_lens=fields["kv_lens"],
                              page_table=fields["page_table"], slot_mapping=fields["slot_mapping"],
                              num_seqs=fields["num_seqs"])

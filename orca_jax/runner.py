@@ -27,14 +27,14 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from orca_jax import multihost
-from orca_jax.batch import RaggedBatch, empty_batch, next_power_of_two
+from orca_jax.batch import RaggedBatch, empty_batch, next_power_of_two, pack_forward_inputs
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.executable_cache import ExecutableCache, describe_arrays
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
-from orca_jax.pipeline import Handoff, Stage, pack_batch
+from orca_jax.pipeline import Handoff, Stage
 from orca_jax.sampling import SamplingArrays, pack, sample
 from orca_jax.sharding import rules, tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
@@ -117,7 +117,7 @@ class PrecompileReport:
     warm_seconds: float  # one run of every new forward program (module load, first-call costs)
     # Each program's own lowering + compiling (or executable-cache load) time, on its worker thread:
     # their sum over compile_seconds is how parallel the compilation was.
-    seconds_by_key: dict = dataclasses.field(default_factory=dict)
+    seconds_by_key: dict[ProgramKey, float] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -223,10 +223,10 @@ class ModelRunner:
         if self._mirror is not None:
             self._mirror.precompile(keys, warm)
         todo = [key for key in dict.fromkeys(keys) if key not in self._executables]
-        # The biggest programs first, so the last worker does not start a long one while the rest idle.
-        todo.sort(key=lambda key: (key[0] != "forward", -key[1] if key[0] == "forward" else 0))
         start = time.perf_counter()
-        workers = threads or os.cpu_count() or 1
+        # XLA compiles outside the GIL and is CPU-bound: one thread per core this process may use.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        workers = threads or max(1, min(len(todo), cores))
         seconds_by_key = {}
 
         def timed(key):
@@ -304,9 +304,7 @@ class ModelRunner:
 
     def _forward(self, batch: RaggedBatch) -> jax.Array:
         t, s, p = batch.token_ids.shape[0], batch.kv_lens.shape[0], batch.page_table.shape[1]
-        packed = pack_batch(batch)  # i32: one host-to-device copy per stage, not nine
-        # A batch without token sources reads no samples: the constant keeps stage 0 of batch k+1
-        # from waiting for batch k's sampling.
+        packed = pack_forward_inputs(batch)  # i32: one host-to-device copy per stage, not nine
         inputs = self._no_tokens if batch.token_sources is None else self._next_tokens
         for stage in self.stages:  # activations [T, H] from stage to stage; logits f32[S, V] last
             if stage.index > 0:

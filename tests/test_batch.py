@@ -1,9 +1,12 @@
 """build_batch on hand-built plans: no scheduler, no allocator, no jax; every number checked by hand."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from orca_jax.batch import BucketPolicy, build_batch, empty_batch
+from orca_jax.batch import (BucketPolicy, build_batch, empty_batch, forward_inputs_size, pack_forward_inputs,
+                            unpack_forward_inputs)
 from orca_jax.request import Request, SamplingParams
 from orca_jax.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -86,3 +89,18 @@ def test_empty_batch_is_all_padding():
     batch = empty_batch(16, 8, 4)
     assert batch.shape_key == (16, 8, 4, 0, True) and batch.num_real_seqs == 0
     assert not batch.slot_mapping.any() and not batch.cu_q_lens.any()
+
+
+def test_forward_inputs_pack_into_one_vector_and_back():
+    batch = build_batch(plan(item("a", 0, [11, 12, 13], [7]), item("b", 9, [21], [2, 5, 6])), BUCKETS)
+    t, s, p = batch.shape_key[:3]
+    packed = pack_forward_inputs(batch)
+    assert packed.dtype == np.int32 and packed.shape == (forward_inputs_size(t, s, p),)
+    fields = unpack_forward_inputs(packed, t, s, p)
+    for name in ("token_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table", "num_seqs",
+                 "logits_indices"):
+        np.testing.assert_array_equal(fields[name], getattr(batch, name), err_msg=name)
+    assert batch.token_sources is None and (fields["token_sources"] == -1).all()  # none: every token is given
+    sourced = dataclasses.replace(batch, token_sources=np.arange(t, dtype=np.int32) - 1)
+    np.testing.assert_array_equal(unpack_forward_inputs(pack_forward_inputs(sourced), t, s, p)["token_sources"],
+                                  sourced.token_sources)

@@ -22,15 +22,14 @@ def test_core_benchmark_runs_and_reports_against_its_bounds(tmp_path):
         assert uniform["runs"][1]["generated_tokens"] == uniform["runs"][0]["generated_tokens"] > 0
         assert 1.0 <= uniform["fed_over_real"] < 2.0 and uniform["bound_s"] > 0
         assert section["idle"]["device_busy_ms_b32"] > 0
-        split = uniform["runs"][1]["host_split"]  # the host's time, split; the parts add up
+        split = uniform["runs"][1]["host_split"]  # the host's time, split: the timed phases fit inside it
         assert all(split[k] > 0 for k in ("schedule_s", "build_s", "dispatch_s", "update_s"))
-        assert abs(sum(split.values()) - uniform["runs"][1]["host_s"]) < 1e-6
+        assert split["rest_s"] >= -1e-3, split
         with gzip.open(section["profile"]["perfetto"]) as trace:  # the profiler's window, readable
             assert json.load(trace)["traceEvents"]
-        # Its summary: CPU "device" work shows up as host threads, each with its heaviest events.
+        # Its summary: on CPU the engine's work shows up on host threads, the dispatching one included.
         summary = section["profile"]["summary"]
-        assert summary["host"] and all(t["busy_ms"] <= t["window_ms"] + 1e-6 for t in summary["host"])
-        assert sum(t["events"] for t in summary["host"] + summary["device"]) > 0
+        assert any(t["top"] for t in summary["host"])
     # The report reads those numbers back, one row per results file.
     from orca_jax.bench.core_report import markdown, rows
     (row,) = rows(str(tmp_path))

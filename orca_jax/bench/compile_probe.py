@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax.batch import forward_inputs_size, next_power_of_two
 from orca_jax.config import AttentionBackend
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
 from orca_jax.models.presets import get_preset
-from orca_jax.pipeline import _stage_forward, packed_size
+from orca_jax.pipeline import forward_program
 from orca_jax.runner import choose_attention
 
 
@@ -38,11 +39,11 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
     kv = tuple(LayerKV(page, page) for _ in range(num_layers))
     table_width = -(-config.max_seq_len // page_size)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    bucket = (tokens, seqs, table_width)
-    size = packed_size(*bucket)
+    # S as the engine ties it to T (BucketPolicy.seqs_for); `seqs` is the batch size, the samples' width.
+    bucket = (tokens, min(next_power_of_two(tokens), seqs), table_width)
     model_fn = decoder.Decoder(config, choose_attention(attention, platform))
-    forward = jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-    args = (params, kv, i32(size), i32(seqs))
+    forward = forward_program()
+    args = (params, kv, i32(forward_inputs_size(*bucket)), i32(seqs))
     start = time.perf_counter()
     traced = forward.trace(model_fn, True, True, bucket, *args)
     traced_at = time.perf_counter()

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from orca_jax.bench import profile_summary, roofline
+from orca_jax.bench.driver import Probe
 from orca_jax.bench.traces import LengthSpec, Trace, TraceKind, make_trace
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
@@ -72,40 +73,24 @@ def engine_config(setup: CoreSetup, async_scheduling: bool = True, **overrides) 
                         **overrides)
 
 
-class _HostTimes:
-    """An engine observer summing where the host's time per batch goes (seconds)."""
-
-    def __init__(self):
-        self.schedule_s = self.build_s = self.dispatch_s = self.update_s = 0.0
-
-    def on_dispatch(self, batch, timing) -> None:
-        self.schedule_s += timing.schedule_s
-        self.build_s += timing.build_s
-        self.dispatch_s += timing.dispatch_s
-
-    def on_update(self, output, seconds) -> None:
-        self.update_s += seconds
-
-
 def _run_trace(engine: Engine, trace: Trace) -> dict:
     """All requests at t=0 (offline), EOS ignored; generated tokens per second over the drain, and
     the host's time split into scheduling, batch building, dispatch, update and the rest (outputs)."""
     vocab = engine.model_config.vocab_size
     before = engine.stats()
-    host_times = _HostTimes()
-    engine.add_observer(host_times)
-    start = time.perf_counter()
-    for i, r in enumerate(trace.requests):
-        engine.add_request(trace.prompt_ids(i, vocab), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
-    generated = 0
-    while engine.has_unfinished():
-        generated += sum(len(out.new_token_ids) for out in engine.step())
-    seconds = time.perf_counter() - start
-    engine.remove_observer(host_times)
+    with Probe(engine) as probe:
+        start = time.perf_counter()
+        for i, r in enumerate(trace.requests):
+            engine.add_request(trace.prompt_ids(i, vocab), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+        generated = 0
+        while engine.has_unfinished():
+            generated += sum(len(out.new_token_ids) for out in engine.step())
+        seconds = time.perf_counter() - start
     after = engine.stats()
     iterations = after.iterations - before.iterations
     host_s = after.host_seconds_total - before.host_seconds_total
-    split = {f"{name}_s": getattr(host_times, f"{name}_s") for name in ("schedule", "build", "dispatch", "update")}
+    split = {f"{name}_s": sum(getattr(record, f"{name}_s") for record in probe.records)
+             for name in ("schedule", "build", "dispatch", "update")}
     return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
             "iterations": iterations, "ms_per_iteration": 1e3 * seconds / max(iterations, 1),
             "host_s": host_s, "host_split": split | {"rest_s": host_s - sum(split.values())},

@@ -1,8 +1,9 @@
 """What a jax profiler trace says, in a few numbers: where device time goes and how busy each stream is.
 
 `summarize(path)` reads the perfetto trace jax writes (`trace.json.gz`, Chrome's JSON event format)
-and returns, per device stream: kernels, busy time (the union of their intervals) over the traced
-window, gaps between kernels by size, and the kernels by total time in coarse classes (matmul,
+and returns, per device stream: kernels, busy time (the union of their intervals) over the stream's
+window (its first event to its last, so idle time at the trace's edges is left out), gaps between
+kernels by size, and the kernels by total time in coarse classes (matmul,
 attention, the rest); per host thread: the named events taking the most time. It is how `bench core
 --profile` answers "is the device waiting on the host, or slow at its own work?" without carrying the
 trace (tens of MB) off the GPU machine.

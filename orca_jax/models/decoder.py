@@ -219,7 +219,8 @@ class Decoder:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _apply_block(decoder: Decoder, params, x, positions, layer_kv: LayerKV, meta: AttentionMetadata):
+def _apply_block(decoder: Decoder, params, x: jax.Array, positions: jax.Array, layer_kv: LayerKV,
+                 meta: AttentionMetadata) -> tuple[jax.Array, LayerKV]:  # x: [T, H], positions: i32[T]
     """One layer, as its own jitted function: every layer has the same shapes, so a forward program
     traces and lowers the block once and calls it per layer (XLA inlines the calls again). Tracing
     32 unrolled copies of it held the GIL for seconds per program and serialized the precompile

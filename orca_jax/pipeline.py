@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orca_jax.batch import forward_inputs_size, unpack_forward_inputs
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
+from orca_jax.models.projections import fuse_projections
 from orca_jax.sharding import rules
 from orca_jax.sharding.tensor_plan import TensorPlan
 
@@ -38,7 +39,7 @@ class Stage:
 
     def __init__(self, index: int, num_stages: int, layers: range, mesh: Mesh, plan: TensorPlan,
                  model: decoder.Decoder, params, seed: int):
-        """`params`: the whole model's device-layout tree as numpy, already adapted to the tensor size
+        """`params`: the whole model's device-layout tree (model layout) as numpy, already adapted to the tensor size
         (this stage's part is placed), or None for random weights (only this stage's part is made, on
         its devices, from the model's own shapes adapted by `plan`: the same model at every mesh)."""
         config = plan.device
@@ -50,12 +51,14 @@ class Stage:
         self.model = model
         self.replicated = NamedSharding(mesh, P())
         select = lambda tree: stage_params(tree, layers, self.first, self.last, config.tie_embeddings)
-        self.param_shardings = rules.param_shardings(select(decoder.param_shapes(config)), mesh)
+        # Placed in the compute layout (q|k|v and gate|up fused, projections.py): converted once here.
+        self.param_shardings = rules.param_shardings(select(decoder.compute_param_shapes(config)), mesh)
         if params is None:
             self.params = decoder.init_params(plan.model, seed, out_shardings=self.param_shardings,
-                                              adapt=plan.adapt_params, select=select)
+                                              adapt=lambda tree: fuse_projections(plan.adapt_params(tree)),
+                                              select=select)
         else:
-            self.params = jax.device_put(select(params), self.param_shardings)
+            self.params = jax.device_put(fuse_projections(select(params)), self.param_shardings)
         layer_sharding = NamedSharding(mesh, rules.KV_CACHE_SPEC)
         self.kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in layers)
         self.kv = None  # made by allocate_kv, once the pool size is known (it depends on the weights)

@@ -42,8 +42,8 @@ SCRIPT = textwrap.dedent("""
         return drain(engine)
 
     def shard_info(runner):
-        q = runner.stages[0].params["layers"][0]["attn"]["q"]["kernel"]  # [H, N, D]
-        return {"q_heads_per_shard": sorted({s.data.shape[1] for s in q.addressable_shards}),
+        qkv = runner.stages[0].params["layers"][0]["attn"]["qkv"]["kernel"]  # [H, K, G + 2, D]
+        return {"q_heads_per_shard": sorted({s.data.shape[1] * (s.data.shape[2] - 2) for s in qkv.addressable_shards}),
                 "kv_heads_per_shard": sorted({s.data.shape[0] for s in runner.kv[-1].k.addressable_shards})}
 
     results = {}

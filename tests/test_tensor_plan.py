@@ -34,7 +34,8 @@ def test_every_sharded_dimension_divides(name, tp, vocab, kv_heads):
     assert (plan.device.vocab_size, plan.device.num_kv_heads) == (vocab, kv_heads)
     assert plan.vocab_size == presets.get_preset(name).vocab_size
     # Shapes only (eval_shape) of one layer (all are alike): gpt3-101b is never allocated.
-    shapes = decoder.param_shapes(dataclasses.replace(plan.device, num_layers=1))
+    one_layer = dataclasses.replace(plan.device, num_layers=1)
+    shapes = [decoder.param_shapes(one_layer), decoder.compute_param_shapes(one_layer)]  # both layouts
     for path, shape in jax.tree_util.tree_leaves_with_path(shapes):
         spec = rules.PARAM_SPECS[rules._path_name(path)]
         for size, axis in zip(shape.shape, spec):

@@ -33,7 +33,7 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
     the device's time per run, on zero weights and pages (every sequence empty)."""
     config = dataclasses.replace(get_preset(model), num_layers=num_layers)
     platform = jax.devices()[0].platform
-    params = decoder.param_shapes(config)
+    params = decoder.compute_param_shapes(config)
     dtype = jnp.dtype(config.dtype)
     page = jax.ShapeDtypeStruct((config.num_kv_heads, pages, page_size, config.head_dim), dtype)
     kv = tuple(LayerKV(page, page) for _ in range(num_layers))

@@ -8,7 +8,9 @@ and updates its donated K/V pages in place. A contiguous range of layers is also
 
 Params, on device: {"embed", "pos_embed" (GPT), "final_norm", "lm_head" (untied), "layers": [one
 dict per layer]}. Files and checkpoints hold the same tree with the layers stacked on a leading axis
-("stacked" layout, what loaders return); `unstack_layers` / `stack_layers` convert.
+("stacked" layout, what loaders return); `unstack_layers` / `stack_layers` convert. Both keep the
+model layout (separate q, k, v, gate, up); the forward computes in the compute layout, those fused
+into one matmul each (projections.py), which a pipeline stage makes once where it places params.
 
 Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, F ffn, V vocab, S sequences.
 """
@@ -27,6 +29,7 @@ import numpy as np
 from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
 from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKV, RaggedAttentionFn,
                                        empty_layer_kv, paged_attention)
+from orca_jax.models.projections import fuse_projections, split_layer
 
 _init_weight = nn.initializers.normal(stddev=0.02)
 
@@ -117,14 +120,18 @@ class Attention(nn.Module):
     def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata):
         cfg = self.config
         h, n, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        g = n // k  # query heads per KV head
+        t = x.shape[0]
         qkv_bias = cfg.family is ModelFamily.GPT or cfg.qkv_bias  # Qwen2: q/k/v biases, no o bias
-        q = Linear(cfg, "TH,HND->TND", (h, n, d), (n, d), qkv_bias, name="q")(x)  # [T, N, D]
-        key = Linear(cfg, "TH,HKD->TKD", (h, k, d), (k, d), qkv_bias, name="k")(x)  # [T, K, D]
-        value = Linear(cfg, "TH,HKD->TKD", (h, k, d), (k, d), qkv_bias, name="v")(x)  # [T, K, D]
-        if cfg.family is ModelFamily.LLAMA:
-            q = apply_rope(q, positions, cfg.rope_theta, cfg.rope_scaling)
-            key = apply_rope(key, positions, cfg.rope_theta, cfg.rope_scaling)
-        out, layer_kv = paged_attention(q, key, value, layer_kv, meta, self.attention_fn)
+        # One matmul for q, k and v (see fuse_projections): KV group j holds its G query heads, then
+        # its key, then its value, so a tensor shard of whole groups owns everything it attends with.
+        qkv = Linear(cfg, "TH,HKGD->TKGD", (h, k, g + 2, d), (k, g + 2, d), qkv_bias, name="qkv")(x)
+        qk, value = qkv[:, :, :g + 1], qkv[:, :, g + 1]  # [T, K, G + 1, D], [T, K, D]
+        if cfg.family is ModelFamily.LLAMA:  # one rotation for queries and keys alike
+            qk = apply_rope(qk.reshape(t, k * (g + 1), d), positions, cfg.rope_theta,
+                            cfg.rope_scaling).reshape(t, k, g + 1, d)
+        q = qk[:, :, :g].reshape(t, n, d)  # query head j * G + i is group j's i-th: [T, N, D]
+        out, layer_kv = paged_attention(q, qk[:, :, g], value, layer_kv, meta, self.attention_fn)
         return Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out), layer_kv
 
 
@@ -135,12 +142,11 @@ class Mlp(nn.Module):
     def __call__(self, x):  # [T, H] -> [T, H]
         cfg = self.config
         h, f = cfg.hidden_size, cfg.ffn_size
-        up = Linear(cfg, "TH,HF->TF", (h, f), (f,), name="up")(x)
         if cfg.family is ModelFamily.GPT:
-            act = jax.nn.gelu(up, approximate=True)
-        else:
-            gate = Linear(cfg, "TH,HF->TF", (h, f), (f,), name="gate")(x)
-            act = jax.nn.silu(gate) * up
+            act = jax.nn.gelu(Linear(cfg, "TH,HF->TF", (h, f), (f,), name="up")(x), approximate=True)
+        else:  # gate and up in one matmul (see fuse_projections)
+            gate_up = Linear(cfg, "TH,HCF->TCF", (h, 2, f), (2, f), name="gate_up")(x)  # [T, 2, F]
+            act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         return Linear(cfg, "TF,FH->TH", (f, h), (h,), name="down")(act)
 
 
@@ -182,7 +188,8 @@ class Decoder:
 
     def layers(self, layer_params, kv: KVCache, x: jax.Array, positions: jax.Array,
                meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """Run layers in order (one params dict and one LayerKV each); a Python loop, unrolled by jit."""
+        """Run layers in order (one compute-layout params dict and one LayerKV each); a Python loop,
+        unrolled by jit."""
         if len(layer_params) != len(kv):
             raise ValueError(f"{len(layer_params)} layers of params but {len(kv)} of KV pages")
         new_kv = []
@@ -212,7 +219,8 @@ class Decoder:
         meta: AttentionMetadata,
         logits_indices: jax.Array,  # i32[S]: the row of each request's last new token
     ) -> tuple[jax.Array, KVCache]:  # (f32[S, V], kv)
-        """The whole model: new tokens of all requests in, logits at the requested rows out."""
+        """The whole model (compute-layout params): new tokens of all requests in, logits at the
+        requested rows out."""
         x = self.embed(params, token_ids, positions)
         x, kv = self.layers(params["layers"], kv, x, positions, meta)
         return self.logits(params, x[logits_indices]), kv
@@ -247,10 +255,12 @@ def _dummy_inputs(config: ModelConfig):
 
 
 def _init_layer(config: ModelConfig, key: jax.Array):
-    """One layer's random params (Flax's init runs the block once on dummy inputs; XLA drops that)."""
+    """One layer's random params in the model layout (Flax's init runs the block once on dummy inputs;
+    XLA drops that)."""
     from orca_jax.kernels.ragged_attention import ragged_attention_reference  # init runs it once
 
-    return Block(config, ragged_attention_reference).init(key, *_dummy_inputs(config))["params"]
+    params = Block(config, ragged_attention_reference).init(key, *_dummy_inputs(config))["params"]
+    return split_layer(params)  # drawn as the block declares them, returned in the model layout
 
 
 def _init_rest(config: ModelConfig, keys: jax.Array, names) -> dict:
@@ -287,6 +297,11 @@ def _init_all(config: ModelConfig, key: jax.Array):
 def param_shapes(config: ModelConfig):
     """The device-layout params tree as ShapeDtypeStructs, computed without allocating anything."""
     return jax.eval_shape(lambda: _init_all(config, jax.random.key(0)))
+
+
+def compute_param_shapes(config: ModelConfig):
+    """param_shapes in the compute layout the forward takes (projections fused, projections.py)."""
+    return jax.eval_shape(lambda: fuse_projections(_init_all(config, jax.random.key(0))))
 
 
 def stacked_param_shapes(config: ModelConfig):

@@ -32,11 +32,16 @@ PARAM_SPECS: dict[str, P] = {
     "layers/attn/k/bias": P(TENSOR, None),
     "layers/attn/v/kernel": P(None, TENSOR, None),
     "layers/attn/v/bias": P(TENSOR, None),
+    # The compute layout's fused projections (models/projections.py): split by whole KV groups
+    # (each shard's query heads with the K/V head they read) and by ffn columns.
+    "layers/attn/qkv/kernel": P(None, TENSOR, None, None),  # [H, K, G + 2, D]
+    "layers/attn/qkv/bias": P(TENSOR, None, None),  # [K, G + 2, D]
     "layers/attn/o/kernel": P(TENSOR, None, None),  # [N, D, H]: row-parallel
     "layers/attn/o/bias": P(None),
     "layers/mlp/up/kernel": P(None, TENSOR),  # [H, F]
     "layers/mlp/up/bias": P(TENSOR),
     "layers/mlp/gate/kernel": P(None, TENSOR),
+    "layers/mlp/gate_up/kernel": P(None, None, TENSOR),  # [H, 2, F]
     "layers/mlp/down/kernel": P(TENSOR, None),  # [F, H]: row-parallel
     "layers/mlp/down/bias": P(None),
 }

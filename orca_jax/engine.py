@@ -149,13 +149,13 @@ class Engine:
     # ---- compiled programs ----
 
     def program_keys(self) -> tuple[tuple, ...]:
-        """Every program an iteration can need: a forward per bucket (one per pipeline stage), sampling per
-        (S, K, greedy); keys as runner.compiled_shapes lists them."""
+        """Every program an iteration can need: a forward and a stage-in per bucket (one each per pipeline
+        stage), sampling per (S, K, greedy); keys as runner.compiled_shapes lists them."""
         buckets = self.buckets.all_buckets()
         forward = tuple(("forward", t, s, p) for t, s, p in buckets)
         sample = tuple(("sample", s, k, greedy) for s in sorted({s for _, s, _ in buckets})
                        for k in (0, SamplingParams.MAX_TOP_LOGPROBS) for greedy in (True, False))
-        return tuple(self.runner.program_keys(forward + sample))  # a forward per bucket per stage
+        return tuple(self.runner.program_keys(forward + sample))  # a bucket key: its programs per stage
 
     def precompile(self, progress: ProgressFn | None = None) -> PrecompileReport:
         """Compile every program in program_keys() now (what EngineConfig.precompile does at start)."""

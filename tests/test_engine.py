@@ -2,8 +2,10 @@
 
 import random
 
+import numpy as np
 import pytest
 
+from orca_jax.batch import unpack_forward_inputs
 from orca_jax.request import SamplingParams
 from orca_jax.scheduler import QueueFullError
 
@@ -156,16 +158,17 @@ def test_full_waiting_pool_pushes_back():
 
 
 def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
-    """The documented program count: one forward per token bucket, sampling per (S, top-K, greedy).
+    """The documented program count: per token bucket a forward and the stage-in that copies its inputs
+    into the bucket's staged buffer (one stage here), sampling per (S, top-K, greedy).
 
-    With max_batch_size 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs)
-    and S is 8 or 16 (the next power of two of T, capped at the batch size), so 2 x 2 x 2 = 8
-    sampling programs: 12 in all. Two randomized 200-request runs then compile nothing more.
+    With max_batch_size 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward and 4
+    stage-in programs) and S is 8 or 16 (the next power of two of T, capped at the batch size), so
+    2 x 2 x 2 = 8 sampling programs: 16 in all. Two randomized 200-request runs then compile nothing more.
     """
     engine = tiny_engine(max_batch_size=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
     assert engine.buckets.ladder == (8, 16, 32, 64)
     compiled = engine.runner.compiled_shapes
-    assert len(compiled) == engine.runner.num_compiled_programs == 4 + 8
+    assert len(compiled) == engine.runner.num_compiled_programs == 4 + 4 + 8
     assert compiled == frozenset(engine.program_keys())
 
     def run(seed):
@@ -287,3 +290,23 @@ def test_the_forward_updates_every_layers_kv_in_place():
         stats = engine.runner.compiled_program(key).memory_analysis()
         assert stats.alias_size_in_bytes == kv_bytes
         assert stats.temp_size_in_bytes < kv_bytes / 4, (stats.temp_size_in_bytes, kv_bytes)
+
+
+def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():
+    """A stage keeps one buffer per bucket for the forward's packed inputs; each run's stage-in takes it
+    donated and writes the new batch into it, so it keeps its device address (on GPU a moved buffer
+    re-records the forward's CUDA graph, see pipeline.py) and the forward reads this batch, not a
+    stale one."""
+    runner = tiny_engine().runner
+    stage = runner.stages[0]
+    first, second = [5, 6, 7], [9, 10, 11, 12]  # one bucket: T = S = 8, one page of 4
+    expected = runner.prompt_logits(first)
+    (bucket,) = {key[1:4] for key in runner.compiled_shapes if key[0] == "stage_in"}
+    staged = stage.staged_inputs(bucket)
+    address = staged.unsafe_buffer_pointer()
+    runner.prompt_logits(second)
+    assert staged.is_deleted()  # donated to the second run's stage-in
+    staged = stage.staged_inputs(bucket)
+    assert staged.unsafe_buffer_pointer() == address
+    assert unpack_forward_inputs(np.asarray(staged), *bucket)["token_ids"][:4].tolist() == second
+    np.testing.assert_array_equal(runner.prompt_logits(first), expected)

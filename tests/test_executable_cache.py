@@ -53,7 +53,8 @@ def test_a_different_pool_or_model_compiles_its_own_programs(cache_dir):
     other_pool = engine_with(cache_dir, num_pages=200)  # the KV inputs' shapes differ
     programs = other_pool.runner.compiled_shapes
     num_forward = sum(key[0] == "forward" for key in programs)
-    # Sampling sees only [S, vocab] logits, the same for both pools: those are rightly shared.
+    # Sampling sees only [S, vocab] logits and a stage-in only its bucket's packed inputs, the same for
+    # both pools: those are rightly shared.
     assert other_pool.runner.executable_cache.misses == num_forward > 0
     assert other_pool.runner.executable_cache.hits == len(programs) - num_forward
     other_model = engine_with(cache_dir, model="tiny-gpt")  # every program names its model

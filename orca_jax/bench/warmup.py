@@ -22,6 +22,7 @@ def precompile(engine: Engine, max_kv_tokens: int | None = None, threads: int | 
     report = engine.precompile()
     keys = engine.program_keys()
     return {"num_forward_programs": sum(k[0] == "forward" for k in keys),
+            "num_stage_in_programs": sum(k[0] == "stage_in" for k in keys),
             "num_sample_programs": sum(k[0] == "sample" for k in keys),
             "newly_compiled": report.num_programs, "compile_s": report.compile_seconds,
             "total_s": time.perf_counter() - start,

@@ -39,4 +39,7 @@ def configure_compilation_cache(directory: str | None) -> str | None:
         os.makedirs(directory, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", directory)
         log.info("persistent compilation cache: %s", directory)
+    # jax skips programs that compiled in under a second; a start compiles few programs, and the
+    # quick ones (drawing random weights, allocating the KV pages) are paid again on every start.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return directory

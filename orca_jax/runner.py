@@ -54,6 +54,14 @@ ProgramKey = tuple
 ProgressFn = Callable[[int, int, ProgramKey, float], None]
 
 
+def compiler_options_for(platform: str) -> dict | None:
+    """XLA options for the engine's programs. On GPU, autotuning skips initializing and checking its
+    candidates' buffers (level 1 of 4): a gemm's speed does not depend on the values, and on an H100
+    one 8-layer llama-8b forward compiled in 4.5 s instead of 6.0 s (T = 160; 5.4 vs 5.9 s at
+    T = 1024) with the same device time. Level 0 (no autotuning) ran 20-45x slower."""
+    return {"xla_gpu_autotune_level": 1} if platform == "gpu" else None
+
+
 def choose_attention(backend: AttentionBackend, platform: str):
     """The ragged attention implementation for a backend choice on a platform."""
     if backend is AttentionBackend.AUTO:
@@ -180,6 +188,7 @@ class ModelRunner:
         self.executable_cache = executable_cache if self._mirror is None else None
         # What every program of this runner depends on beyond its own key and input arrays.
         self._identity = (repr(config), backend.value, self.device.platform, self.tensor_plan.vocab_size,
+                          compiler_options_for(self.device.platform),
                           max_seqs, [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
                                      for s in self.stages])
 
@@ -293,16 +302,17 @@ class ModelRunner:
     def _lower_and_compile_now(self, key: ProgramKey) -> jax.stages.Compiled:
         if key[0] == "forward":
             _, t, s, p, stage = key
-            return self.stages[stage].lower(t, s, p, self.max_seqs).compile()
+            return self.stages[stage].lower(t, s, p, self.max_seqs).compile(compiler_options_for(self.device.platform))
         if key[0] == "stage_in":
             _, t, s, p, stage = key
-            return self.stages[stage].lower_stage_in(t, s, p).compile()
+            return self.stages[stage].lower_stage_in(t, s, p).compile(compiler_options_for(self.device.platform))
         spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=self._sample_sharding)
         _, s, k, greedy = key
         sampling = SamplingArrays(spec(jnp.float32, s), spec(jnp.int32, s), spec(jnp.float32, s),
                                   spec(jnp.uint32, s), spec(jnp.int32, s))
         logits = spec(jnp.float32, s, self.config.vocab_size)
-        return self._sample_fn.lower(logits, sampling, k, greedy, self.max_seqs).compile()
+        return self._sample_fn.lower(logits, sampling, k, greedy, self.max_seqs).compile(
+            compiler_options_for(self.device.platform))
 
     # ---- one iteration ----
 

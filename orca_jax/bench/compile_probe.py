@@ -26,7 +26,7 @@ from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
 from orca_jax.models.presets import get_preset
 from orca_jax.pipeline import forward_program, stage_in_program
-from orca_jax.runner import choose_attention
+from orca_jax.runner import choose_attention, compiler_options_for
 
 
 def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int = 4096,
@@ -53,7 +53,7 @@ def probe(model: str, num_layers: int, tokens: int, seqs: int = 128, pages: int 
     traced_at = time.perf_counter()
     lowered = traced.lower()
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options_for(platform))
     compiled_at = time.perf_counter()
     result = {"model": model, "layers": num_layers, "tokens": tokens, "seqs": seqs, "attention": attention.value,
               "platform": platform, "trace_s": traced_at - start, "lower_s": lowered_at - traced_at,

@@ -71,17 +71,18 @@ def split_layer(layer: dict) -> dict:
 
 def fuse_projections(params: dict) -> dict:
     """A params tree (or a part of one, e.g. without "layers"), model layout -> compute layout."""
-    if "layers" not in params:
-        return params
-    layers = params["layers"]
-    fused = [fuse_layer(layer) for layer in layers] if isinstance(layers, (list, tuple)) else fuse_layer(layers)
-    return dict(params, layers=fused)
+    return _each_layer(fuse_layer, params)
 
 
 def split_projections(params: dict) -> dict:
     """A params tree, compute layout -> model layout."""
+    return _each_layer(split_layer, params)
+
+
+def _each_layer(convert, params: dict) -> dict:
+    """`convert` applied to every layer (per-layer list) or to the stacked layers (one dict)."""
     if "layers" not in params:
         return params
     layers = params["layers"]
-    split = [split_layer(layer) for layer in layers] if isinstance(layers, (list, tuple)) else split_layer(layers)
-    return dict(params, layers=split)
+    return dict(params, layers=[convert(layer) for layer in layers] if isinstance(layers, (list, tuple))
+                else convert(layers))

@@ -22,18 +22,19 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def token_ladder(max_tokens: int, smallest: int = 8, doubling_until: int = 64, growth: float = 1.2,
+def token_ladder(max_tokens: int, smallest: int = 8, doubling_until: int = 64, growth: float = 1.5,
                  align: int = 16) -> tuple[int, ...]:
     """Token buckets: doubling from `smallest` up to doubling_until, then x growth (rounded up to
     align), then max.
 
     Below ~64 tokens an iteration reads the weights for as long as it computes, so padding T there
     costs no time as long as S (the next power of two of T) stays: powers of two keep every S with
-    fewer programs than 8-token steps. Above 64 the steps are fine-grained: on the paper's trace
-    (prompts U(32, 512), outputs U(1, 128), batch 128, 2048-token budget) this ladder feeds 1.070x
-    the real tokens with 22 buckets, against 1.33x for powers of two (9 buckets): whenever prompts
-    wait, the scheduler fills the budget, and the budget is a bucket. (Measurements behind these
-    choices: benchmarks/results/h100/notes.md.)
+    fewer programs than 8-token steps. Above, the steps can stay coarse because the scheduler shortens
+    prompt chunks to the bucket below (BucketPolicy.token_target): on the paper's trace (prompts
+    U(32, 512), outputs U(1, 128), batch 128, 2048-token budget) this ladder's 13 buckets feed 1.019x
+    the real tokens, against 1.070x for 22 buckets at x1.2 that pad instead, and 1.18x for these 13
+    (1.33x for powers of two) without shortening. (Measurements behind these choices:
+    benchmarks/results/h100/notes.md.)
     """
     ladder, t = [], smallest
     while t < max_tokens:
@@ -56,6 +57,11 @@ class BucketPolicy:
     max_seqs: int  # max batch size
     max_pages: int  # pages of the longest allowed sequence
     ladder: tuple[int, ...] = ()  # token buckets; () -> token_ladder(max_num_batched_tokens)
+    # Batches are shortened to a bucket only when that bucket holds at least this many tokens: below
+    # it, an iteration of a bf16 model on a Hopper GPU (H100: ~3 TB/s, ~800 TFLOP/s, so ~270 tokens)
+    # takes as long to read the weights as to compute, padding is free and shortening would only
+    # delay a prompt's first token by an iteration.
+    shorten_from: int = 256
 
     def __post_init__(self):
         if not self.ladder:
@@ -76,6 +82,15 @@ class BucketPolicy:
                              f"exceeds the buckets (max {self.ladder[-1]}, {self.max_seqs}, {self.max_pages})")
         tokens = self.ladder[bisect.bisect_left(self.ladder, num_tokens)]
         return tokens, self.seqs_for(tokens), self.max_pages
+
+    def token_target(self, tokens: int) -> int:
+        """How many of a planned batch's `tokens` to feed: the bucket below when it holds at least
+        shorten_from tokens (the scheduler then defers that many prompt-chunk tokens to the next
+        iteration, wasting nothing), else all of them (padded up to their bucket)."""
+        below = bisect.bisect_right(self.ladder, tokens) - 1
+        if below < 0 or self.ladder[below] < self.shorten_from:
+            return tokens
+        return self.ladder[below]
 
     def all_buckets(self) -> tuple[tuple[int, int, int], ...]:
         """Every (T, S, P) a batch can land in: what the runner precompiles."""

@@ -128,12 +128,13 @@ class Engine:
                                   executable_cache=None if cache_dir is None else
                                   ExecutableCache(os.path.join(cache_dir, "executables")))
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
-        scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
-        factory = scheduler_factory or functools.partial(Scheduler, scheduler_config)
-        self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.batches_in_flight)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_seqs=config.scheduler.max_batch_size,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
+        scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
+        factory = scheduler_factory or functools.partial(Scheduler, scheduler_config,
+                                                         token_target=self.buckets.token_target)
+        self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.batches_in_flight)
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._observers: list[EngineObserver] = []
         self._schedule_s = 0.0  # schedule() time not yet reported with a dispatch

@@ -109,20 +109,21 @@ class Stage:
         """The buffer the last run of `bucket` staged its inputs in (None before the first run)."""
         return self._staged.get(bucket)
 
-    def run(self, bucket: tuple[int, int, int], stage_in: jax.stages.Compiled, forward: jax.stages.Compiled,
-            packed: np.ndarray, inputs) -> jax.Array:
+    def run(self, bucket: tuple[int, int, int], stage_in: jax.stages.Compiled | None,
+            forward: jax.stages.Compiled, packed: np.ndarray, inputs) -> jax.Array:
         """Dispatch this stage (asynchronous): [T, H] activations out, or f32[S, V] logits if last.
 
         `packed`: the batch's forward inputs in one i32 vector (`batch.pack_forward_inputs`), staged by
-        `stage_in` into the bucket's buffer, which `forward` reads. `inputs`: the previous iteration's
-        samples i32[max_seqs] (still on device) on the first stage, else the previous stage's [T, H]
-        activations, already moved here (`Handoff`).
+        `stage_in` into the bucket's buffer, which `forward` reads (no stage_in: `forward` reads
+        `packed` itself). `inputs`: the previous iteration's samples i32[max_seqs] (still on device) on
+        the first stage, else the previous stage's [T, H] activations, already moved here (`Handoff`).
         """
-        staged = self._staged.get(bucket)
-        if staged is None:
-            staged = self._zeros(packed.shape[0])
-        self._staged[bucket] = staged = stage_in(staged, packed)  # the old buffer is donated: same address
-        out, self.kv = forward(self.params, self.kv, staged, inputs)
+        if stage_in is not None:
+            staged = self._staged.get(bucket)
+            if staged is None:
+                staged = self._zeros(packed.shape[0])
+            self._staged[bucket] = packed = stage_in(staged, packed)  # the old buffer is donated: same address
+        out, self.kv = forward(self.params, self.kv, packed, inputs)
         return out
 
     def _zeros(self, size: int) -> jax.Array:

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_GIB = 0.5
 _GPU_KV_FRACTION = 0.85  # of the memory left after the weights
 _POOL_PAGES_MULTIPLE = 256  # a pool computed from free memory is a multiple of this many pages
+# Buckets of at least this many tokens copy their inputs into a buffer that stays put before the
+# forward (a stage-in program, see pipeline.py); smaller ones pass them to the forward directly.
+STAGE_INPUTS_FROM_TOKENS = 0
 
 # Program keys: ("forward", T, S, P, stage), ("stage_in", T, S, P, stage) and ("sample", S, K, all_greedy).
 ProgramKey = tuple
@@ -138,7 +141,8 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
-                 max_seqs: int = 256, executable_cache: ExecutableCache | None = None):
+                 max_seqs: int = 256, executable_cache: ExecutableCache | None = None,
+                 stage_inputs_from: int = STAGE_INPUTS_FROM_TOKENS):
         check_parallel_fits(parallel, config)
         # Vocabulary padded and KV heads replicated to fit the tensor size; from here on `config` is
         # the device shapes (the logits width, the KV pages), the plan keeps the model's own.
@@ -146,6 +150,7 @@ class ModelRunner:
         config = self.tensor_plan.device
         self.config = config
         self.max_seqs = max_seqs  # the most sequences one batch holds: the width of next_tokens
+        self.stage_inputs_from = stage_inputs_from  # buckets of fewer tokens feed their forward directly
         meshes = make_stage_meshes(parallel, devices)
         self.num_devices = sum(mesh.size for mesh in meshes)
         self.device = meshes[0].devices.flat[0]
@@ -225,11 +230,14 @@ class ModelRunner:
         out = []
         for key in keys:
             if key[0] == "forward" and len(key) == 4:
-                out += [(kind, *key[1:], stage.index) for kind in ("forward", "stage_in")
-                        for stage in self.stages]
+                kinds = ("forward", "stage_in") if self._stages_inputs(key[1]) else ("forward",)
+                out += [(kind, *key[1:], stage.index) for kind in kinds for stage in self.stages]
             else:
                 out.append(tuple(key))
         return out
+
+    def _stages_inputs(self, tokens: int) -> bool:
+        return tokens >= self.stage_inputs_from
 
     def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
                    threads: int | None = None, warm: bool = True) -> PrecompileReport:
@@ -330,7 +338,7 @@ class ModelRunner:
         for stage in self.stages:  # activations [T, H] from stage to stage; logits f32[S, V] last
             if stage.index > 0:
                 inputs = self._to_next[stage.index - 1](inputs)
-            stage_in = self._executable(("stage_in", *bucket, stage.index))
+            stage_in = self._executable(("stage_in", *bucket, stage.index)) if self._stages_inputs(bucket[0]) else None
             forward = self._executable(("forward", *bucket, stage.index))
             inputs = stage.run(bucket, stage_in, forward, packed, inputs)
         return inputs

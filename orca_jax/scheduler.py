@@ -31,7 +31,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  num_stages: int = 1, clock: Callable[[], float] = time.monotonic,
-                 policy: Policy | None = None):
+                 policy: Policy | None = None, token_target: Callable[[int], int] | None = None):
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if num_stages <= 0:
@@ -42,6 +42,9 @@ class Scheduler:
         self.num_stages = num_stages
         self._clock = clock
         self.policy = policy if policy is not None else make_policy(config.policy, config)
+        # tokens planned -> tokens to feed (BucketPolicy.token_target: the bucket below, where padding
+        # up would cost time); prompt chunks give up the difference. None: feed every planned token.
+        self._token_target = token_target
         # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
         self._requests: dict[str, Request] = {}
         self._num_waiting = 0
@@ -124,6 +127,8 @@ class Scheduler:
         the pool. A policy that preempts for admission may first free lower-ranked running requests.
         Token budget: every increment-phase request gets its 1 token first; what remains of
         max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order.
+        With a token_target, the last chunks then shrink so the batch feeds token_target(total)
+        tokens (the runner's bucket: no padding), when the chunks hold that many.
         A request whose chunk comes out as 0 sits this iteration out but keeps its KV.
         Under ON_DEMAND each planned request then grows its KV to what it writes; when the pool is
         dry the lowest-ranked running request is preempted (possibly the one growing itself).
@@ -163,6 +168,7 @@ class Scheduler:
             else:
                 num_new = 1
             planned.append((request, num_new))
+        planned = self._shorten_to_target(planned, views)
         if self.config.kv_allocation is KVAllocation.ON_DEMAND:
             planned = self._grow(planned, views, now)
         scheduled = [plan_request(request, num_new, self.kv, views[request]) for request, num_new in planned]
@@ -175,6 +181,23 @@ class Scheduler:
         for row, s in enumerate(scheduled):
             self._in_flight_rows.setdefault(s.request, []).append((output.iteration, row, s.num_new_tokens))
         return output
+
+    def _shorten_to_target(self, planned: list[tuple[Request, int]],
+                           views: dict[Request, PlanningView]) -> list[tuple[Request, int]]:
+        """Shorten the last prompt chunks so the batch feeds token_target(its tokens), when they can
+        give that many (increments never shrink); a chunk cut to 0 sits this iteration out."""
+        total = sum(num_new for _, num_new in planned)
+        excess = total - (total if self._token_target is None else self._token_target(total))
+        if excess <= 0 or sum(n for r, n in planned if views[r].in_initiation) < excess:
+            return planned
+        kept = []
+        for request, num_new in reversed(planned):
+            if excess and views[request].in_initiation:
+                cut = min(num_new, excess)
+                num_new, excess = num_new - cut, excess - cut
+            if num_new:
+                kept.append((request, num_new))
+        return kept[::-1]
 
     # ---- KV: admission, growth, preemption --------------------------------------------------------
     def _admission_tokens(self, request: Request) -> int:

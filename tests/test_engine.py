@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from orca_jax.batch import unpack_forward_inputs
+from orca_jax.config import SchedulerConfig
 from orca_jax.request import SamplingParams
-from orca_jax.scheduler import QueueFullError
+from orca_jax.scheduler import QueueFullError, Scheduler
 
 from engine_helpers import drain, tiny_engine
 
@@ -17,12 +18,20 @@ def _random_requests(rng: random.Random, n: int, max_prompt: int = 40, max_new: 
              rng.randint(1, max_new), rng.randint(0, 12)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt"])
-def test_mixed_batch_equals_each_request_alone(model):
-    """Requests joining at different iterations, chunked prompts included, change nobody's tokens."""
+@pytest.mark.parametrize("model,shorten", [("tiny-llama", False), ("tiny-gpt", False), ("tiny-llama", True)])
+def test_mixed_batch_equals_each_request_alone(model, shorten):
+    """Requests joining at different iterations, chunked prompts included, change nobody's tokens;
+    nor does shortening prompt chunks so batches feed a multiple of 8 tokens (BucketPolicy.token_target
+    with buckets from 8 tokens on)."""
     rng = random.Random(0)
     requests = _random_requests(rng, 18 if model == "tiny-llama" else 10)
-    engine = tiny_engine(model, max_batch_size=6, max_num_batched_tokens=32)
+    config = SchedulerConfig(max_batch_size=6, max_num_batched_tokens=32)
+    factory = None if not shorten else lambda kv, max_len, stages: Scheduler(
+        config, kv, max_len, stages, token_target=lambda n: n - n % 8 if n >= 8 else n)
+    engine = tiny_engine(model, max_batch_size=6, max_num_batched_tokens=32, scheduler_factory=factory)
+    fed = []
+    engine.add_observer(type("Fed", (), {"on_dispatch": lambda self, batch, timing: fed.append(batch.num_real_tokens),
+                                         "on_update": lambda self, output, seconds: None})())
     alone = []
     for prompt, max_new, _ in requests:
         engine.add_request(prompt, SamplingParams(max_tokens=max_new, ignore_eos=True), request_id="alone")
@@ -45,6 +54,7 @@ def test_mixed_batch_equals_each_request_alone(model):
     for i, expected in enumerate(alone):
         assert together[i] == expected, f"request {i} differs when batched"
         assert len(expected) == requests[i][1]
+    assert all(n % 8 == 0 for n in fed if n >= 8) == shorten  # padding-free batches only when shortened
 
 
 def test_late_request_joins_at_next_iteration_and_finished_leaves_at_once():
@@ -148,7 +158,6 @@ def test_bad_requests_are_refused_at_add_time():
 
 
 def test_full_waiting_pool_pushes_back():
-    from orca_jax.config import SchedulerConfig
     engine = tiny_engine(scheduler=SchedulerConfig(max_batch_size=2, max_num_batched_tokens=16, max_waiting=3))
     for _ in range(3):
         engine.add_request([5, 6], SamplingParams(max_tokens=2))
@@ -247,9 +256,7 @@ def test_injected_scheduler_and_observer_seams():
     sees each dispatched batch and update, with the engine's own phase timings."""
     import functools
 
-    from orca_jax.config import SchedulerConfig
     from orca_jax.policies import FCFS
-    from orca_jax.scheduler import Scheduler
 
     class LastArrivalFirst(FCFS):
         def sort_key(self, request):

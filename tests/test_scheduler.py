@@ -23,13 +23,13 @@ class FakeClock:
 
 def make_scheduler(num_pages=65, page_size=4, max_batch_size=8, max_num_batched_tokens=64,
                    policy=SchedulingPolicy.FCFS, max_model_len=256, num_stages=1, max_waiting=1024,
-                   async_scheduling=False):
+                   async_scheduling=False, token_target=None):
     # Algorithm 1 as the paper has it: num_stages batches in flight hold disjoint requests.
     kv = KVCacheManager(num_pages, page_size)
     config = SchedulerConfig(max_batch_size=max_batch_size, policy=policy, max_waiting=max_waiting,
                              max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling)
     clock = FakeClock()
-    return Scheduler(config, kv, max_model_len, num_stages, clock=clock), kv, clock
+    return Scheduler(config, kv, max_model_len, num_stages, clock=clock, token_target=token_target), kv, clock
 
 
 def make_request(rid, prompt_len=4, max_tokens=4, arrival=0.0, **kwargs) -> Request:
@@ -59,12 +59,12 @@ def ids(out: SchedulerOutput):
 
 
 # ---- Algorithm 1 over randomized runs ------------------------------------------------------------
-def run_random_trace(seed, page_size, num_stages=1, num_requests=40):
+def run_random_trace(seed, page_size, num_stages=1, num_requests=40, token_target=None):
     """Requests arrive at random iterations; checks the invariants after every iteration."""
     rng = random.Random(seed)
     sched, kv, clock = make_scheduler(num_pages=1 + 96 // page_size + 1, page_size=page_size,
                                       max_batch_size=5, max_num_batched_tokens=12,
-                                      num_stages=num_stages, max_model_len=64)
+                                      num_stages=num_stages, max_model_len=64, token_target=token_target)
     arrivals = sorted(rng.randrange(60) for _ in range(num_requests))
     all_requests, in_flight, it = [], [], 0
     while it < 1000:
@@ -117,6 +117,11 @@ def test_random_trace_single_stage(seed, page_size):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_trace_two_stages(seed):
     run_random_trace(seed, page_size=4, num_stages=2)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_trace_with_batches_shortened_to_even_token_counts(seed):
+    run_random_trace(seed, page_size=4, token_target=lambda n: n - n % 2)
 
 
 # ---- Algorithm 1, one property at a time --------------------------------------------------------
@@ -237,6 +242,26 @@ def test_long_prompt_is_chunked_while_increments_keep_running():
     assert chunks == [7, 7, 6]
     assert long.output_token_ids == [102]  # mid-prompt chunks' samples discarded
     assert long.num_iterations == 3 and len(sched.get("short").output_token_ids) == 4
+
+
+def test_prompt_chunks_shrink_to_the_token_target_and_increments_keep_their_token():
+    """A token target (the runner's bucket below) shortens the last prompt chunks, never an increment;
+    the deferred prompt tokens feed the next iteration, and a chunk cut to nothing sits it out."""
+    multiple_of_8 = lambda n: n - n % 8
+    sched, kv, _ = make_scheduler(max_batch_size=4, max_num_batched_tokens=32, token_target=multiple_of_8)
+    sched.add_request(make_request("decoding", prompt_len=8, max_tokens=10))
+    step(sched)  # 8 prompt tokens: already a multiple of 8
+    sched.add_request(make_request("long", prompt_len=12, max_tokens=2, arrival=1.0))
+    sched.add_request(make_request("short", prompt_len=2, max_tokens=2, arrival=2.0))
+    out, _ = step(sched)  # planned 1 + 12 + 2 = 15: "short" gives its 2, "long" 5 more
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("decoding", 1), ("long", 7)]
+    assert kv.has_reservation("short") and sched.get("short").num_iterations == 0
+    out, _ = step(sched)  # 1 + 5 + 2 = 8: nothing to shorten
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == \
+        [("decoding", 1), ("long", 5), ("short", 2)]
+    assert sched.get("long").output_token_ids == [TOKEN]  # its last chunk sampled
+    out, _ = step(sched)  # three increments: a target of 0 would need them shortened, so all stay
+    assert [s.num_new_tokens for s in out.scheduled] == [1, 1, 1]
 
 
 def test_initiation_with_zero_budget_waits_but_keeps_reservation():

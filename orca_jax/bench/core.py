@@ -22,6 +22,7 @@ import dataclasses
 import glob
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -102,7 +103,7 @@ def trace_bound(setup: CoreSetup, engine: Engine, trace: Trace, peaks: roofline.
     config = engine.model_config
     max_len = max(r.prompt_len + r.max_tokens for r in trace.requests)
     kv = KVCacheManager(len(trace.requests) * -(-max_len // 16) + 1, 16)
-    scheduler = Scheduler(engine.config.scheduler, kv, config.max_seq_len)
+    scheduler = Scheduler(engine.config.scheduler, kv, config.max_seq_len, token_target=engine.buckets.token_target)
     for i, r in enumerate(trace.requests):
         scheduler.add_request(Request(str(i), [5] * r.prompt_len,
                                       SamplingParams(max_tokens=r.max_tokens, ignore_eos=True), arrival_time=float(i)))
@@ -235,7 +236,9 @@ def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
     def progress(done: int, total: int, key: tuple, seconds: float) -> None:
         done_at.setdefault(key[0], []).append(seconds)
 
+    cpu_before = _process_cpu_seconds()
     report = engine.precompile(progress)
+    cpu_s = _process_cpu_seconds() - cpu_before
     cache = engine.runner.executable_cache
     program_s: dict[str, list[float]] = {}
     for key, seconds in report.seconds_by_key.items():
@@ -244,11 +247,20 @@ def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
     return {"engine_ready_s": time.perf_counter() - start, "engine_built_s": built - start,
             "num_programs": engine.runner.num_compiled_programs, "params_init_s": engine.runner.params_seconds,
             "compile_s": report.compile_seconds, "first_runs_s": report.warm_seconds,
+            # CPU seconds of the whole process over the precompile's wall time: the cores kept busy
+            # (XLA's own threads included); well below the core count means the compiles wait on each other.
+            "precompile_cpu_s": cpu_s, "precompile_cores_busy": cpu_s / (report.compile_seconds + report.warm_seconds),
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "last_done_at_s": {kind: max(times) for kind, times in done_at.items()},
             # Per kind: programs, the sum of their own times (over compile_s: the parallelism), the longest.
             "program_s": {kind: {"count": len(t), "sum": sum(t), "max": max(t)} for kind, t in program_s.items()},
             "slowest": [[list(key), seconds] for key, seconds in slowest],
             "executable_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses}}
+
+
+def _process_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "http", "hf"),

@@ -52,7 +52,8 @@ def use_scheduler(engine: Engine, policy: str, max_batch_size: int, batches_in_f
                                  async_scheduling=engine.config.async_scheduling)
 
         def factory(kv, max_model_len, num_stages):
-            return Scheduler(config, kv, max_model_len, batches_in_flight or num_stages)
+            return Scheduler(config, kv, max_model_len, batches_in_flight or num_stages,
+                             token_target=engine.buckets.token_target)
     elif policy == BASELINE:
         microbatches = batches_in_flight or engine.config.parallel.num_stages
 

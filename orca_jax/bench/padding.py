@@ -30,14 +30,17 @@ def request_level_fed(lengths: list[tuple[int, int]], batch_size: int) -> int:
 
 
 def ragged_fed(lengths: list[tuple[int, int]], batch_size: int, max_num_batched_tokens: int,
-               page_size: int = 16, buckets: BucketPolicy | None = None) -> tuple[int, int, int]:
-    """(real tokens, bucket-padded tokens, iterations) when ORCA's scheduler runs the requests offline."""
+               page_size: int = 16, buckets: BucketPolicy | None = None,
+               shorten: bool = True) -> tuple[int, int, int]:
+    """(real tokens, bucket-padded tokens, iterations) when ORCA's scheduler runs the requests offline;
+    `shorten`: as the engine's does, shortening prompt chunks to the bucket below (token_target)."""
     max_len = max(p + g for p, g in lengths)
     pages = len(lengths) * (-(-max_len // page_size)) + 1  # room for all: only batch_size limits
     kv = KVCacheManager(pages, page_size)
-    scheduler = Scheduler(SchedulerConfig(max_batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens,
-                                          max_waiting=len(lengths) + 1), kv, max_len)
     buckets = buckets or BucketPolicy(max_num_batched_tokens, batch_size, -(-max_len // page_size))
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens,
+                                          max_waiting=len(lengths) + 1), kv, max_len,
+                          token_target=buckets.token_target if shorten else None)
     for i, (p, g) in enumerate(lengths):
         scheduler.add_request(Request(str(i), [5] * p, SamplingParams(max_tokens=g, ignore_eos=True),
                                       arrival_time=float(i)))

@@ -88,7 +88,8 @@ def run_one(engine, policy: SchedulingPolicy, trace: list[TraceRequest], batch_s
     clock = IterationClock()
     config = SchedulerConfig(max_batch_size=batch_size, max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
                              policy=policy, async_scheduling=engine.config.async_scheduling)
-    engine.replace_scheduler(lambda kv, max_len, stages: Scheduler(config, kv, max_len, stages, clock=clock))
+    engine.replace_scheduler(lambda kv, max_len, stages: Scheduler(config, kv, max_len, stages, clock=clock,
+                                                                   token_target=engine.buckets.token_target))
     pending = list(enumerate(trace))
     finished: dict[str, tuple[str, float]] = {}
     wall = time.perf_counter()

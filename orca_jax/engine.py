@@ -150,8 +150,9 @@ class Engine:
     # ---- compiled programs ----
 
     def program_keys(self) -> tuple[tuple, ...]:
-        """Every program an iteration can need: a forward and a stage-in per bucket (one each per pipeline
-        stage), sampling per (S, K, greedy); keys as runner.compiled_shapes lists them."""
+        """Every program an iteration can need: a forward per bucket and a stage-in per bucket of at
+        least runner.stage_inputs_from tokens (one each per pipeline stage), sampling per (S, K,
+        greedy); keys as runner.compiled_shapes lists them."""
         buckets = self.buckets.all_buckets()
         forward = tuple(("forward", t, s, p) for t, s, p in buckets)
         sample = tuple(("sample", s, k, greedy) for s in sorted({s for _, s, _ in buckets})

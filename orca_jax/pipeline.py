@@ -19,6 +19,8 @@ argument: staged into the same buffer they measured worse (5.2 ms).
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,10 +50,7 @@ class Stage:
     the stage's programs, runs them compiled (the runner owns the executables)."""
 
     def __init__(self, index: int, num_stages: int, layers: range, mesh: Mesh, plan: TensorPlan,
-                 model: decoder.Decoder, params, seed: int):
-        """`params`: the whole model's device-layout tree (model layout) as numpy, already adapted to the tensor size
-        (this stage's part is placed), or None for random weights (only this stage's part is made, on
-        its devices, from the model's own shapes adapted by `plan`: the same model at every mesh)."""
+                 model: decoder.Decoder):
         config = plan.device
         self.index = index
         self.layers = layers
@@ -60,15 +59,17 @@ class Stage:
         self.config = config
         self.model = model
         self.replicated = NamedSharding(mesh, P())
-        select = lambda tree: stage_params(tree, layers, self.first, self.last, config.tie_embeddings)
+        self._plan = plan
+        self._select = lambda tree: stage_params(tree, layers, self.first, self.last, config.tie_embeddings)
         # Placed in the compute layout (q|k|v and gate|up fused, projections.py): converted once here.
-        self.param_shardings = rules.param_shardings(select(decoder.compute_param_shapes(config)), mesh)
-        if params is None:
-            self.params = decoder.init_params(plan.model, seed, out_shardings=self.param_shardings,
-                                              adapt=lambda tree: fuse_projections(plan.adapt_params(tree)),
-                                              select=select)
-        else:
-            self.params = jax.device_put(fuse_projections(select(params)), self.param_shardings)
+        shapes = self._select(decoder.compute_param_shapes(config))
+        self.param_shardings = rules.param_shardings(shapes, mesh)
+        # What the programs are lowered for: the weights' shapes, dtypes and shardings (make_params
+        # places them, possibly while the programs compile).
+        self.param_specs = jax.tree_util.tree_map(
+            lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, self.param_shardings)
+        self._params = None
+        self.params_ready: concurrent.futures.Future | None = None  # set by the runner making the weights
         layer_sharding = NamedSharding(mesh, rules.KV_CACHE_SPEC)
         self.kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in layers)
         self.kv = None  # made by allocate_kv, once the pool size is known (it depends on the weights)
@@ -79,9 +80,36 @@ class Stage:
         # by run(); each run donates it to the stage-in program, which writes it in place.
         self._staged: dict[tuple[int, int, int], jax.Array] = {}
 
+    def make_params(self, params, seed: int) -> None:
+        """`params`: the whole model's device-layout tree (model layout) as numpy, already adapted to the
+        tensor size (this stage's part is placed), or None for random weights (only this stage's part is
+        made, on its devices, from the model's own shapes adapted by the plan: the same model at every
+        mesh)."""
+        plan = self._plan
+        if params is None:
+            made = decoder.init_params(plan.model, seed, out_shardings=self.param_shardings,
+                                       adapt=lambda tree: fuse_projections(plan.adapt_params(tree)),
+                                       select=self._select)
+        else:
+            made = jax.device_put(fuse_projections(self._select(params)), self.param_shardings)
+        describe = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)
+        if describe(made) != describe(self.param_specs):
+            raise ValueError(f"stage {self.index}: the weights' shapes differ from the model's: "
+                             f"{describe(made)} vs {describe(self.param_specs)}")
+        self._params = made
+
+    @property
+    def params(self):
+        """The stage's weights on its devices (waits until the runner has made them)."""
+        if self._params is None and self.params_ready is not None:
+            self.params_ready.result()  # raises what making them raised
+        if self._params is None:
+            raise RuntimeError(f"stage {self.index}'s weights are not made")
+        return self._params
+
     @property
     def params_bytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.param_specs))
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         """Zeroed pages for this stage's layers, made on its devices, already sharded like every later
@@ -97,7 +125,7 @@ class Stage:
         else:
             inputs = jax.ShapeDtypeStruct((t, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
-        return self._forward_fn.lower(self.model, self.first, self.last, (t, s, p), self.params, self.kv,
+        return self._forward_fn.lower(self.model, self.first, self.last, (t, s, p), self.param_specs, self.kv,
                                       i32(forward_inputs_size(t, s, p)), inputs)
 
     def lower_stage_in(self, t: int, s: int, p: int) -> jax.stages.Lowered:

@@ -2,11 +2,12 @@
 
 An iteration is programs dispatched back to back: per (T, S, P) bucket and pipeline stage (pipeline.py;
 one stage on all devices when unpipelined) a stage-in that copies the batch's packed inputs into a
-buffer that stays put, then the ragged forward pass reading it, with the K/V writes into the (donated)
-per-layer pages; and sampling on the last stage, one per (S, K, greedy) (its sorts and random draws
-are slow to compile, so they stay out of the forward buckets). The stage-in is its own program
-because a GPU forward fed a fresh input buffer re-records its whole CUDA graph: on an H100 (llama-8b,
-32 layers, T = 160) host dispatch per iteration went from 4.33 ms to 2.51 ms with it.
+buffer that stays put (buckets from STAGE_INPUTS_FROM_TOKENS on), then the ragged forward pass reading
+it, with the K/V writes into the (donated) per-layer pages; and sampling on the last stage, one per
+(S, K, greedy) (its sorts and random draws are slow to compile, so they stay out of the forward
+buckets). The stage-in is its own program because a GPU forward fed a fresh input buffer re-records
+its whole CUDA graph: on an H100 (llama-8b, 32 layers, T = 160) host dispatch per iteration went from
+4.33 ms to 2.51 ms with it.
 Programs are compiled ahead of time by `precompile` (on a thread pool: XLA compiles outside the
 GIL) and called as compiled executables, so nothing compiles while serving; a shape that was not
 precompiled still runs, compiled on the spot and logged as a warning. Logits stay on device; only a
@@ -48,8 +49,10 @@ _CPU_DEFAULT_KV_GIB = 0.5
 _GPU_KV_FRACTION = 0.85  # of the memory left after the weights
 _POOL_PAGES_MULTIPLE = 256  # a pool computed from free memory is a multiple of this many pages
 # Buckets of at least this many tokens copy their inputs into a buffer that stays put before the
-# forward (a stage-in program, see pipeline.py); smaller ones pass them to the forward directly.
-STAGE_INPUTS_FROM_TOKENS = 0
+# forward (a stage-in program, see pipeline.py); smaller ones pass them to the forward directly. On
+# an H100, decode iterations of 1 and 32 sequences (T = 8, 32) took the same time either way, for
+# llama-1b and llama-8b; at T = 160 staging cut llama-8b's host dispatch from 4.3 to 2.5 ms.
+STAGE_INPUTS_FROM_TOKENS = 64
 
 # Program keys: ("forward", T, S, P, stage), ("stage_in", T, S, P, stage) and ("sample", S, K, all_greedy).
 ProgramKey = tuple
@@ -88,14 +91,15 @@ def shard_over_heads(attention_fn, mesh: Mesh):
 
 def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, device: jax.Device,
                   num_devices: int = 1) -> int:
-    """The pool size: explicit, or the largest that fits the memory budget (per device x devices)."""
+    """The pool size: explicit, or the largest that fits the memory budget (per device x devices),
+    `params_bytes` per device still to be placed."""
     if cache.num_pages is not None:
         return cache.num_pages
     if cache.kv_memory_gib is not None:
         budget = cache.kv_memory_gib * 2**30
     elif device.platform == "gpu":
         stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", params_bytes)
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0) - params_bytes
         budget = max(free, 0) * _GPU_KV_FRACTION * num_devices
         # Rounded down: free memory differs by a few MiB from start to start, and the pool's size is
         # in every forward program's shapes (a different one would miss the executable cache).
@@ -155,22 +159,32 @@ class ModelRunner:
         self.num_devices = sum(mesh.size for mesh in meshes)
         self.device = meshes[0].devices.flat[0]
         attention = choose_attention(backend, self.device.platform)
-        host_params = None if params is None else self.tensor_plan.adapt_params(decoder.unstack_layers(params))
         ranges = stage_layer_ranges(config.num_layers, len(meshes))
-        start = time.perf_counter()
         self.stages = [
             Stage(i, len(meshes), layers, mesh, self.tensor_plan,
                   decoder.Decoder(config, shard_over_heads(attention, mesh),
-                                  real_vocab_size=self.tensor_plan.vocab_size), host_params, seed)
+                                  real_vocab_size=self.tensor_plan.vocab_size))
             for i, (layers, mesh) in enumerate(zip(ranges, meshes))]
-        jax.block_until_ready([stage.params for stage in self.stages])
-        self.params_seconds = time.perf_counter() - start
         self.params_bytes = sum(stage.params_bytes for stage in self.stages)
         self.page_size = cache_config.page_size
-        # Every stage keeps the same pages (one page table): size the pool by the fullest device.
+        # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
+        # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
         per_device = max(stage.params_bytes // stage.mesh.size for stage in self.stages)
         self.num_pages = num_pages_for(config, cache_config, per_device, self.device, self.num_devices)
+        # The weights are made (drawn, or placed from `params`) on a thread of their own, so a start
+        # compiles the programs meanwhile: those need only the weights' shapes. Several processes
+        # make them in line instead, every process dispatching the same programs in the same order.
+        self._params_seconds = None
+        make = functools.partial(self._make_params, params, seed, time.perf_counter())
+        if jax.process_count() == 1:
+            maker = concurrent.futures.ThreadPoolExecutor(1, "orca-params")
+            self._params_ready = maker.submit(make)
+            maker.shutdown(wait=False)  # its one thread ends once the weights are made
+        else:
+            self._params_ready = concurrent.futures.Future()
+            self._params_ready.set_result(make())
         for stage in self.stages:
+            stage.params_ready = self._params_ready
             stage.allocate_kv(self.num_pages, self.page_size)
         first, last = self.stages[0], self.stages[-1]
         self._sample_fn = jax.jit(_sample, static_argnums=(2, 3, 4))
@@ -196,6 +210,19 @@ class ModelRunner:
                           compiler_options_for(self.device.platform),
                           max_seqs, [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
                                      for s in self.stages])
+
+    def _make_params(self, params, seed: int, start: float) -> None:
+        host = None if params is None else self.tensor_plan.adapt_params(decoder.unstack_layers(params))
+        for stage in self.stages:
+            stage.make_params(host, seed)
+        jax.block_until_ready([stage.params for stage in self.stages])
+        self._params_seconds = time.perf_counter() - start
+
+    @property
+    def params_seconds(self) -> float:
+        """Seconds from the runner's start to every weight on device (waits for them)."""
+        self._params_ready.result()
+        return self._params_seconds
 
     # ---- compiled programs ----
 
@@ -225,8 +252,8 @@ class ModelRunner:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.kv))
 
     def program_keys(self, keys: Iterable[ProgramKey]) -> list[ProgramKey]:
-        """Keys as compiled: a bucket's ("forward", T, S, P) stands for a forward and a stage-in program
-        per stage."""
+        """Keys as compiled: a bucket's ("forward", T, S, P) stands for a forward program per stage, and
+        a stage-in program per stage when T >= stage_inputs_from."""
         out = []
         for key in keys:
             if key[0] == "forward" and len(key) == 4:
@@ -294,7 +321,7 @@ class ModelRunner:
             return self._lower_and_compile_now(key)
         if key[0] == "forward":
             stage = self.stages[key[4]]
-            inputs = (describe_arrays(stage.params), describe_arrays(stage.kv))
+            inputs = (describe_arrays(stage.param_specs), describe_arrays(stage.kv))
         elif key[0] == "stage_in":  # its only inputs are the packed vectors its key sizes
             stage, inputs = self.stages[key[4]], ()
         else:

@@ -127,8 +127,8 @@ class Scheduler:
         the pool. A policy that preempts for admission may first free lower-ranked running requests.
         Token budget: every increment-phase request gets its 1 token first; what remains of
         max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order.
-        With a token_target, the last chunks then shrink so the batch feeds token_target(total)
-        tokens (the runner's bucket: no padding), when the chunks hold that many.
+        With a token_target, the last chunks then shrink so a batch with increments feeds
+        token_target(total) tokens (the runner's bucket: no padding), when the chunks hold that many.
         A request whose chunk comes out as 0 sits this iteration out but keeps its KV.
         Under ON_DEMAND each planned request then grows its KV to what it writes; when the pool is
         dry the lowest-ranked running request is preempted (possibly the one growing itself).
@@ -185,10 +185,15 @@ class Scheduler:
     def _shorten_to_target(self, planned: list[tuple[Request, int]],
                            views: dict[Request, PlanningView]) -> list[tuple[Request, int]]:
         """Shorten the last prompt chunks so the batch feeds token_target(its tokens), when they can
-        give that many (increments never shrink); a chunk cut to 0 sits this iteration out."""
+        give that many (increments never shrink); a chunk cut to 0 sits this iteration out.
+
+        Only in a batch with increments: their next iteration runs anyway and takes the deferred
+        tokens along. A batch of prompts alone (a lone request, say) keeps them all: deferring would
+        add an iteration and delay its first token."""
         total = sum(num_new for _, num_new in planned)
         excess = total - (total if self._token_target is None else self._token_target(total))
-        if excess <= 0 or sum(n for r, n in planned if views[r].in_initiation) < excess:
+        if excess <= 0 or all(views[r].in_initiation for r, _ in planned) \
+                or sum(n for r, n in planned if views[r].in_initiation) < excess:
             return planned
         kept = []
         for request, num_new in reversed(planned):

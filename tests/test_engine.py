@@ -54,7 +54,10 @@ def test_mixed_batch_equals_each_request_alone(model, shorten):
     for i, expected in enumerate(alone):
         assert together[i] == expected, f"request {i} differs when batched"
         assert len(expected) == requests[i][1]
-    assert all(n % 8 == 0 for n in fed if n >= 8) == shorten  # padding-free batches only when shortened
+    # Batches of 8+ tokens feeding a multiple of 8 (the rest: prompts alone, or too few prompt tokens
+    # to give up): 0.71 shortened, 0.37-0.44 not.
+    aligned = sum(n % 8 == 0 for n in fed if n >= 8) / sum(n >= 8 for n in fed)
+    assert aligned > 0.6 if shorten else aligned < 0.5, aligned
 
 
 def test_late_request_joins_at_next_iteration_and_finished_leaves_at_once():
@@ -167,17 +170,17 @@ def test_full_waiting_pool_pushes_back():
 
 
 def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
-    """The documented program count: per token bucket a forward and the stage-in that copies its inputs
-    into the bucket's staged buffer (one stage here), sampling per (S, top-K, greedy).
+    """The documented program count: per token bucket a forward, and from 64 tokens on the stage-in that
+    copies its inputs into the bucket's staged buffer (one stage here), sampling per (S, top-K, greedy).
 
-    With max_batch_size 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward and 4
-    stage-in programs) and S is 8 or 16 (the next power of two of T, capped at the batch size), so
-    2 x 2 x 2 = 8 sampling programs: 16 in all. Two randomized 200-request runs then compile nothing more.
+    With max_batch_size 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs, 1
+    stage-in) and S is 8 or 16 (the next power of two of T, capped at the batch size), so 2 x 2 x 2 =
+    8 sampling programs: 13 in all. Two randomized 200-request runs then compile nothing more.
     """
     engine = tiny_engine(max_batch_size=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
-    assert engine.buckets.ladder == (8, 16, 32, 64)
+    assert engine.buckets.ladder == (8, 16, 32, 64) and engine.runner.stage_inputs_from == 64
     compiled = engine.runner.compiled_shapes
-    assert len(compiled) == engine.runner.num_compiled_programs == 4 + 4 + 8
+    assert len(compiled) == engine.runner.num_compiled_programs == 4 + 1 + 8
     assert compiled == frozenset(engine.program_keys())
 
     def run(seed):
@@ -306,7 +309,7 @@ def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():
     stale one."""
     runner = tiny_engine().runner
     stage = runner.stages[0]
-    first, second = [5, 6, 7], [9, 10, 11, 12]  # one bucket: T = S = 8, one page of 4
+    first, second = list(range(5, 45)), list(range(50, 95))  # one bucket: T = S = 64, P = 16 pages of 4
     expected = runner.prompt_logits(first)
     (bucket,) = {key[1:4] for key in runner.compiled_shapes if key[0] == "stage_in"}
     staged = stage.staged_inputs(bucket)
@@ -315,5 +318,5 @@ def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():
     assert staged.is_deleted()  # donated to the second run's stage-in
     staged = stage.staged_inputs(bucket)
     assert staged.unsafe_buffer_pointer() == address
-    assert unpack_forward_inputs(np.asarray(staged), *bucket)["token_ids"][:4].tolist() == second
+    assert unpack_forward_inputs(np.asarray(staged), *bucket)["token_ids"][:len(second)].tolist() == second
     np.testing.assert_array_equal(runner.prompt_logits(first), expected)

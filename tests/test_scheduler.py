@@ -249,8 +249,9 @@ def test_prompt_chunks_shrink_to_the_token_target_and_increments_keep_their_toke
     the deferred prompt tokens feed the next iteration, and a chunk cut to nothing sits it out."""
     multiple_of_8 = lambda n: n - n % 8
     sched, kv, _ = make_scheduler(max_batch_size=4, max_num_batched_tokens=32, token_target=multiple_of_8)
-    sched.add_request(make_request("decoding", prompt_len=8, max_tokens=10))
-    step(sched)  # 8 prompt tokens: already a multiple of 8
+    sched.add_request(make_request("decoding", prompt_len=11, max_tokens=10))
+    out, _ = step(sched)  # prompts alone are never shortened: that would only add an iteration
+    assert [s.num_new_tokens for s in out.scheduled] == [11]
     sched.add_request(make_request("long", prompt_len=12, max_tokens=2, arrival=1.0))
     sched.add_request(make_request("short", prompt_len=2, max_tokens=2, arrival=2.0))
     out, _ = step(sched)  # planned 1 + 12 + 2 = 15: "short" gives its 2, "long" 5 more

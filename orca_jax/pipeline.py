@@ -72,7 +72,7 @@ class Stage:
         self.params_ready: concurrent.futures.Future | None = None  # set by the runner making the weights
         layer_sharding = NamedSharding(mesh, rules.KV_CACHE_SPEC)
         self.kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in layers)
-        self.kv = None  # made by allocate_kv, once the pool size is known (it depends on the weights)
+        self.kv = None  # made by allocate_kv, once the pool size is known (from the weights' shapes and free memory)
         # The pages go out with the sharding they came in with; else the second call would recompile.
         self._forward_fn = forward_program(out_shardings=(self.replicated, self.kv_shardings))
         self._stage_in_fn = stage_in_program(out_shardings=self.replicated)

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from orca_jax import multihost
     multihost.initialize(config.parallel)  # before anything else touches jax
     from orca_jax.engine import Engine
-    from orca_jax.server import AsyncEngine, create_app
+    from orca_jax.server import AsyncEngine, create_app, interpreter
 
     log.info("loading %s", args.model)
     # The engine thread compiles every program once the server is up, so /health can say how far
@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in startup_report(engine):
         log.info("%s", line)
-    async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True)
+    interpreter.shorten_gil_switch_interval()
+    async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True,
+                               on_ready=interpreter.freeze_startup_heap)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
                      served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                      metrics_require_auth=args.metrics_require_auth,

@@ -350,6 +350,21 @@ async def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event():
     assert events[2]["error"]["type"] == "service_unavailable_error" and events[3] == "[DONE]"
 
 
+async def test_on_ready_runs_once_after_compiling_and_before_health_says_ok():
+    engine = FakeEngine()
+    engine.compile_gate = threading.Event()
+    ready_when_called = []
+    async_engine = AsyncEngine(engine, precompile=True,
+                               on_ready=lambda: ready_when_called.append(async_engine.readiness.ready))
+    async with asgi_client(create_app(async_engine)) as client:
+        await asyncio.sleep(0.05)
+        assert ready_when_called == []  # still compiling
+        engine.compile_gate.set()
+        while (await client.get("/health")).status_code != 200:
+            await asyncio.sleep(0.01)
+        assert ready_when_called == [False]  # once, before readiness flipped
+
+
 async def test_health_says_what_start_up_waits_for_and_requests_wait_for_it():
     """With precompile, /health is 503 "starting" (naming the compile progress) until every program is
     compiled; a request sent meanwhile waits and is then served."""

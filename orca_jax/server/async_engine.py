@@ -165,13 +165,16 @@ class AsyncEngine:
 
     With precompile=True the thread first compiles every program the engine can need
     (Engine.precompile), so that nothing compiles while serving; requests that arrive meanwhile
-    wait in the queue, and `readiness` says how far it got (what /health reports).
+    wait in the queue, and `readiness` says how far it got (what /health reports). `on_ready` runs
+    on the engine thread once that is done, before /health says ready (a server freezes its heap).
     """
 
     def __init__(self, engine: Engine, *, max_in_flight: int | None = None,
-                 shutdown_grace_seconds: float = 0.0, precompile: bool = False):
+                 shutdown_grace_seconds: float = 0.0, precompile: bool = False,
+                 on_ready: Callable[[], None] | None = None):
         self.engine = engine
         self.precompile = precompile
+        self.on_ready = on_ready
         self.readiness = Readiness(ready=not precompile)
         scheduler = engine.config.scheduler
         # Our own bound covers requests still in the command queue, which the engine cannot see.
@@ -283,6 +286,8 @@ class AsyncEngine:
 
         report = self.engine.precompile(progress)
         self.latest_stats = self.engine.stats()  # /metrics shows the programs before any request runs
+        if self.on_ready is not None:
+            self.on_ready()
         self.readiness = Readiness(True, report.num_programs, report.num_programs)
         logger.info("ready: %d programs compiled in %.1fs", report.num_programs, time.monotonic() - start)
 

@@ -59,3 +59,13 @@ def test_every_compute_layout_param_has_a_sharding_rule():
     for config in (GQA, GPT, dataclasses.replace(GQA, qkv_bias=False)):
         for path, _ in jax.tree_util.tree_leaves_with_path(decoder.compute_param_shapes(config)):
             assert rules._path_name(path) in rules.PARAM_SPECS, path
+
+
+@pytest.mark.parametrize("config", [GQA, GPT], ids=["llama-gqa", "gpt"])
+def test_shapes_traced_from_one_layer_are_those_of_the_whole_init(config):
+    """param_shapes traces one layer and repeats it; the init of every layer must agree, in both layouts."""
+    config = dataclasses.replace(config, num_layers=3)
+    key = jax.random.key(0)
+    whole = jax.eval_shape(lambda: decoder._init_all(config, key))
+    assert decoder.param_shapes(config) == whole
+    assert decoder.compute_param_shapes(config) == jax.eval_shape(lambda: fuse_projections(decoder._init_all(config, key)))

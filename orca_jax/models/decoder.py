@@ -294,14 +294,31 @@ def _init_all(config: ModelConfig, key: jax.Array):
     return params
 
 
+def _shapes_of(config: ModelConfig, layout=lambda params: params):
+    """The params tree's ShapeDtypeStructs in `layout`, computed without allocating anything.
+
+    Every layer has the same shapes, so one is traced and repeated: tracing Flax's init of all 32
+    layers of llama-8b took 2.4 s of a 10 s warm start."""
+
+    def one_layer_model():
+        keys = _param_keys(config, jax.random.key(0))
+        params = _init_rest(config, keys, _top_level_names(config))
+        params["layers"] = [_init_layer(config, keys[3])]
+        return layout(params)
+
+    shapes = jax.eval_shape(one_layer_model)
+    shapes["layers"] = shapes["layers"] * config.num_layers
+    return shapes
+
+
 def param_shapes(config: ModelConfig):
     """The device-layout params tree as ShapeDtypeStructs, computed without allocating anything."""
-    return jax.eval_shape(lambda: _init_all(config, jax.random.key(0)))
+    return _shapes_of(config)
 
 
 def compute_param_shapes(config: ModelConfig):
     """param_shapes in the compute layout the forward takes (projections fused, projections.py)."""
-    return jax.eval_shape(lambda: fuse_projections(_init_all(config, jax.random.key(0))))
+    return _shapes_of(config, fuse_projections)
 
 
 def stacked_param_shapes(config: ModelConfig):

@@ -110,6 +110,9 @@ class ExecutableCache:
         self._lock = threading.Lock()  # the precompile threads count concurrently
         self._loading = threading.BoundedSemaphore(LOADS_AT_ONCE)
         self.enabled = IMPORTED_SOURCE_DIGEST is not None and self._usable()
+        # Read the installed packages' metadata now: the precompile's threads would all read it at
+        # once (the cache below fills only after a first call returns), each holding the GIL.
+        _library_versions()
 
     def _usable(self) -> bool:
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import threading
@@ -98,6 +99,9 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
     if cache.kv_memory_gib is not None:
         budget = cache.kv_memory_gib * 2**30
     elif device.platform == "gpu":
+        # An engine dropped but not yet collected (its runner sits in reference cycles) still holds
+        # its weights and pool: a second engine in one process would size its pool from what is left.
+        gc.collect()
         stats = device.memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0) - params_bytes
         budget = max(free, 0) * _GPU_KV_FRACTION * num_devices

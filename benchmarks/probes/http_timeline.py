@@ -20,7 +20,7 @@ sys.path.insert(0, os.getcwd())
 
 from orca_jax.bench import serve_client  # noqa: E402
 from orca_jax.bench.core import CoreSetup, _run_trace, engine_config, random_model  # noqa: E402
-from orca_jax.bench.http_replay import _compiled_programs, _wait_ready  # noqa: E402
+from orca_jax.bench.http_replay import _compiled_programs, _wait_ready, serve_flags  # noqa: E402
 from orca_jax.bench.traces import TraceKind, make_trace  # noqa: E402
 from orca_jax.engine import Engine  # noqa: E402
 from orca_jax.models.presets import PRESETS  # noqa: E402
@@ -64,10 +64,7 @@ def serve_and_replay(setup: CoreSetup, spec: str, cache_dir: str, out_dir: str, 
             elif setting == "freeze":
                 options["gc_freeze"] = env["GC_FREEZE"] = "1"
     env["TRACE_OUT"] = trace_path = os.path.join(out_dir, f"server_events_{index}.json")
-    cmd = [sys.executable, "benchmarks/probes/traced_serve.py", "--model", setup.model, "--port", str(PORT),
-           "--dtype", setup.dtype, "--max-num-seqs", str(setup.max_num_seqs),
-           "--max-num-batched-tokens", str(setup.max_num_batched_tokens), "--max-waiting", "4096",
-           "--kv-allocation", "reserve", "--compilation-cache-dir", cache_dir, "--log-level", "warning"]
+    cmd = [sys.executable, "benchmarks/probes/traced_serve.py", *serve_flags(setup, PORT, cache_dir)]
     entry = {"options": options, "replays": spec, "runs": []}
     with open(os.path.join(out_dir, "server.log"), "a") as log:
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -42,17 +42,21 @@ def _wait_ready(base_url: str, server: subprocess.Popen, timeout_s: float) -> fl
     raise TimeoutError(f"the server was not ready within {timeout_s:.0f} s")
 
 
+def serve_flags(setup, port: int, cache_dir: str) -> list[str]:
+    """`python -m orca_jax.serve`'s flags for the engine shape of the in-process sections."""
+    return ["--model", setup.model, "--port", str(port), "--dtype", setup.dtype,
+            "--max-num-seqs", str(setup.max_num_seqs), "--max-num-batched-tokens", str(setup.max_num_batched_tokens),
+            "--max-waiting", str(max(4096, setup.num_requests)),
+            "--kv-allocation", "reserve",  # the in-process sections' (the library default)
+            "--compilation-cache-dir", cache_dir, "--log-level", "warning"]
+
+
 def http_replay(setup, cache_dir: str, log_path: str, vocab_size: int, *, port: int = 8765,
                 ready_timeout_s: float = 600.0) -> dict:
     """Two replays of setup's uniform trace through a served engine; its start-up, program counts and
     the client's summaries (output tokens/s, TTFT, TPOT)."""
     base_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "orca_jax.serve", "--model", setup.model, "--port", str(port),
-           "--dtype", setup.dtype, "--max-num-seqs", str(setup.max_num_seqs),
-           "--max-num-batched-tokens", str(setup.max_num_batched_tokens),
-           "--max-waiting", str(max(4096, setup.num_requests)),
-           "--kv-allocation", "reserve",  # the in-process sections' (the library default)
-           "--compilation-cache-dir", cache_dir, "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "orca_jax.serve", *serve_flags(setup, port, cache_dir)]
     with open(log_path, "w") as log:
         started = time.perf_counter()
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())

@@ -11,14 +11,6 @@ class KVCacheError(RuntimeError):
     """The allocator's bookkeeping was asked to do something impossible (a bug, not a full pool)."""
 
 
-def pages_for_budget(kv_bytes_per_token: int, page_size: int, budget_bytes: int) -> int:
-    """Largest num_pages (scratch page 0 included) whose KV fits in budget_bytes."""
-    if kv_bytes_per_token <= 0 or page_size <= 0 or budget_bytes < 0:
-        raise ValueError(f"need kv_bytes_per_token > 0, page_size > 0, budget_bytes >= 0; got "
-                         f"{kv_bytes_per_token}, {page_size}, {budget_bytes}")
-    return budget_bytes // (kv_bytes_per_token * page_size)
-
-
 class KVCacheManager:
     """Pages 1..num_pages-1 handed out lazily, under reservations made once per request (ORCA Alg. 1).
 

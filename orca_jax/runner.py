@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import gc
 import logging
 import os
 import threading
@@ -36,6 +35,7 @@ from orca_jax.batch import RaggedBatch, empty_batch, next_power_of_two, pack_for
 from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
 from orca_jax.executable_cache import ExecutableCache, describe_arrays
 from orca_jax.kernels import ragged_attention as ragged
+from orca_jax.kv_pool import num_pages_for
 from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
@@ -46,9 +46,6 @@ from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshe
 
 log = logging.getLogger(__name__)
 
-_CPU_DEFAULT_KV_GIB = 0.5
-_GPU_KV_FRACTION = 0.85  # of the memory left after the weights
-_POOL_PAGES_MULTIPLE = 256  # a pool computed from free memory is a multiple of this many pages
 # Buckets of at least this many tokens copy their inputs into a buffer that stays put before the
 # forward (a stage-in program, see pipeline.py); smaller ones pass them to the forward directly. On
 # an H100, decode iterations of 1 and 32 sequences (T = 8, 32) took the same time either way, for
@@ -88,30 +85,6 @@ def shard_over_heads(attention_fn, mesh: Mesh):
         attention_fn, mesh=mesh,
         in_specs=(rules.HEADS_SPEC, rules.KV_CACHE_SPEC, rules.KV_CACHE_SPEC) + (replicated,) * 4,
         out_specs=rules.HEADS_SPEC, check_vma=False)
-
-
-def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, device: jax.Device,
-                  num_devices: int = 1) -> int:
-    """The pool size: explicit, or the largest that fits the memory budget (per device x devices),
-    `params_bytes` per device still to be placed."""
-    if cache.num_pages is not None:
-        return cache.num_pages
-    if cache.kv_memory_gib is not None:
-        budget = cache.kv_memory_gib * 2**30
-    elif device.platform == "gpu":
-        # An engine dropped but not yet collected (its runner sits in reference cycles) still holds
-        # its weights and pool: a second engine in one process would size its pool from what is left.
-        gc.collect()
-        stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0) - params_bytes
-        budget = max(free, 0) * _GPU_KV_FRACTION * num_devices
-        # Rounded down: free memory differs by a few MiB from start to start, and the pool's size is
-        # in every forward program's shapes (a different one would miss the executable cache).
-        pages = int(budget // (config.kv_bytes_per_token * cache.page_size))
-        return max(2, pages - pages % _POOL_PAGES_MULTIPLE if pages > _POOL_PAGES_MULTIPLE else pages)
-    else:
-        budget = _CPU_DEFAULT_KV_GIB * 2**30
-    return max(2, int(budget // (config.kv_bytes_per_token * cache.page_size)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

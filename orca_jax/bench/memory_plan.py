@@ -8,7 +8,7 @@ Per GPU, with pipeline stages holding equal layer ranges and Megatron splitting 
 - KV per token: K and V of the stage's layers, for the KV heads of one tensor shard;
 - the pool the runner would size: XLA may use `xla_mem_fraction` of the GPU (jax's
   XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75 unless set), the runner gives the KV pool `kv_fraction` of what
-  the weights leave (runner._GPU_KV_FRACTION); the rest is headroom for activations and workspace.
+  the weights leave (kv_pool.GPU_KV_FRACTION); the rest is headroom for activations and workspace.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from orca_jax.config import ModelConfig
 from orca_jax.models import decoder
-from orca_jax.runner import _GPU_KV_FRACTION
+from orca_jax.kv_pool import GPU_KV_FRACTION
 from orca_jax.sharding import rules
 from orca_jax.sharding.mesh import TENSOR
 from orca_jax.sharding.tensor_plan import plan_for
@@ -73,7 +73,7 @@ def _per_gpu_bytes(shapes, tp: int, prefix: str = "") -> int:
 
 
 def memory_plan(config: ModelConfig, tensor_parallel: int, num_stages: int, gpu_bytes: int,
-                xla_mem_fraction: float = 0.95, kv_fraction: float = _GPU_KV_FRACTION,
+                xla_mem_fraction: float = 0.95, kv_fraction: float = GPU_KV_FRACTION,
                 page_size: int = 16) -> MemoryPlan:
     """The per-GPU plan; raises ValueError for a mesh the model cannot be split over."""
     if config.num_layers % num_stages:

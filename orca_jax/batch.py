@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from orca_jax.compilation import Bucket
 from orca_jax.request import SamplingParams
 from orca_jax.scheduler import SchedulerOutput
 
@@ -48,13 +49,13 @@ class BucketPolicy:
     """The padded shapes a batch can take: one per token bucket, so one forward program per bucket.
 
     T rounds up to the token ladder; S (sequence slots, also the logits rows) is tied to T as the
-    next power of two, capped at max_seqs (every sequence feeds a token, so num_seqs <= T always
+    next power of two, capped at max_num_seqs (every sequence feeds a token, so num_seqs <= T always
     fits); P (page-table width) is fixed at max_pages: both attention paths walk only the K/V a
     batch holds, so the table's width costs nothing but its bytes.
     """
 
     max_num_batched_tokens: int  # the scheduler's per-iteration token budget
-    max_seqs: int  # max batch size
+    max_num_seqs: int  # the most sequences in one batch
     max_pages: int  # pages of the longest allowed sequence
     ladder: tuple[int, ...] = ()  # token buckets; () -> token_ladder(max_num_batched_tokens)
     # Batches are shortened to a bucket only when that bucket holds at least this many tokens: below
@@ -72,16 +73,16 @@ class BucketPolicy:
 
     def seqs_for(self, tokens: int) -> int:
         """S of the bucket whose T is `tokens`."""
-        return min(next_power_of_two(tokens), self.max_seqs)
+        return min(next_power_of_two(tokens), self.max_num_seqs)
 
-    def bucket(self, num_tokens: int, num_seqs: int, num_pages: int) -> tuple[int, int, int]:
-        """(T, S, P) of the bucket holding a batch of this size."""
-        if num_tokens > self.ladder[-1] or num_seqs > min(num_tokens, self.max_seqs) \
+    def bucket(self, num_tokens: int, num_seqs: int, num_pages: int) -> Bucket:
+        """The bucket holding a batch of this size."""
+        if num_tokens > self.ladder[-1] or num_seqs > min(num_tokens, self.max_num_seqs) \
                 or num_pages > self.max_pages:
             raise ValueError(f"a batch of {num_tokens} tokens, {num_seqs} sequences and {num_pages} pages "
-                             f"exceeds the buckets (max {self.ladder[-1]}, {self.max_seqs}, {self.max_pages})")
+                             f"exceeds the buckets (max {self.ladder[-1]}, {self.max_num_seqs}, {self.max_pages})")
         tokens = self.ladder[bisect.bisect_left(self.ladder, num_tokens)]
-        return tokens, self.seqs_for(tokens), self.max_pages
+        return Bucket(tokens, self.seqs_for(tokens), self.max_pages)
 
     def token_target(self, tokens: int) -> int:
         """How many of a planned batch's `tokens` to feed: the bucket below when it holds at least
@@ -92,9 +93,9 @@ class BucketPolicy:
             return tokens
         return self.ladder[below]
 
-    def all_buckets(self) -> tuple[tuple[int, int, int], ...]:
-        """Every (T, S, P) a batch can land in: what the runner precompiles."""
-        return tuple((t, self.seqs_for(t), self.max_pages) for t in self.ladder)
+    def all_buckets(self) -> tuple[Bucket, ...]:
+        """Every bucket a batch can land in: what the runner precompiles."""
+        return tuple(Bucket(t, self.seqs_for(t), self.max_pages) for t in self.ladder)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,10 +124,9 @@ class RaggedBatch:
     token_sources: np.ndarray | None = None
 
     @property
-    def shape_key(self) -> tuple[int, int, int, int, bool]:
-        """What decides the compiled programs: (T, S, P, top logprobs, all greedy)."""
-        return (self.token_ids.shape[0], self.kv_lens.shape[0], self.page_table.shape[1],
-                self.num_top_logprobs, self.all_greedy)
+    def bucket(self) -> Bucket:
+        """The padded shape, which picks the forward programs."""
+        return Bucket(self.token_ids.shape[0], self.kv_lens.shape[0], self.page_table.shape[1])
 
 
 # RaggedBatch's arrays, each with its shape in bucket (T, S, P) and its dtype: the one list that

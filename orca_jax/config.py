@@ -29,7 +29,6 @@ class SchedulingPolicy(enum.Enum):
     EDF = "edf"  # earliest deadline first
     SJF = "sjf"  # shortest job (prompt + max_tokens) first
     DAS = "das"  # TCB's deadline-aware scheduler, admitting per iteration
-    DEADLINE = "edf"  # the old name of EDF: an alias, the same member
 
     @classmethod
     def _missing_(cls, value):
@@ -144,7 +143,7 @@ class KVAllocation(enum.Enum):
 class SchedulerConfig:
     """ORCA Algorithm 1's knobs plus the per-iteration token budget."""
 
-    max_batch_size: int = 64  # requests per iteration (vLLM's max_num_seqs)
+    max_num_seqs: int = 64  # requests per iteration (ORCA's max batch size)
     max_num_batched_tokens: int = 512  # token budget per iteration; longer prompts take several
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this
@@ -177,10 +176,10 @@ class SchedulerConfig:
                 or abs(self.das_eta + self.das_q - 1.0) > 1e-9:
             raise ValueError(f"SchedulerConfig.das_eta + das_q must be 1 with eta in (0, 1], got "
                              f"{self.das_eta} + {self.das_q}")
-        if self.max_batch_size <= 0:
-            raise ValueError(f"SchedulerConfig.max_batch_size must be positive, got {self.max_batch_size}")
-        if self.max_num_batched_tokens < self.max_batch_size:
-            raise ValueError("SchedulerConfig.max_num_batched_tokens must be at least max_batch_size "
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"SchedulerConfig.max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("SchedulerConfig.max_num_batched_tokens must be at least max_num_seqs "
                              "so every running request can get its one increment token")
         if self.max_waiting <= 0:
             raise ValueError(f"SchedulerConfig.max_waiting must be positive, got {self.max_waiting}")
@@ -219,13 +218,12 @@ class EngineConfig:
     dtype: str | None = None  # overrides the preset's dtype when set
     max_model_len: int | None = None  # caps the preset's max_seq_len when set
     seed: int = 0
-    # Batches in flight at once (Algorithm 1's n_workers); None means one per pipeline stage. On one
-    # device, 2 lets the host build iteration k+1 while the device runs iteration k.
-    max_batches_in_flight: int | None = None
+    # Batches in flight at once (Algorithm 1's n_workers); None: effective_max_in_flight decides.
+    max_in_flight: int | None = None
     # Compile every bucket's programs when the engine starts, so nothing compiles while serving.
     precompile: bool = True
     # JAX's persistent compilation cache: "auto" keeps jax's own setting if one is made, else a
-    # per-user directory (compilation_cache.default_cache_dir()); a path uses it; None turns it off.
+    # per-user directory (compilation.default_cache_dir()); a path uses it; None turns it off.
     compilation_cache_dir: str | None = "auto"
 
     @property
@@ -234,15 +232,16 @@ class EngineConfig:
         return self.scheduler.async_scheduling and self.parallel.num_stages == 1
 
     @property
-    def batches_in_flight(self) -> int:
-        """Algorithm 1's n_workers: one batch per stage, or two on one stage with async scheduling."""
-        if self.max_batches_in_flight is not None:
-            return self.max_batches_in_flight
+    def effective_max_in_flight(self) -> int:
+        """Algorithm 1's n_workers: max_in_flight if set, else one batch per pipeline stage, or two on
+        one stage with async scheduling (the host builds iteration k+1 while the device runs k)."""
+        if self.max_in_flight is not None:
+            return self.max_in_flight
         return 2 if self.async_scheduling else self.parallel.num_stages
 
     def __post_init__(self):
-        if self.max_batches_in_flight is not None and self.max_batches_in_flight <= 0:
-            raise ValueError("EngineConfig.max_batches_in_flight must be positive")
+        if self.max_in_flight is not None and self.max_in_flight <= 0:
+            raise ValueError("EngineConfig.max_in_flight must be positive")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -1,7 +1,8 @@
 """The host-side iteration loop: scheduler -> ragged batch -> runner -> scheduler, one iteration a step.
 
-Up to num_stages batches can be in flight (ORCA Algorithm 1, lines 8-10). With a single device and
-num_stages=2 the host builds and dispatches batch k+1 while the device still runs batch k.
+Up to EngineConfig.max_in_flight batches can be in flight (ORCA Algorithm 1, lines 8-10): one per
+pipeline stage, or on a single stage two with async scheduling, so the host builds and dispatches
+batch k+1 while the device still runs batch k.
 """
 
 from __future__ import annotations
@@ -11,22 +12,20 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
 import time
 import zlib
 from typing import Callable, Protocol
 
 from orca_jax import multihost
 from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
-from orca_jax.compilation_cache import configure_compilation_cache
+from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
-from orca_jax.executable_cache import ExecutableCache
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.runner import ModelRunner, PrecompileReport, ProgressFn, StepResult
+from orca_jax.runner import ModelRunner, StepResult
 from orca_jax.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class EngineStats:
     last_batch_size: int = 0
     last_num_tokens: int = 0
     last_iteration_seconds: float = 0.0
-    num_compiled_buckets: int = 0
+    num_compiled_programs: int = 0
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     batch_size_total: int = 0  # sum over iterations, for the mean
@@ -54,8 +53,8 @@ class EngineStats:
     device_wait_seconds_total: float = 0.0  # blocked on the device's tokens
     # Batches dispatched and not yet fetched when the oldest one's tokens are fetched (ORCA keeps up
     # to n_stages in flight, so every pipeline stage has one): the most seen, and the sum for the mean.
-    max_batches_in_flight: int = 0
-    batches_in_flight_total: int = 0
+    peak_in_flight: int = 0
+    in_flight_total: int = 0
     num_preemptions: int = 0  # requests whose KV was freed to make room (recomputed later)
     deadline_hits: int = 0  # requests with a deadline that finished by it
     deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
@@ -69,8 +68,8 @@ class EngineStats:
         return self.scheduled_tokens_total / max(self.iterations, 1)
 
     @property
-    def mean_batches_in_flight(self) -> float:
-        return self.batches_in_flight_total / max(self.iterations, 1)
+    def mean_in_flight(self) -> float:
+        return self.in_flight_total / max(self.iterations, 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -80,7 +79,7 @@ class _InFlight:
     packed: object  # the device array the runner returned
 
 
-# (kv, max_model_len, num_stages) -> the scheduler an engine drives; Scheduler's own signature after
+# (kv, max_model_len, max_in_flight) -> the scheduler an engine drives; Scheduler's own signature after
 # its config, so functools.partial(Scheduler, scheduler_config) is one.
 SchedulerFactory = Callable[[KVCacheManager, int, int], SchedulerInterface]
 
@@ -117,24 +116,22 @@ class Engine:
                  scheduler_factory: SchedulerFactory | None = None,
                  precompile_progress: ProgressFn | None = None):
         self.config = config
-        cache_dir = configure_compilation_cache(config.compilation_cache_dir)
+        executable_cache = executable_cache_for(config.compilation_cache_dir)  # before anything compiles
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.tokenizer = loaded.tokenizer
         self.model_config = model_config_for(config, loaded)
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
-                                  max_seqs=config.scheduler.max_batch_size,
-                                  executable_cache=None if cache_dir is None else
-                                  ExecutableCache(os.path.join(cache_dir, "executables")))
+                                  max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                                    max_seqs=config.scheduler.max_batch_size,
+                                    max_num_seqs=config.scheduler.max_num_seqs,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
         scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
         factory = scheduler_factory or functools.partial(Scheduler, scheduler_config,
                                                          token_target=self.buckets.token_target)
-        self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.batches_in_flight)
+        self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.effective_max_in_flight)
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._observers: list[EngineObserver] = []
         self._schedule_s = 0.0  # schedule() time not yet reported with a dispatch
@@ -149,15 +146,9 @@ class Engine:
 
     # ---- compiled programs ----
 
-    def program_keys(self) -> tuple[tuple, ...]:
-        """Every program an iteration can need: a forward per bucket and a stage-in per bucket of at
-        least runner.stage_inputs_from tokens (one each per pipeline stage), sampling per (S, K,
-        greedy); keys as runner.compiled_shapes lists them."""
-        buckets = self.buckets.all_buckets()
-        forward = tuple(("forward", t, s, p) for t, s, p in buckets)
-        sample = tuple(("sample", s, k, greedy) for s in sorted({s for _, s, _ in buckets})
-                       for k in (0, SamplingParams.MAX_TOP_LOGPROBS) for greedy in (True, False))
-        return tuple(self.runner.program_keys(forward + sample))  # a bucket key: its programs per stage
+    def program_keys(self) -> list[ProgramKey]:
+        """Every program an iteration can need (runner.program_keys of every bucket)."""
+        return self.runner.program_keys(self.buckets.all_buckets())
 
     def precompile(self, progress: ProgressFn | None = None) -> PrecompileReport:
         """Compile every program in program_keys() now (what EngineConfig.precompile does at start)."""
@@ -208,7 +199,7 @@ class Engine:
         """Swap in another scheduler (same KV pool, runner and buckets); only while idle."""
         if self.has_unfinished():
             raise RuntimeError("replace the scheduler only on an idle engine")
-        self.scheduler = factory(self.kv, self.max_model_len, self.config.batches_in_flight)
+        self.scheduler = factory(self.kv, self.max_model_len, self.config.effective_max_in_flight)
         return self.scheduler
 
     def add_observer(self, observer: EngineObserver) -> None:
@@ -249,8 +240,8 @@ class Engine:
         outputs = self._process(flight, result)
         end = time.perf_counter()
         self._record(flight.output, end - start, wait_end - wait_start)
-        self._stats.max_batches_in_flight = max(self._stats.max_batches_in_flight, in_flight)
-        self._stats.batches_in_flight_total += in_flight
+        self._stats.peak_in_flight = max(self._stats.peak_in_flight, in_flight)
+        self._stats.in_flight_total += in_flight
         return dropped + outputs
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
@@ -322,5 +313,5 @@ class Engine:
         stats.kv_pages_used = self.kv.num_used_pages
         stats.kv_pages_reserved = self.kv.num_reserved_pages
         stats.num_preemptions = self.scheduler.num_preemptions
-        stats.num_compiled_buckets = len(self.runner.compiled_shapes)
+        stats.num_compiled_programs = self.runner.compilation.num_compiled_programs
         return stats

@@ -65,7 +65,7 @@ class LLM:
         config = engine_config or EngineConfig(
             model=model,
             cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib),
-            scheduler=SchedulerConfig(max_batch_size=max_num_seqs,
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=SchedulingPolicy(scheduling_policy),
                                       kv_allocation=KVAllocation(kv_allocation)),

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from orca_jax.batch import BATCH_ARRAYS, RaggedBatch
+from orca_jax.compilation import ProgramKey, key_from_json, key_to_json
 from orca_jax.config import ParallelConfig
 
 _HEADER_LEN = 11
@@ -93,9 +94,9 @@ class Mirror:
         if self.is_leader:
             _send(*encode_batch(batch))
 
-    def precompile(self, keys: list[tuple], warm: bool) -> None:
+    def precompile(self, keys: list[ProgramKey], warm: bool) -> None:
         if self.is_leader:
-            payload = _bytes_payload(json.dumps([list(k) for k in keys]).encode())
+            payload = _bytes_payload(json.dumps([key_to_json(k) for k in keys]).encode())
             _send(np.array([_Kind.PRECOMPILE, payload.size] + [0] * 8 + [warm], np.int32), payload)
 
     def stop(self) -> None:
@@ -134,7 +135,7 @@ def run_worker(runner) -> int:
         if kind is _Kind.STOP:
             return iterations
         if kind is _Kind.PRECOMPILE:
-            keys = [tuple(k) for k in json.loads(payload.tobytes().decode())]
+            keys = [key_from_json(k) for k in json.loads(payload.tobytes().decode())]
             runner.precompile(keys, warm=bool(header[-1]))
         else:
             # Nothing here reads the tokens: the result is dropped once dispatched (it still runs).

@@ -1,6 +1,8 @@
-"""The plan one iteration hands from the scheduler to the batch builder, as plain data (no jax).
+"""The plan one iteration hands from the scheduler to the batch builder, and how a request's share of
+it is made: `plan_request` gives the request the KV pages its tokens need and records them (no jax).
 
-Split from scheduler.py so the scheduler's file holds only Algorithm 1's decisions.
+Split from scheduler.py so the scheduler's file holds only Algorithm 1's decisions; every scheduler
+(Algorithm 1's, and the request-level baseline the benchmarks compare with) plans through it.
 """
 
 from __future__ import annotations

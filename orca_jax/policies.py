@@ -136,18 +136,18 @@ class DAS:
     blocks_later_admissions: ClassVar[bool] = False  # skip one that does not fit, try the next
     preempts_for_admission: ClassVar[bool] = False
 
-    def __init__(self, max_batch_size: int, eta: float = 0.5, q: float = 0.5,
+    def __init__(self, max_num_seqs: int, eta: float = 0.5, q: float = 0.5,
                  utility: Callable[[Request], float] = inverse_length):
         if not (0.0 < eta <= 1.0 and 0.0 <= q < 1.0) or abs(eta + q - 1.0) > 1e-9:
             raise ValueError(f"DAS needs eta + q = 1 with eta in (0, 1], got eta={eta}, q={q}")
-        self.max_batch_size = max_batch_size
+        self.max_num_seqs = max_num_seqs
         self.eta = eta
         self.q = q
         self.utility = utility
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> DAS:
-        return cls(config.max_batch_size, config.das_eta, config.das_q)
+        return cls(config.max_num_seqs, config.das_eta, config.das_q)
 
     def split(self, waiting: Sequence[Request], slots: int) -> tuple[list[Request], list[Request],
                                                                       list[Request]]:
@@ -169,7 +169,7 @@ class DAS:
         running = sorted((r for r in requests if r.status is RequestStatus.RUNNING),
                          key=lambda r: r.arrival_time)
         waiting = [r for r in requests if r.status is not RequestStatus.RUNNING]
-        dominant, deadline_set, remainder = self.split(waiting, max(self.max_batch_size - len(running), 0))
+        dominant, deadline_set, remainder = self.split(waiting, max(self.max_num_seqs - len(running), 0))
         return running + dominant + deadline_set + remainder
 
     def may_admit(self, request: Request, kv: KVCacheManager, num_tokens: int | None = None) -> bool:

@@ -24,22 +24,22 @@ class QueueFullError(RuntimeError):
 
 
 class Scheduler:
-    """ORCA Algorithm 1: select a batch each iteration; up to num_stages batches in flight.
+    """ORCA Algorithm 1: select a batch each iteration; up to max_in_flight batches in flight.
 
     Not thread-safe: one engine loop owns it.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 num_stages: int = 1, clock: Callable[[], float] = time.monotonic,
+                 max_in_flight: int = 1, clock: Callable[[], float] = time.monotonic,
                  policy: Policy | None = None, token_target: Callable[[int], int] | None = None):
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        if num_stages <= 0:
-            raise ValueError(f"num_stages must be positive, got {num_stages}")
+        if max_in_flight <= 0:
+            raise ValueError(f"max_in_flight must be positive, got {max_in_flight}")
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.num_stages = num_stages
+        self.max_in_flight = max_in_flight  # Algorithm 1's n_workers: one per stage, or 2 with async scheduling
         self._clock = clock
         self.policy = policy if policy is not None else make_policy(config.policy, config)
         # tokens planned -> tokens to feed (BucketPolicy.token_target: the bucket below, where padding
@@ -73,8 +73,8 @@ class Scheduler:
 
     @property
     def can_schedule(self) -> bool:
-        """Whether another batch may be put in flight (one per pipeline stage)."""
-        return self.num_in_flight < self.num_stages
+        """Whether another batch may be put in flight."""
+        return self.num_in_flight < self.max_in_flight
 
     @property
     def requests(self) -> tuple[Request, ...]:
@@ -119,7 +119,7 @@ class Scheduler:
         """Pick this iteration's batch; an empty output means nothing can run now.
 
         Walk the requests not finished and not in flight (with async scheduling: not in flight but in
-        the batch planned last, see _planning_view) in the policy's order, up to max_batch_size.
+        the batch planned last, see _planning_view) in the policy's order, up to max_num_seqs.
         A request's first selection takes KV (RESERVE: prompt + max_tokens; ON_DEMAND: its prompt)
         when the policy's may_admit agrees; once it refuses, no later request is admitted either
         when the policy is strict (a small late request must not overtake a big early one), but
@@ -136,7 +136,7 @@ class Scheduler:
         """
         if not self.can_schedule:
             raise RuntimeError(f"{self.num_in_flight} batches already in flight "
-                               f"(num_stages={self.num_stages}); call update() first")
+                               f"(max_in_flight={self.max_in_flight}); call update() first")
         now = self._clock()
         dropped = self._drop_expired(now)
         batch: list[Request] = []
@@ -144,7 +144,7 @@ class Scheduler:
         can_admit = True
         views = {r: view for r in self._requests.values() if (view := self._planning_view(r)) is not None}
         for request in self.policy.order(list(views), now):
-            if len(batch) >= self.config.max_batch_size:
+            if len(batch) >= self.config.max_num_seqs:
                 break
             if request.status is RequestStatus.WAITING:
                 if not can_admit or request in preempted:
@@ -154,7 +154,7 @@ class Scheduler:
                     continue
             batch.append(request)
 
-        # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_batch_size.
+        # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_num_seqs.
         budget = self.config.max_num_batched_tokens
         budget -= sum(1 for r in batch if not views[r].in_initiation)
         planned: list[tuple[Request, int]] = []

@@ -26,7 +26,7 @@ from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("orca_jax.serve")
 # The server's default, unlike the library's (RESERVE, ORCA as published): chats without max_tokens
-# then share the pool instead of running one at a time (measured: notes/policy.md, README).
+# then share the pool instead of running one at a time (measured: benchmarks/results/cpu/kv_modes.json, README).
 SERVE_KV_ALLOCATION = KVAllocation.ON_DEMAND
 
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1; $ORCA_API_KEY also works and "
                    "keeps the key out of the process list")
     p.add_argument("--metrics-require-auth", action="store_true", help="put /metrics behind the key too")
-    p.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_batch_size"),
+    p.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"),
                    help="requests per iteration (ORCA's max batch size)")
     p.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"),
                    help="tokens per iteration; longer prompts are fed over several")
@@ -122,7 +122,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages,
                           kv_memory_gib=args.kv_cache_memory_gib),
-        scheduler=SchedulerConfig(max_batch_size=args.max_num_seqs,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=SchedulingPolicy(args.scheduling_policy),
                                   max_waiting=args.max_waiting, async_scheduling=args.async_scheduling,
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from orca_jax import multihost
     multihost.initialize(config.parallel)  # before anything else touches jax
     from orca_jax.engine import Engine
-    from orca_jax.server import AsyncEngine, create_app, interpreter
+    from orca_jax.server import AsyncEngine, create_app, gc_and_gil
 
     log.info("loading %s", args.model)
     # The engine thread compiles every program once the server is up, so /health can say how far
@@ -189,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in startup_report(engine):
         log.info("%s", line)
-    interpreter.shorten_gil_switch_interval()
+    gc_and_gil.shorten_gil_switch_interval()
     async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True,
-                               on_ready=interpreter.freeze_startup_heap)
+                               on_ready=gc_and_gil.freeze_startup_heap)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
                      served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                      metrics_require_auth=args.metrics_require_auth,

@@ -8,14 +8,14 @@ from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
 
 
-def tiny_engine(model: str = "tiny-llama", *, max_batch_size: int = 8, max_num_batched_tokens: int = 64,
+def tiny_engine(model: str = "tiny-llama", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                 page_size: int = 4, num_pages: int = 256, seed: int = 0, async_scheduling: bool = True,
                 scheduler_factory=None, scheduler_options: dict | None = None,
                 **overrides) -> Engine:
     config = EngineConfig(
         model=model,
         cache=CacheConfig(page_size=page_size, num_pages=num_pages),
-        scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   async_scheduling=async_scheduling, **(scheduler_options or {})),
         seed=seed, precompile=False)  # most tests meet few buckets: compile those on first use
     return Engine(dataclasses.replace(config, **overrides), scheduler_factory=scheduler_factory)

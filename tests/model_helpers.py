@@ -7,6 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
+from orca_jax.batch import empty_batch, next_power_of_two
 from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
 from orca_jax.models.loader import SMOLLM2_GGUF, smollm2_gguf_path  # noqa: F401
@@ -21,7 +22,7 @@ def our_engine(loaded) -> Engine:
     key = id(loaded)
     if key not in _ENGINES:
         config = EngineConfig(cache=CacheConfig(page_size=PAGE_SIZE, num_pages=64),
-                              scheduler=SchedulerConfig(max_batch_size=4, max_num_batched_tokens=128),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128),
                               attention=AttentionBackend.JNP, precompile=False)
         _ENGINES[key] = (loaded, Engine(config, loaded))  # loaded kept so its id stays unique
     return _ENGINES[key][1]
@@ -29,7 +30,29 @@ def our_engine(loaded) -> Engine:
 
 def our_logits(loaded, token_ids: Sequence[int]) -> np.ndarray:
     """f32[T, V] from one prefill of our runner through the jnp attention path."""
-    return our_engine(loaded).runner.prompt_logits(token_ids)
+    return prompt_logits(our_engine(loaded).runner, token_ids)
+
+
+def prompt_logits(runner, token_ids: Sequence[int]) -> np.ndarray:
+    """f32[T, V] next-token logits at every position of one prompt, from one forward pass of a
+    one-request batch on pages 1..ceil(T / page_size) with a logits row per token. It overwrites those
+    pages' K/V: call it only on a runner no engine is using."""
+    n = len(token_ids)
+    num_pages = -(-n // runner.page_size)
+    assert 0 < n and num_pages < runner.num_pages, (n, num_pages, runner.num_pages)
+    t = s = next_power_of_two(max(n, 8))  # S = T: one logits row per token
+    batch = empty_batch(t, s, next_power_of_two(num_pages))
+    positions = np.arange(n, dtype=np.int32)
+    batch.token_ids[:n] = token_ids
+    batch.positions[:n] = positions
+    batch.page_table[0, :num_pages] = np.arange(1, num_pages + 1)
+    batch.slot_mapping[:n] = batch.page_table[0, positions // runner.page_size] * runner.page_size \
+        + positions % runner.page_size
+    batch.cu_q_lens[1:] = n
+    batch.kv_lens[0] = n
+    batch.num_seqs[0] = 1
+    batch.logits_indices[:] = np.minimum(np.arange(s), n - 1)
+    return np.asarray(runner.forward(batch))[:n]
 
 
 def our_greedy(loaded, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -8,6 +8,7 @@ import json
 import sys
 
 from orca_jax import multihost
+from orca_jax.compilation import key_to_json
 from orca_jax.config import ParallelConfig
 
 
@@ -25,14 +26,14 @@ def main() -> None:
     runner = engine.runner
     if not multihost.is_leader():
         iterations = multihost.run_worker(runner)
-        print(json.dumps({"worker_iterations": iterations, "programs": sorted(map(list, runner.compiled_shapes))}))
+        print(json.dumps({"worker_iterations": iterations, "programs": sorted(map(key_to_json, runner.compilation.compiled_keys))}))
         return
     # Every batch of the run falls in this bucket (see pipeline_cases.engine_for): precompiled on every
     # process through the mirror, nothing compiles while running.
     runner.precompile(engine.program_keys())
-    programs = sorted(map(list, runner.compiled_shapes))
+    programs = sorted(map(key_to_json, runner.compilation.compiled_keys))
     result = run(engine)
-    assert sorted(map(list, runner.compiled_shapes)) == programs, "compiled while running"
+    assert sorted(map(key_to_json, runner.compilation.compiled_keys)) == programs, "compiled while running"
     runner.stop_workers()
     devices = sorted({d.process_index for stage in runner.stages for d in stage.mesh.devices.flat})
     print(json.dumps(dict(result, processes=devices, num_devices=len(jax.devices()), programs=programs)))

@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 
+from orca_jax.compilation import ForwardKey
 from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, ParallelConfig, SchedulerConfig
 from orca_jax.engine import Engine
 from orca_jax.models import decoder
@@ -51,13 +52,13 @@ def engine_for(model: str, tp: int, pp: int, batches_in_flight: int | None = Non
                random_init: bool = False, **processes) -> Engine:
     """Weights placed from the host (one random init per model keeps the suite fast), or with
     random_init made on each stage's devices, which must give the same values."""
-    # max_batch_size 2 with 8 requests: enough disjoint batches to keep every stage busy. A budget of
+    # max_num_seqs 2 with 8 requests: enough disjoint batches to keep every stage busy. A budget of
     # 8 tokens and at most 16 per request keep every batch in one bucket: one program per stage.
     config = EngineConfig(model=model, cache=CacheConfig(page_size=4, num_pages=64),
-                          scheduler=SchedulerConfig(max_batch_size=2, max_num_batched_tokens=8,
+                          scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8,
                                                     async_scheduling=False),  # Algorithm 1: pp disjoint batches
                           parallel=ParallelConfig(num_stages=pp, tensor_parallel=tp, **processes),
-                          max_batches_in_flight=batches_in_flight, precompile=False)
+                          max_in_flight=batches_in_flight, precompile=False)
     params = None if random_init else host_params(model)
     return Engine(config, LoadedModel(MODELS[model], params, ByteTokenizer()))
 
@@ -67,8 +68,8 @@ def run(engine: Engine) -> dict:
         engine.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), request_id=str(i))
     tokens = drain(engine)
     stats = engine.stats()
-    return {"tokens": tokens, "max_in_flight": stats.max_batches_in_flight,
-            "mean_in_flight": stats.mean_batches_in_flight, "pages_used": stats.kv_pages_used,
+    return {"tokens": tokens, "max_in_flight": stats.peak_in_flight,
+            "mean_in_flight": stats.mean_in_flight, "pages_used": stats.kv_pages_used,
             "iterations": stats.iterations}
 
 
@@ -83,9 +84,9 @@ def program_facts(engine: Engine) -> dict:
     next to the bytes of the stage's own weight and KV shards (one device's)."""
     runner = engine.runner
     facts = {}
-    bucket = min(k[1:4] for k in runner.compiled_shapes if k[0] == "forward")
+    bucket = min(k.bucket for k in runner.compilation.compiled_keys if isinstance(k, ForwardKey))
     for stage in runner.stages:
-        compiled = runner.compiled_program(("forward", *bucket, stage.index))
+        compiled = runner.compilation.executable(ForwardKey(bucket, stage.index))
         text = compiled.as_text()
         own = sum(s.data.nbytes for x in jax.tree_util.tree_leaves((stage.params, stage.kv))
                   for s in x.addressable_shards if s.device == stage.mesh.devices.flat[0])

@@ -62,13 +62,13 @@ class _FakeRequest:
 class FakeEngine:
     """Deterministic stand-in for orca_jax.engine.Engine (see the module docstring)."""
 
-    def __init__(self, *, max_batch_size: int = 8, max_waiting: int = 64, num_pages: int = 256,
+    def __init__(self, *, max_num_seqs: int = 8, max_waiting: int = 64, num_pages: int = 256,
                  page_size: int = 4, max_model_len: int = 128, step_seconds: float = 0.0,
                  fail_at_iteration: int | None = None, tokenizer=None):
         self.config = EngineConfig(
             model="fake", cache=CacheConfig(page_size=page_size, num_pages=num_pages),
-            scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting,
-                                      max_num_batched_tokens=max(512, max_batch_size)))
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                      max_num_batched_tokens=max(512, max_num_seqs)))
         self.model_config = ModelConfig(
             family=ModelFamily.LLAMA, vocab_size=tokenizer.vocab_size if tokenizer else 256, hidden_size=8, num_layers=1, num_heads=1,
             num_kv_heads=1, head_dim=8, ffn_size=8, max_seq_len=max_model_len, eos_token_ids=(EOS,))
@@ -180,7 +180,7 @@ class FakeEngine:
     def _admit(self) -> None:
         self.waiting.sort(key=lambda r: (-r.priority, r.arrival))
         free = self.num_pages - sum(r.pages for r in self.running.values())
-        while self.waiting and len(self.running) < self.config.scheduler.max_batch_size:
+        while self.waiting and len(self.running) < self.config.scheduler.max_num_seqs:
             request = self.waiting[0]
             pages = self._pages_for(len(request.prompt) + request.sampling.max_tokens)
             if pages > free:

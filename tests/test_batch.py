@@ -25,7 +25,7 @@ def plan(*items) -> SchedulerOutput:
 
 
 # An 8-token ladder (finer than the default's 8, 16, 32, 64) keeps the hand-checked layouts small.
-BUCKETS = BucketPolicy(max_num_batched_tokens=64, max_seqs=8, max_pages=16, ladder=tuple(range(8, 65, 8)))
+BUCKETS = BucketPolicy(max_num_batched_tokens=64, max_num_seqs=8, max_pages=16, ladder=tuple(range(8, 65, 8)))
 
 
 def test_ragged_layout_of_a_prompt_chunk_and_two_increments():
@@ -51,7 +51,7 @@ def test_ragged_layout_of_a_prompt_chunk_and_two_increments():
     assert batch.top_k[:3].tolist() == [0, 4, 0]
     np.testing.assert_allclose(batch.top_p[:3], [1.0, 1.0, 0.9])
     assert not batch.all_greedy and batch.num_top_logprobs == 0
-    assert batch.shape_key == (8, 8, 16, 0, False)
+    assert (batch.bucket, batch.num_top_logprobs, batch.all_greedy) == ((8, 8, 16), 0, False)
 
 
 def test_padding_rows_and_sequences_point_at_the_scratch_page():
@@ -70,7 +70,7 @@ def test_buckets_follow_the_token_ladder_with_s_tied_to_t(num_tokens, num_pages,
     assert BUCKETS.bucket(num_tokens, 1, num_pages) == expected
     start = num_pages * PAGE - 1  # the last token lands on page num_pages
     batch = build_batch(plan(item("a", start - num_tokens + 1, [3] * num_tokens, range(1, num_pages + 1))), BUCKETS)
-    assert batch.shape_key[:3] == expected
+    assert batch.bucket == expected
 
 
 def test_top_logprobs_is_static_per_batch():
@@ -79,7 +79,7 @@ def test_top_logprobs_is_static_per_batch():
 
 
 def test_every_batch_lands_in_a_listed_bucket():
-    small = BucketPolicy(max_num_batched_tokens=64, max_seqs=4, max_pages=8)
+    small = BucketPolicy(max_num_batched_tokens=64, max_num_seqs=4, max_pages=8)
     assert small.all_buckets() == ((8, 4, 8), (16, 4, 8), (32, 4, 8), (64, 4, 8))
     listed = set(small.all_buckets())
     assert all(small.bucket(t, min(t, 4), p) in listed for t in range(1, 65) for p in range(1, 9))
@@ -87,13 +87,13 @@ def test_every_batch_lands_in_a_listed_bucket():
 
 def test_empty_batch_is_all_padding():
     batch = empty_batch(16, 8, 4)
-    assert batch.shape_key == (16, 8, 4, 0, True) and batch.num_real_seqs == 0
+    assert (batch.bucket, batch.num_top_logprobs, batch.all_greedy) == ((16, 8, 4), 0, True) and batch.num_real_seqs == 0
     assert not batch.slot_mapping.any() and not batch.cu_q_lens.any()
 
 
 def test_forward_inputs_pack_into_one_vector_and_back():
     batch = build_batch(plan(item("a", 0, [11, 12, 13], [7]), item("b", 9, [21], [2, 5, 6])), BUCKETS)
-    t, s, p = batch.shape_key[:3]
+    t, s, p = batch.bucket
     packed = pack_forward_inputs(batch)
     assert packed.dtype == np.int32 and packed.shape == (forward_inputs_size(t, s, p),)
     fields = unpack_forward_inputs(packed, t, s, p)

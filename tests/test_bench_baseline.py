@@ -21,9 +21,9 @@ def _step(scheduler):
     return output, finished
 
 
-def _scheduler(max_batch_size=3, max_num_batched_tokens=64, num_pages=200, page_size=4):
+def _scheduler(max_num_seqs=3, max_num_batched_tokens=64, num_pages=200, page_size=4):
     kv = KVCacheManager(num_pages, page_size)
-    return RequestLevelScheduler(max_batch_size, max_num_batched_tokens, kv, max_model_len=256), kv
+    return RequestLevelScheduler(max_num_seqs, max_num_batched_tokens, kv, max_model_len=256), kv
 
 
 def test_batch_is_padded_and_runs_in_lockstep_until_the_longest_finishes():
@@ -32,7 +32,7 @@ def test_batch_is_padded_and_runs_in_lockstep_until_the_longest_finishes():
     for r in requests:
         scheduler.add_request(r)
     output, finished = _step(scheduler)
-    # Arrival order, max_batch_size 3: a, b, c; each prompt padded (on the left) to 9 tokens.
+    # Arrival order, max_num_seqs 3: a, b, c; each prompt padded (on the left) to 9 tokens.
     assert [s.request.request_id for s in output.scheduled] == ["a", "b", "c"]
     assert [s.num_new_tokens for s in output.scheduled] == [9, 9, 9]
     assert requests[0].prompt_token_ids[:4] == [PAD_TOKEN_ID] * 4 and requests[0].prompt_token_ids[4:] == list(range(10, 15))
@@ -53,7 +53,7 @@ def test_batch_is_padded_and_runs_in_lockstep_until_the_longest_finishes():
 
 
 def test_no_request_joins_a_running_batch():
-    scheduler, _ = _scheduler(max_batch_size=4)
+    scheduler, _ = _scheduler(max_num_seqs=4)
     scheduler.add_request(_request("early", 4, 3))
     _step(scheduler)
     scheduler.add_request(_request("late", 2, 1))  # arrives while the batch runs, with a free slot
@@ -67,7 +67,7 @@ def test_no_request_joins_a_running_batch():
 
 
 def test_prompts_are_chunked_and_decoding_waits_for_every_prompt():
-    scheduler, _ = _scheduler(max_batch_size=2, max_num_batched_tokens=8)
+    scheduler, _ = _scheduler(max_num_seqs=2, max_num_batched_tokens=8)
     a, b = _request("a", 6, 2), _request("b", 3, 2)
     scheduler.add_request(a)
     scheduler.add_request(b)
@@ -82,12 +82,12 @@ def test_prompts_are_chunked_and_decoding_waits_for_every_prompt():
 
 
 def test_batch_size_shrinks_to_what_the_kv_pool_holds():
-    scheduler, kv = _scheduler(max_batch_size=8, num_pages=9, page_size=4)  # 8 usable pages
+    scheduler, kv = _scheduler(max_num_seqs=8, num_pages=9, page_size=4)  # 8 usable pages
     for i in range(4):
         scheduler.add_request(_request(str(i), 7, 1))  # 8 tokens = 2 pages each, once padded
     output = scheduler.schedule()
     assert output.num_requests == 4 and kv.num_reserved_pages == 8
-    scheduler2, _ = _scheduler(max_batch_size=8, num_pages=8, page_size=4)  # 7 usable pages
+    scheduler2, _ = _scheduler(max_num_seqs=8, num_pages=8, page_size=4)  # 7 usable pages
     scheduler2.add_request(_request("small", 3, 1))
     scheduler2.add_request(_request("big", 15, 1))  # both padded to 16 tokens: 8 pages, only one fits
     output, _ = _step(scheduler2)
@@ -109,7 +109,7 @@ def test_abort_and_refusal():
 
 
 def test_baseline_on_the_engine_matches_the_arithmetic():
-    engine = tiny_engine(max_batch_size=8, max_num_batched_tokens=64, page_size=4, num_pages=512)
+    engine = tiny_engine(max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=512)
     scheduler = driver.use_scheduler(engine, driver.BASELINE, 4)
     trace = make_trace("uniform", 10, rate=None, seed=2, lengths=LengthSpec(prompt_range=(3, 20), gen_range=(1, 6)))
     run = driver.run_trace(engine, trace, "baseline", realtime=False)
@@ -134,7 +134,7 @@ def test_microbatch_pipelining_keeps_the_unpipelined_tokens():
     every request's tokens are those of the unpipelined baseline."""
     from engine_helpers import drain
 
-    engine = tiny_engine(max_batch_size=8, max_num_batched_tokens=64, page_size=4, num_pages=512, max_batches_in_flight=2)
+    engine = tiny_engine(max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=512, max_in_flight=2)
     prompts = [list(range(10, 10 + n)) for n in (3, 11, 6, 9, 4)]
     tokens, batches = {}, {}
     for microbatches in (1, 2):
@@ -144,7 +144,7 @@ def test_microbatch_pipelining_keeps_the_unpipelined_tokens():
             engine.add_request(prompt, SamplingParams(max_tokens=2 + i, ignore_eos=True), request_id=str(i))
         tokens[microbatches] = drain(engine)
         batches[microbatches] = scheduler.batches
-        assert engine.stats().max_batches_in_flight == microbatches
+        assert engine.stats().peak_in_flight == microbatches
     assert batches[1] == batches[2] == [(5, 11, 6)]  # one padded batch either way
     assert tokens[2] == tokens[1] and all(len(t) == 6 for t in tokens[1].values())
     assert engine.stats().kv_pages_used == 0 and engine.stats().kv_pages_reserved == 0

@@ -72,7 +72,7 @@ def test_token_chunks_are_told_apart_from_role_and_closing_chunks():
 @pytest.fixture(scope="module")
 def server():
     engine = Engine(EngineConfig(model="tiny-llama", cache=CacheConfig(page_size=16, num_pages=128),
-                                 scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=64)))
+                                 scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)))
     with live_server(create_app(engine, served_model_name="tiny")) as live:
         yield live
 

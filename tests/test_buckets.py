@@ -18,13 +18,13 @@ def test_ladder_doubles_then_is_geometric():
 
 
 def test_bucket_rounds_tokens_up_ties_seqs_and_fixes_pages():
-    buckets = BucketPolicy(max_num_batched_tokens=512, max_seqs=64, max_pages=100)
+    buckets = BucketPolicy(max_num_batched_tokens=512, max_num_seqs=64, max_pages=100)
     assert buckets.bucket(1, 1, 1) == (8, 8, 100)
-    assert buckets.bucket(65, 30, 7) == (96, 64, 100)  # S: next power of two of T, capped at max_seqs
+    assert buckets.bucket(65, 30, 7) == (96, 64, 100)  # S: next power of two of T, capped at max_num_seqs
     assert buckets.bucket(17, 17, 100) == (32, 32, 100)
     assert buckets.bucket(512, 64, 3) == (512, 64, 100)
     for t, s, p in buckets.all_buckets():
-        assert s >= min(t, 64) and p == 100  # any num_seqs <= min(T, max_seqs) fits
+        assert s >= min(t, 64) and p == 100  # any num_seqs <= min(T, max_num_seqs) fits
     assert len(buckets.all_buckets()) == len(buckets.ladder)
     with pytest.raises(ValueError, match="exceeds"):
         buckets.bucket(513, 1, 1)
@@ -39,7 +39,7 @@ def test_next_power_of_two():
 
 
 def test_token_target_is_the_bucket_below_from_shorten_from_on():
-    buckets = BucketPolicy(max_num_batched_tokens=2048, max_seqs=128, max_pages=8)
+    buckets = BucketPolicy(max_num_batched_tokens=2048, max_num_seqs=128, max_pages=8)
     assert buckets.ladder == (8, 16, 32, 64, 96, 144, 224, 336, 512, 768, 1152, 1728, 2048)
     assert [buckets.token_target(n) for n in (5, 100, 300, 335, 336, 337, 767, 2000, 2048)] == \
         [5, 100, 300, 335, 336, 336, 512, 1728, 2048]  # below 256 tokens padding is free: keep all

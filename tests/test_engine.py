@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 
 from orca_jax.batch import unpack_forward_inputs
+from orca_jax.compilation import ForwardKey, StageInKey
 from orca_jax.config import SchedulerConfig
 from orca_jax.request import SamplingParams
 from orca_jax.scheduler import QueueFullError, Scheduler
 
 from engine_helpers import drain, tiny_engine
+from model_helpers import prompt_logits
 
 
 def _random_requests(rng: random.Random, n: int, max_prompt: int = 40, max_new: int = 16):
@@ -25,10 +27,10 @@ def test_mixed_batch_equals_each_request_alone(model, shorten):
     with buckets from 8 tokens on)."""
     rng = random.Random(0)
     requests = _random_requests(rng, 18 if model == "tiny-llama" else 10)
-    config = SchedulerConfig(max_batch_size=6, max_num_batched_tokens=32)
+    config = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32)
     factory = None if not shorten else lambda kv, max_len, stages: Scheduler(
         config, kv, max_len, stages, token_target=lambda n: n - n % 8 if n >= 8 else n)
-    engine = tiny_engine(model, max_batch_size=6, max_num_batched_tokens=32, scheduler_factory=factory)
+    engine = tiny_engine(model, max_num_seqs=6, max_num_batched_tokens=32, scheduler_factory=factory)
     fed = []
     engine.add_observer(type("Fed", (), {"on_dispatch": lambda self, batch, timing: fed.append(batch.num_real_tokens),
                                          "on_update": lambda self, output, seconds: None})())
@@ -161,7 +163,7 @@ def test_bad_requests_are_refused_at_add_time():
 
 
 def test_full_waiting_pool_pushes_back():
-    engine = tiny_engine(scheduler=SchedulerConfig(max_batch_size=2, max_num_batched_tokens=16, max_waiting=3))
+    engine = tiny_engine(scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, max_waiting=3))
     for _ in range(3):
         engine.add_request([5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(QueueFullError):
@@ -170,17 +172,18 @@ def test_full_waiting_pool_pushes_back():
 
 
 def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
-    """The documented program count: per token bucket a forward, and from 64 tokens on the stage-in that
-    copies its inputs into the bucket's staged buffer (one stage here), sampling per (S, top-K, greedy).
+    """The documented program count: per token bucket a forward and the stage-in that copies its inputs
+    into the bucket's staged buffer (one stage here), sampling per (S, top-K, greedy).
 
-    With max_batch_size 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs, 1
+    With max_num_seqs 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs, 4
     stage-in) and S is 8 or 16 (the next power of two of T, capped at the batch size), so 2 x 2 x 2 =
-    8 sampling programs: 13 in all. Two randomized 200-request runs then compile nothing more.
+    8 sampling programs: 16 in all. Two randomized 200-request runs then compile nothing more.
     """
-    engine = tiny_engine(max_batch_size=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
-    assert engine.buckets.ladder == (8, 16, 32, 64) and engine.runner.stage_inputs_from == 64
-    compiled = engine.runner.compiled_shapes
-    assert len(compiled) == engine.runner.num_compiled_programs == 4 + 1 + 8
+    engine = tiny_engine(max_num_seqs=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
+    assert engine.buckets.ladder == (8, 16, 32, 64)
+    compilation = engine.runner.compilation
+    compiled = compilation.compiled_keys
+    assert len(compiled) == compilation.num_compiled_programs == 4 + 4 + 8
     assert compiled == frozenset(engine.program_keys())
 
     def run(seed):
@@ -196,8 +199,8 @@ def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
 
     for seed in (0, 1):
         run(seed)
-        assert engine.runner.compiled_shapes == compiled
-        assert engine.runner.num_compiled_programs == len(compiled)
+        assert compilation.compiled_keys == compiled
+        assert compilation.num_compiled_programs == len(compiled)
     assert engine.stats().kv_pages_used == 0
 
 
@@ -275,7 +278,7 @@ def test_injected_scheduler_and_observer_seams():
         def on_update(self, output, seconds):
             self.updates += 1
 
-    config = SchedulerConfig(max_batch_size=1, max_num_batched_tokens=64)
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)
     engine = tiny_engine(scheduler_factory=lambda kv, max_len, stages: Scheduler(
         config, kv, max_len, stages, policy=LastArrivalFirst()))
     recorder = Recorder()
@@ -295,9 +298,9 @@ def test_the_forward_updates_every_layers_kv_in_place():
     engine = tiny_engine(num_pages=2048, page_size=4)
     kv_bytes = engine.runner.kv_bytes
     buckets = engine.buckets.all_buckets()
-    for t, s, p in (buckets[0], buckets[-1]):
-        key = ("forward", t, s, p, 0)  # stage 0, the only one
-        stats = engine.runner.compiled_program(key).memory_analysis()
+    for bucket in (buckets[0], buckets[-1]):
+        key = ForwardKey(bucket, stage=0)  # the only stage
+        stats = engine.runner.compilation.executable(key).memory_analysis()
         assert stats.alias_size_in_bytes == kv_bytes
         assert stats.temp_size_in_bytes < kv_bytes / 4, (stats.temp_size_in_bytes, kv_bytes)
 
@@ -305,18 +308,18 @@ def test_the_forward_updates_every_layers_kv_in_place():
 def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():
     """A stage keeps one buffer per bucket for the forward's packed inputs; each run's stage-in takes it
     donated and writes the new batch into it, so it keeps its device address (on GPU a moved buffer
-    re-records the forward's CUDA graph, see pipeline.py) and the forward reads this batch, not a
+    re-records the forward's CUDA graph, see stage.py) and the forward reads this batch, not a
     stale one."""
     runner = tiny_engine().runner
     stage = runner.stages[0]
     first, second = list(range(5, 45)), list(range(50, 95))  # one bucket: T = S = 64, P = 16 pages of 4
-    expected = runner.prompt_logits(first)
-    (bucket,) = {key[1:4] for key in runner.compiled_shapes if key[0] == "stage_in"}
+    expected = prompt_logits(runner, first)
+    (bucket,) = {key.bucket for key in runner.compilation.compiled_keys if isinstance(key, StageInKey)}
     staged = stage.staged_inputs(bucket)
     address = staged.unsafe_buffer_pointer()
-    runner.prompt_logits(second)
+    prompt_logits(runner, second)
     assert staged.is_deleted()  # donated to the second run's stage-in
     staged = stage.staged_inputs(bucket)
     assert staged.unsafe_buffer_pointer() == address
     assert unpack_forward_inputs(np.asarray(staged), *bucket)["token_ids"][:len(second)].tolist() == second
-    np.testing.assert_array_equal(runner.prompt_logits(first), expected)
+    np.testing.assert_array_equal(prompt_logits(runner, first), expected)

@@ -22,7 +22,7 @@ def test_pool_too_small_for_the_load_completes_every_request_as_alone():
                  SamplingParams(max_tokens=rng.randint(8, 24), ignore_eos=True,
                                 temperature=0.8 if i % 2 else 0.0, seed=i)) for i in range(10)]
     # 24 pages of 4 tokens: the 10 requests need up to 360 tokens together, one alone at most 36.
-    engine = tiny_engine(num_pages=25, max_batch_size=10, max_num_batched_tokens=32,
+    engine = tiny_engine(num_pages=25, max_num_seqs=10, max_num_batched_tokens=32,
                          scheduler_options={"kv_allocation": KVAllocation.ON_DEMAND})
     expected = run_alone(engine, requests)
     for i, (prompt, params) in enumerate(requests):
@@ -39,7 +39,7 @@ def test_sixteen_chats_without_a_length_cap_run_together():
     replies early as EOS ends a real chat. RESERVE would run 4 at a time (31 of 128 pages each);
     ON_DEMAND runs all 16 together until replies end: while more than 8 are unfinished every batch
     holds every unfinished one, so the mean running batch over that stretch is above 8."""
-    engine = tiny_engine(num_pages=129, max_batch_size=16, max_num_batched_tokens=64, max_model_len=128,
+    engine = tiny_engine(num_pages=129, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128,
                          scheduler_options={"kv_allocation": KVAllocation.ON_DEMAND})
     stops = tuple(range(3, 256, 16))  # replies end at the first sampled token in this set (1 in 16)
     for i in range(16):
@@ -65,7 +65,7 @@ def test_priority_chat_preempts_batch_work_and_batch_outputs_are_unchanged():
     batch = [([5 + i, 6, 7, 8], SamplingParams(max_tokens=56, ignore_eos=True)) for i in range(2)]
     chat = ([40, 41, 42], SamplingParams(max_tokens=4, ignore_eos=True))
     # 32 pages of 4 tokens: the two batch requests reserve 15 pages each... and 2 are left for the chat's 7 tokens.
-    engine = tiny_engine(num_pages=31, max_batch_size=4, scheduler_options={
+    engine = tiny_engine(num_pages=31, max_num_seqs=4, scheduler_options={
         "policy": SchedulingPolicy.PRIORITY, "priority_preemption": True})
     expected = run_alone(engine, batch + [chat])
     for i, (prompt, params) in enumerate(batch):

@@ -9,6 +9,7 @@ import jax
 import pytest
 from jax.experimental import serialize_executable
 
+from orca_jax.compilation import ForwardKey
 from orca_jax.executable_cache import ExecutableCache
 from orca_jax.request import SamplingParams
 
@@ -33,32 +34,32 @@ def generate(engine) -> list[list[int]]:
 
 
 def engine_with(cache_dir, **overrides):
-    return tiny_engine(max_batch_size=4, max_num_batched_tokens=32, precompile=True,
+    return tiny_engine(max_num_seqs=4, max_num_batched_tokens=32, precompile=True,
                        compilation_cache_dir=cache_dir, **overrides)
 
 
 def test_a_second_start_loads_every_program_and_generates_the_same_tokens(cache_dir):
     first = engine_with(cache_dir)
-    cache = first.runner.executable_cache
-    assert cache.hits == 0 and cache.misses == first.runner.num_compiled_programs > 0
+    cache = first.runner.compilation.executable_cache
+    assert cache.hits == 0 and cache.misses == first.runner.compilation.num_compiled_programs > 0
     expected = generate(first)
     second = engine_with(cache_dir)
-    assert second.runner.executable_cache.hits == second.runner.num_compiled_programs == cache.misses
-    assert second.runner.executable_cache.misses == 0
+    assert second.runner.compilation.executable_cache.hits == second.runner.compilation.num_compiled_programs == cache.misses
+    assert second.runner.compilation.executable_cache.misses == 0
     assert generate(second) == expected == generate(engine_with(None))  # None: no cache at all
 
 
 def test_a_different_pool_or_model_compiles_its_own_programs(cache_dir):
     engine_with(cache_dir)
     other_pool = engine_with(cache_dir, num_pages=200)  # the KV inputs' shapes differ
-    programs = other_pool.runner.compiled_shapes
-    num_forward = sum(key[0] == "forward" for key in programs)
+    programs = other_pool.runner.compilation.compiled_keys
+    num_forward = sum(isinstance(key, ForwardKey) for key in programs)
     # Sampling sees only [S, vocab] logits and a stage-in only its bucket's packed inputs, the same for
     # both pools: those are rightly shared.
-    assert other_pool.runner.executable_cache.misses == num_forward > 0
-    assert other_pool.runner.executable_cache.hits == len(programs) - num_forward
+    assert other_pool.runner.compilation.executable_cache.misses == num_forward > 0
+    assert other_pool.runner.compilation.executable_cache.hits == len(programs) - num_forward
     other_model = engine_with(cache_dir, model="tiny-gpt")  # every program names its model
-    assert other_model.runner.executable_cache.hits == 0
+    assert other_model.runner.compilation.executable_cache.hits == 0
 
 
 def test_an_unreadable_entry_is_dropped_and_compiled_again(cache_dir):
@@ -67,8 +68,8 @@ def test_an_unreadable_entry_is_dropped_and_compiled_again(cache_dir):
     with open(files[0], "wb") as f:
         f.write(b"not an executable")
     again = engine_with(cache_dir)
-    assert again.runner.executable_cache.misses == 1
-    assert again.runner.executable_cache.hits == again.runner.num_compiled_programs - 1
+    assert again.runner.compilation.executable_cache.misses == 1
+    assert again.runner.compilation.executable_cache.hits == again.runner.compilation.num_compiled_programs - 1
     assert generate(again) == expected
 
 
@@ -93,7 +94,7 @@ def test_nothing_is_stored_once_the_code_on_disk_is_not_the_code_running(cache_d
 
     monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited since import")
     engine = engine_with(cache_dir)
-    assert not engine.runner.executable_cache.enabled
+    assert not engine.runner.compilation.executable_cache.enabled
     assert not glob.glob(os.path.join(cache_dir, "executables", "*.bin"))
 
 

@@ -55,7 +55,7 @@ def test_admission_is_the_whole_reservation_fitting():
 def test_every_config_value_has_a_policy():
     for kind in SchedulingPolicy:
         assert isinstance(make_policy(kind), POLICIES[kind])
-    assert SchedulingPolicy("deadline") is SchedulingPolicy.EDF is SchedulingPolicy.DEADLINE
+    assert SchedulingPolicy("deadline") is SchedulingPolicy.EDF  # the old flag value
 
 
 # ---- DAS, SJF, aged priority ----------------------------------------------------------------------
@@ -93,7 +93,7 @@ def test_das_split_worked_example():
 def test_das_order_keeps_running_requests_first_and_counts_their_slots():
     running = sized("R", 90, None, arrival=-1.0)
     running.status = RequestStatus.RUNNING
-    order = DAS(max_batch_size=5).order(DAS_POOL + [running], now=0.0)  # 5 - 1 running = 4 slots
+    order = DAS(max_num_seqs=5).order(DAS_POOL + [running], now=0.0)  # 5 - 1 running = 4 slots
     assert ids(order) == ["R", "A", "B", "D", "C", "E", "F"]
     assert ids(EDF().order(DAS_POOL, 0.0))[:4] == ["F", "E", "D", "A"]
     assert ids(SJF().order(DAS_POOL, 0.0))[:4] == ["A", "B", "C", "D"]
@@ -119,7 +119,7 @@ def starvation_run(aging_s):
     """A priority-0 request at t=0 under a steady stream of priority-5 requests (two per iteration,
     four times what 2 slots serve); returns the iteration it was first admitted, or None."""
     clock = [0.0]
-    config = SchedulerConfig(max_batch_size=2, max_num_batched_tokens=16, policy=SchedulingPolicy.PRIORITY,
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, policy=SchedulingPolicy.PRIORITY,
                              priority_aging_s=aging_s, async_scheduling=False)
     sched = Scheduler(config, KVCacheManager(65, 4), 256, clock=lambda: clock[0])
     low = req("low", 0.0, priority=0, max_tokens=3)

@@ -68,9 +68,9 @@ class FakeDevice:
 
 
 def make(num_pages, *, policy=SchedulingPolicy.FCFS, allocation=KVAllocation.ON_DEMAND, page_size=4,
-         max_batch_size=8, async_scheduling=True, preemption=False, watermark=0.0):
+         max_num_seqs=8, async_scheduling=True, preemption=False, watermark=0.0):
     kv = KVCacheManager(num_pages, page_size)
-    config = SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=32, policy=policy,
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32, policy=policy,
                              async_scheduling=async_scheduling, kv_allocation=allocation,
                              priority_preemption=preemption, kv_watermark=watermark)
     clock = FakeClock()
@@ -137,7 +137,7 @@ def test_on_demand_runs_many_long_requests_together_where_reserve_runs_few():
     pool for each one's worst case; ON_DEMAND admits them by what they hold, so they run together."""
     mean_batch = {}
     for allocation in KVAllocation:
-        sched, kv, clock = make(num_pages=1 + 128, allocation=allocation, max_batch_size=16)
+        sched, kv, clock = make(num_pages=1 + 128, allocation=allocation, max_num_seqs=16)
         sizes = []
         arrivals = {0: [request(i, [5 + i, 6, 7], 120, arrival=float(i)) for i in range(16)]}
         every, _ = drive(sched, kv, clock, arrivals, batch_sizes=sizes)
@@ -198,7 +198,7 @@ def test_without_preemption_the_chat_waits_for_the_pool():
 
 
 def test_waiting_request_past_its_deadline_is_dropped_running_one_is_not():
-    sched, kv, clock = make(num_pages=1 + 8, async_scheduling=False, max_batch_size=1)
+    sched, kv, clock = make(num_pages=1 + 8, async_scheduling=False, max_num_seqs=1)
     running = request("run", [5] * 3, 10, deadline=2.0)
     waiting = request("wait", [6] * 3, 10, arrival=0.5, deadline=2.0)
     sched.add_request(running)

@@ -281,13 +281,13 @@ def test_rejects_bad_tiles():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_blocked_jnp_path_matches_reference(name, kind):
     """The off-GPU serving path (blocks of pages, online softmax, dynamic trip count)."""
-    from orca_jax.kernels.ragged_attention_blocked import ragged_attention_blocked
+    from orca_jax.kernels.ragged_attention_jnp import ragged_attention_jnp
 
     cfg = CONFIGS[name]
     rng = np.random.default_rng(zlib.crc32(f"blocked/{name}/{kind}".encode()))
     q_lens, kv_lens = draw_batch(kind, cfg, rng)
     _, reference_args, num_valid = make_inputs(cfg, q_lens, kv_lens, rng)
-    out = np.asarray(ragged_attention_blocked(*reference_args, sm_scale=cfg.sm_scale, pages_per_block=3)
+    out = np.asarray(ragged_attention_jnp(*reference_args, sm_scale=cfg.sm_scale, pages_per_block=3)
                      .astype(jnp.float32))
     ref = np.asarray(compiled_reference(cfg)(*reference_args).astype(jnp.float32))
     assert (out[num_valid:] == 0).all(), "padding rows must be zero"

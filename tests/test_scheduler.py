@@ -21,12 +21,12 @@ class FakeClock:
         return self.now
 
 
-def make_scheduler(num_pages=65, page_size=4, max_batch_size=8, max_num_batched_tokens=64,
+def make_scheduler(num_pages=65, page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                    policy=SchedulingPolicy.FCFS, max_model_len=256, num_stages=1, max_waiting=1024,
                    async_scheduling=False, token_target=None):
     # Algorithm 1 as the paper has it: num_stages batches in flight hold disjoint requests.
     kv = KVCacheManager(num_pages, page_size)
-    config = SchedulerConfig(max_batch_size=max_batch_size, policy=policy, max_waiting=max_waiting,
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, policy=policy, max_waiting=max_waiting,
                              max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling)
     clock = FakeClock()
     return Scheduler(config, kv, max_model_len, num_stages, clock=clock, token_target=token_target), kv, clock
@@ -63,7 +63,7 @@ def run_random_trace(seed, page_size, num_stages=1, num_requests=40, token_targe
     """Requests arrive at random iterations; checks the invariants after every iteration."""
     rng = random.Random(seed)
     sched, kv, clock = make_scheduler(num_pages=1 + 96 // page_size + 1, page_size=page_size,
-                                      max_batch_size=5, max_num_batched_tokens=12,
+                                      max_num_seqs=5, max_num_batched_tokens=12,
                                       num_stages=num_stages, max_model_len=64, token_target=token_target)
     arrivals = sorted(rng.randrange(60) for _ in range(num_requests))
     all_requests, in_flight, it = [], [], 0
@@ -126,7 +126,7 @@ def test_random_trace_with_batches_shortened_to_even_token_counts(seed):
 
 # ---- Algorithm 1, one property at a time --------------------------------------------------------
 def test_batch_size_cap_and_arrival_order():
-    sched, kv, _ = make_scheduler(max_batch_size=4)
+    sched, kv, _ = make_scheduler(max_num_seqs=4)
     for i in range(10):
         sched.add_request(make_request(i, arrival=0.5 if i == 9 else float(i)))
     out, _ = step(sched)
@@ -192,7 +192,7 @@ def test_drain_leaves_every_page_free():
 
 # ---- abort and finish ----------------------------------------------------------------------------
 def test_abort_frees_pages_at_once_waiting_running_in_flight():
-    sched, kv, _ = make_scheduler(max_batch_size=2)
+    sched, kv, _ = make_scheduler(max_num_seqs=2)
     for rid in ("run", "fly", "wait"):
         sched.add_request(make_request(rid, prompt_len=6, max_tokens=8))
     step(sched)  # run and fly hold KV, wait waits (batch of 2)
@@ -225,7 +225,7 @@ def test_finish_from_outside_and_race_with_abort():
 
 # ---- chunked initiation under the token budget ---------------------------------------------------
 def test_long_prompt_is_chunked_while_increments_keep_running():
-    sched, kv, _ = make_scheduler(max_batch_size=4, max_num_batched_tokens=8, page_size=4)
+    sched, kv, _ = make_scheduler(max_num_seqs=4, max_num_batched_tokens=8, page_size=4)
     sched.add_request(make_request("short", prompt_len=3, max_tokens=10))
     step(sched)
     sched.add_request(make_request("long", prompt_len=20, max_tokens=3, arrival=1.0))
@@ -248,7 +248,7 @@ def test_prompt_chunks_shrink_to_the_token_target_and_increments_keep_their_toke
     """A token target (the runner's bucket below) shortens the last prompt chunks, never an increment;
     the deferred prompt tokens feed the next iteration, and a chunk cut to nothing sits it out."""
     multiple_of_8 = lambda n: n - n % 8
-    sched, kv, _ = make_scheduler(max_batch_size=4, max_num_batched_tokens=32, token_target=multiple_of_8)
+    sched, kv, _ = make_scheduler(max_num_seqs=4, max_num_batched_tokens=32, token_target=multiple_of_8)
     sched.add_request(make_request("decoding", prompt_len=11, max_tokens=10))
     out, _ = step(sched)  # prompts alone are never shortened: that would only add an iteration
     assert [s.num_new_tokens for s in out.scheduled] == [11]
@@ -266,7 +266,7 @@ def test_prompt_chunks_shrink_to_the_token_target_and_increments_keep_their_toke
 
 
 def test_initiation_with_zero_budget_waits_but_keeps_reservation():
-    sched, kv, _ = make_scheduler(max_batch_size=2, max_num_batched_tokens=4)
+    sched, kv, _ = make_scheduler(max_num_seqs=2, max_num_batched_tokens=4)
     sched.add_request(make_request("a", prompt_len=10, max_tokens=2))
     sched.add_request(make_request("b", prompt_len=3, max_tokens=2, arrival=1.0))
     out, _ = step(sched)
@@ -345,7 +345,7 @@ def test_empty_schedule():
 
 # ---- policies -----------------------------------------------------------------------------------
 def test_priority_order():
-    sched, _, _ = make_scheduler(policy=SchedulingPolicy.PRIORITY, max_batch_size=2)
+    sched, _, _ = make_scheduler(policy=SchedulingPolicy.PRIORITY, max_num_seqs=2)
     sched.add_request(make_request("low", arrival=0.0, priority=0))
     sched.add_request(make_request("high_late", arrival=2.0, priority=5))
     sched.add_request(make_request("high", arrival=1.0, priority=5))
@@ -354,7 +354,7 @@ def test_priority_order():
 
 
 def test_deadline_order():
-    sched, _, _ = make_scheduler(policy=SchedulingPolicy.DEADLINE)
+    sched, _, _ = make_scheduler(policy=SchedulingPolicy.EDF)
     sched.add_request(make_request("none", arrival=0.0))
     sched.add_request(make_request("late", arrival=1.0, deadline=50.0))
     sched.add_request(make_request("soon", arrival=2.0, deadline=10.0))
@@ -380,7 +380,7 @@ def test_priority_cannot_starve_requests_holding_kv():
 
 # ---- pipelining ---------------------------------------------------------------------------------
 def test_two_stages_keep_two_disjoint_batches_in_flight():
-    sched, _, _ = make_scheduler(max_batch_size=2, num_stages=2)
+    sched, _, _ = make_scheduler(max_num_seqs=2, num_stages=2)
     for i in range(4):
         sched.add_request(make_request(i, arrival=float(i)))
     first = sched.schedule()

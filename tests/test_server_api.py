@@ -20,7 +20,7 @@ def anyio_backend():
 
 def _app(**kwargs):
     engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in
-                     ("max_batch_size", "max_waiting", "max_model_len", "step_seconds", "num_pages")}
+                     ("max_num_seqs", "max_waiting", "max_model_len", "step_seconds", "num_pages")}
     return create_app(FakeEngine(**engine_kwargs), **kwargs)
 
 
@@ -306,7 +306,7 @@ async def test_two_apps_keep_separate_metrics():
 
 
 async def test_queue_full_is_503_with_retry_after():
-    engine = FakeEngine(max_batch_size=1, max_waiting=1, step_seconds=0.05)
+    engine = FakeEngine(max_num_seqs=1, max_waiting=1, step_seconds=0.05)
     app = create_app(AsyncEngine(engine, max_in_flight=100))  # the engine's own bound decides
     async with asgi_client(app) as client:
         responses = await asyncio.gather(*(

@@ -78,7 +78,7 @@ async def test_engine_refusals_come_back_as_exceptions():
 
 
 async def test_full_engine_pool_raises_queue_full_and_own_bound_overloaded():
-    engine = FakeEngine(max_batch_size=1, max_waiting=1, step_seconds=0.05)
+    engine = FakeEngine(max_num_seqs=1, max_waiting=1, step_seconds=0.05)
     async_engine = _started(engine, max_in_flight=3)
     results = await asyncio.gather(*(_submit(async_engine, max_tokens=20) for _ in range(5)),
                                    return_exceptions=True)
@@ -130,7 +130,7 @@ async def test_shutdown_grace_lets_short_requests_finish():
 
 
 async def test_priority_reaches_the_engine():
-    engine = FakeEngine(max_batch_size=1, step_seconds=0.01)
+    engine = FakeEngine(max_num_seqs=1, step_seconds=0.01)
     async_engine = _started(engine)
     blocker = await _submit(async_engine, max_tokens=30)  # holds the only batch slot meanwhile
     low = [await async_engine.submit(list(b"a"), SamplingParams(max_tokens=2), request_id=f"low{i}", priority=0)

@@ -89,7 +89,7 @@ async def test_too_many_choices_and_best_of_are_400():
 
 async def test_a_refused_choice_takes_its_siblings_with_it():
     # 100 tokens at 50 ms a step: the accepted choices cannot finish on their own inside wait_until's 5 s.
-    engine = FakeEngine(max_batch_size=1, max_waiting=2, step_seconds=0.05)
+    engine = FakeEngine(max_num_seqs=1, max_waiting=2, step_seconds=0.05)
     async with asgi_client(create_app(AsyncEngine(engine, max_in_flight=100))) as client:
         response = await client.post("/v1/completions", json={"prompt": "a", "n": 5, "max_tokens": 100})
         assert response.status_code == 503 and response.headers["retry-after"] == "1"

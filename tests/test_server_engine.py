@@ -28,7 +28,7 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "ORCA schedules at iterati
 def _engine(model: str = "tiny-llama", **cache) -> Engine:
     return Engine(EngineConfig(
         model=model, cache=CacheConfig(page_size=16, num_pages=cache.get("num_pages", 256)),
-        scheduler=SchedulerConfig(max_batch_size=MAX_BATCH, max_num_batched_tokens=MAX_BATCH,
+        scheduler=SchedulerConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_BATCH,
                                   max_waiting=512, policy=SchedulingPolicy.PRIORITY)))
 
 
@@ -234,15 +234,15 @@ def test_nothing_compiles_after_the_server_reports_ready():
 
     engine = Engine(EngineConfig(
         model="tiny-llama", cache=CacheConfig(page_size=16, num_pages=64), precompile=False,
-        scheduler=SchedulerConfig(max_batch_size=4, max_num_batched_tokens=24, max_waiting=64)))
-    assert engine.runner.num_compiled_programs == 0
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=24, max_waiting=64)))
+    assert engine.runner.compilation.num_compiled_programs == 0
     app = create_app(AsyncEngine(engine, precompile=True), served_model_name="m")
     with driven(app) as call:
         deadline = time.monotonic() + 120
         while (health := call("GET", "/health")).status_code != 200:
             assert health.json()["status"] == "starting" and time.monotonic() < deadline
             time.sleep(0.1)
-        compiled = engine.runner.compiled_shapes
+        compiled = engine.runner.compilation.compiled_keys
         assert compiled == frozenset(engine.program_keys())
         rng = random.Random(0)
         for length in (1, 5, 9, 17, 23, 40):
@@ -250,4 +250,4 @@ def test_nothing_compiles_after_the_server_reports_ready():
                     "temperature": rng.choice([0.0, 0.9]), "logprobs": rng.choice([None, 2]),
                     "stream": rng.random() < 0.5}
             assert call("POST", "/v1/completions", json=body).status_code == 200
-        assert engine.runner.compiled_shapes == compiled
+        assert engine.runner.compilation.compiled_keys == compiled

@@ -57,7 +57,7 @@ async def test_non_streaming_client_disconnect_aborts(served):
 
 
 async def test_disconnect_while_waiting_in_the_queue_aborts():
-    engine = FakeEngine(step_seconds=STEP_SECONDS, max_batch_size=1, max_model_len=512, num_pages=1024)
+    engine = FakeEngine(step_seconds=STEP_SECONDS, max_num_seqs=1, max_model_len=512, num_pages=1024)
     with live_server(create_app(engine)) as server:
         async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as client:
             running = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 40},

@@ -21,7 +21,7 @@ def _engine() -> Engine:
     # One request at a time, so a second one waits behind the first.
     return Engine(EngineConfig(
         model="tiny-llama", cache=CacheConfig(page_size=16, num_pages=64), precompile=False,
-        scheduler=SchedulerConfig(max_batch_size=1, max_num_batched_tokens=8, policy=SchedulingPolicy.FCFS)))
+        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, policy=SchedulingPolicy.FCFS)))
 
 
 async def _post(client, body):

@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent("""
     from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
     from orca_jax.engine import Engine
     from engine_helpers import drain, tiny_engine
+    from model_helpers import prompt_logits
 
     # 8-token iterations (prompts fed in chunks) and <= 32 tokens per sequence: one forward program per engine.
     PROMPTS = ([5, 6, 7], list(range(10, 34)), [99] * 9)
@@ -52,9 +53,9 @@ SCRIPT = textwrap.dedent("""
         loaded = LoadedModel(config, params, ByteTokenizer())
         for tp in (1, 2, 4):
             engine = Engine(EngineConfig(model=name, cache=CacheConfig(page_size=4, num_pages=256),
-                                         scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=8),
+                                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
                                          parallel=ParallelConfig(tensor_parallel=tp), precompile=False), loaded)
-            logits = engine.runner.prompt_logits(PROMPTS[1][:8])  # f32[8, padded V]
+            logits = prompt_logits(engine.runner, PROMPTS[1][:8])  # f32[8, padded V]
             real = config.vocab_size
             results[f"{name}/{tp}"] = dict(
                 shard_info(engine.runner), tokens=run(engine), logits=logits[:, :real].tolist(),

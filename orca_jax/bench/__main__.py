@@ -108,7 +108,6 @@ def main(argv=None) -> None:
 
     # Its own parser takes the rest of the line (see the dispatch below); listed here for --help.
     sub.add_parser("kernels", help="ragged attention kernel vs the jnp reference on a GPU")
-    sub.add_parser("compile-probe", help="one forward program's trace, lower and compile seconds")
 
     iteration = sub.add_parser("iteration", help="one llama-8b engine iteration at batch 64: Pallas vs jnp")
     iteration.add_argument("out_file")
@@ -117,10 +116,6 @@ def main(argv=None) -> None:
     if argv[:1] == ["kernels"]:
         from orca_jax.bench.kernels import main as kernels_main
         kernels_main(argv[1:])
-        return
-    if argv[:1] == ["compile-probe"]:
-        from orca_jax.bench.compile_probe import main as probe_main
-        probe_main(argv[1:])
         return
     args = parser.parse_args(argv)
     if args.command == "suite":
@@ -192,7 +187,7 @@ def main(argv=None) -> None:
         serve_client.main(args)
     elif args.command == "http-cost":
         from orca_jax.bench.http_cost import print_profile, run_http_cost
-        result = run_http_cost(args.num_requests, seed=args.seed, max_batch_size=args.max_batch_size,
+        result = run_http_cost(args.num_requests, seed=args.seed, max_num_seqs=args.max_num_seqs,
                                max_tokens=args.max_tokens, host_ms=args.host_ms, device_ms=args.device_ms, profile_path=args.profile)
         print(json.dumps(result, indent=1))
         if args.out:

@@ -3,7 +3,7 @@
 A scheduler behind orca_jax.scheduler.SchedulerInterface, injected into an Engine in place of ORCA's
 (Engine(scheduler_factory=...) or Engine.replace_scheduler), so the comparison isolates scheduling: same model code, runner, KV pool and batch builder.
 Request-level semantics, as in ORCA section 2.2 and 6:
-- when the engine is idle, up to max_batch_size waiting requests form a batch (dynamic batching);
+- when the engine is idle, up to max_num_seqs waiting requests form a batch (dynamic batching);
 - every prompt is padded to the batch's longest prompt, and the pad tokens are really computed;
 - every request generates as many tokens as the batch's longest request: a finished request keeps
   its slot and keeps being computed, and is returned only when the whole batch (microbatch) ends;
@@ -42,12 +42,12 @@ class PaddedBatch:
 class RequestLevelScheduler:
     """FT-style batching behind the SchedulerInterface that Engine.step() drives."""
 
-    def __init__(self, max_batch_size: int, max_num_batched_tokens: int, kv: KVCacheManager, max_model_len: int,
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, kv: KVCacheManager, max_model_len: int,
                  clock: Callable[[], float] = time.monotonic, num_microbatches: int = 1):
-        if max_batch_size <= 0 or max_num_batched_tokens <= 0 or num_microbatches <= 0:
-            raise ValueError("max_batch_size, max_num_batched_tokens and num_microbatches must be positive")
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or num_microbatches <= 0:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and num_microbatches must be positive")
         self.num_stages = num_microbatches  # microbatches in flight at once, one per stage
-        self.max_batch_size = max_batch_size
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
         self.max_model_len = max_model_len
@@ -154,7 +154,7 @@ class RequestLevelScheduler:
         """The longest arrival-order prefix of the waiting requests whose padded KV fits the pool."""
         chosen: list[Request] = []
         prompt_len = max_tokens = 0
-        for r in self._waiting[:self.max_batch_size]:
+        for r in self._waiting[:self.max_num_seqs]:
             p, g = max(prompt_len, r.num_prompt_tokens), max(max_tokens, r.sampling.max_tokens)
             need = (len(chosen) + 1) * self.kv.num_pages_for(p + g)
             if p + g > self.max_model_len or need > self.kv.num_unreserved_pages:

@@ -67,7 +67,7 @@ def random_model(model: str, dtype: str) -> LoadedModel:
 def engine_config(setup: CoreSetup, async_scheduling: bool = True, **overrides) -> EngineConfig:
     return EngineConfig(model=setup.model, dtype=setup.dtype,
                         cache=CacheConfig(kv_memory_gib=setup.kv_gib),
-                        scheduler=SchedulerConfig(max_batch_size=setup.max_num_seqs,
+                        scheduler=SchedulerConfig(max_num_seqs=setup.max_num_seqs,
                                                   max_num_batched_tokens=setup.max_num_batched_tokens,
                                                   max_waiting=max(4096, setup.num_requests),
                                                   async_scheduling=async_scheduling),
@@ -239,13 +239,13 @@ def start_probe(setup: CoreSetup, cache_dir: str) -> dict:
     cpu_before = _process_cpu_seconds()
     report = engine.precompile(progress)
     cpu_s = _process_cpu_seconds() - cpu_before
-    cache = engine.runner.executable_cache
+    cache = engine.runner.compilation.executable_cache
     program_s: dict[str, list[float]] = {}
     for key, seconds in report.seconds_by_key.items():
         program_s.setdefault(key[0], []).append(seconds)
     slowest = sorted(report.seconds_by_key.items(), key=lambda item: -item[1])[:5]
     return {"engine_ready_s": time.perf_counter() - start, "engine_built_s": built - start,
-            "num_programs": engine.runner.num_compiled_programs, "params_init_s": engine.runner.params_seconds,
+            "num_programs": engine.runner.compilation.num_compiled_programs, "params_init_s": engine.runner.params_seconds,
             "compile_s": report.compile_seconds, "first_runs_s": report.warm_seconds,
             # CPU seconds of the whole process over the precompile's wall time: the cores kept busy
             # (XLA's own threads included); well below the core count means the compiles wait on each other.
@@ -305,7 +305,7 @@ def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "
         engine = Engine(engine_config(setup, async_scheduling=overlap, compilation_cache_dir=cache_dir),
                         random_model(setup.model, setup.dtype))
         label = "async_scheduling" if overlap else "sync_scheduling"
-        section: dict = {"num_programs": engine.runner.num_compiled_programs}
+        section: dict = {"num_programs": engine.runner.compilation.num_compiled_programs}
         weight_bound_ms = 1e3 * engine.runner.params_bytes / peaks.hbm_bytes_per_s
         last = _LastDispatch()
         section["decode"] = [dict(decode_latency(engine, b, observer=last if b == 32 else None),

@@ -20,7 +20,7 @@ def run_cpu(out_dir: str, model: str = "smollm2-135m", num_requests: int = 64, a
     import jax
     lengths = LengthSpec(prompt_range=prompt_range, gen_range=(gen, gen))
     trace = make_trace(TraceKind.UNIFORM, num_requests, None, seed, lengths)
-    engine = driver.build_engine(model, max_batch_size=num_requests, max_num_batched_tokens=512, num_pages=1024,
+    engine = driver.build_engine(model, max_num_seqs=num_requests, max_num_batched_tokens=512, num_pages=1024,
                                  page_size=16, max_model_len=256, attention=AttentionBackend.JNP)
     compiled = warmup.precompile(engine, max_kv_tokens=prompt_range[1] + gen)
     driver.use_scheduler(engine, driver.ORCA, num_requests)

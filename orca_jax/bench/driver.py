@@ -25,30 +25,30 @@ from orca_jax.scheduler import Scheduler, SchedulerOutput
 ORCA, BASELINE = "orca", "baseline"
 
 
-def build_engine(model: str, *, max_batch_size: int, max_num_batched_tokens: int, page_size: int = 16,
+def build_engine(model: str, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int = 16,
                  kv_gib: float | None = None, num_pages: int | None = None, max_model_len: int | None = None,
                  attention: AttentionBackend = AttentionBackend.AUTO, dtype: str | None = None,
                  loaded=None) -> Engine:
     """An engine whose buckets fit the largest configuration any later use_scheduler asks for."""
     config = EngineConfig(
         model=model, cache=CacheConfig(page_size=page_size, num_pages=num_pages, kv_memory_gib=kv_gib),
-        scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         attention=attention, dtype=dtype, max_model_len=max_model_len)
     return Engine(config, loaded)
 
 
-def use_scheduler(engine: Engine, policy: str, max_batch_size: int, batches_in_flight: int | None = None):
+def use_scheduler(engine: Engine, policy: str, max_num_seqs: int, batches_in_flight: int | None = None):
     """Swap the idle engine's scheduler: ORCA's (Algorithm 1) or the request-level baseline.
 
     batches_in_flight: ORCA's batches in flight (default the engine's), or the baseline's
     microbatches, FasterTransformer's pipelining (default one per pipeline stage).
     """
     limits = engine.config.scheduler
-    if max_batch_size > limits.max_batch_size:
-        raise ValueError(f"max_batch_size {max_batch_size} exceeds the engine's {limits.max_batch_size}")
+    if max_num_seqs > limits.max_num_seqs:
+        raise ValueError(f"max_num_seqs {max_num_seqs} exceeds the engine's {limits.max_num_seqs}")
     budget = limits.max_num_batched_tokens
     if policy == ORCA:
-        config = SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=budget, max_waiting=4096,
+        config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_waiting=4096,
                                  async_scheduling=engine.config.async_scheduling)
 
         def factory(kv, max_model_len, num_stages):
@@ -58,7 +58,7 @@ def use_scheduler(engine: Engine, policy: str, max_batch_size: int, batches_in_f
         microbatches = batches_in_flight or engine.config.parallel.num_stages
 
         def factory(kv, max_model_len, num_stages):
-            return RequestLevelScheduler(max_batch_size, budget, kv, max_model_len,
+            return RequestLevelScheduler(max_num_seqs, budget, kv, max_model_len,
                                          num_microbatches=microbatches)
     else:
         raise ValueError(f"unknown policy {policy!r}")

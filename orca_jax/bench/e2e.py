@@ -25,7 +25,7 @@ def sweep(engine: Engine, configs, rates, costs: roofline.ModelCosts, peaks: roo
           point_seconds: float = 6.0, min_requests: int = 48, max_requests: int = 160,
           saturated_factor: float = 8.0, keep_up: float = 0.75, max_point_s: float = 60.0, deadline=None, on_point=None,
           lengths: LengthSpec = LengthSpec()) -> list[dict]:
-    """configs: [(policy, max_batch_size)]; rates: requests/s ascending. One dict per point."""
+    """configs: [(policy, max_num_seqs)]; rates: requests/s ascending. One dict per point."""
     points = []
     for policy, bs in configs:
         first_latency = None
@@ -39,9 +39,9 @@ def sweep(engine: Engine, configs, rates, costs: roofline.ModelCosts, peaks: roo
             try:
                 run = driver.run_trace(engine, trace, label, realtime=True, max_seconds=max_point_s)
             except TimeoutError as err:
-                points.append({"policy": policy, "max_batch_size": bs, "rate": rate, "error": str(err)})
+                points.append({"policy": policy, "max_num_seqs": bs, "rate": rate, "error": str(err)})
                 break
-            point = run.summary() | {"policy": policy, "max_batch_size": bs, "rate": rate,
+            point = run.summary() | {"policy": policy, "max_num_seqs": bs, "rate": rate,
                                      "trace": trace.describe(),
                                      "roofline": roofline.run_bound(costs, peaks, run.records, run.wall_s)}
             points.append(point)
@@ -84,8 +84,8 @@ def compare_at_matched_latency(points: list[dict], multiples=(2.0, 4.0, 8.0)) ->
         target = m * floor
         best = {}
         for name, group in ((driver.ORCA, orca), (driver.BASELINE, base)):
-            per_bs = {bs: throughput_at_latency([p for p in group if p["max_batch_size"] == bs], target)
-                      for bs in sorted({p["max_batch_size"] for p in group})}
+            per_bs = {bs: throughput_at_latency([p for p in group if p["max_num_seqs"] == bs], target)
+                      for bs in sorted({p["max_num_seqs"] for p in group})}
             best[name] = (max(per_bs.values()), max(per_bs, key=per_bs.get), per_bs)
         o, b = best[driver.ORCA][0], best[driver.BASELINE][0]
         rows.append({"latency_target_s_per_token": target, "multiple_of_orca_floor": m,

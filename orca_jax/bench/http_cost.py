@@ -26,7 +26,7 @@ import time
 from orca_jax.bench.synthetic_engine import SyntheticEngine
 from orca_jax.bench.traces import TraceKind, make_trace
 from orca_jax.request import SamplingParams
-from orca_jax.server import interpreter
+from orca_jax.server import gc_and_gil
 from orca_jax.server.app import create_app
 from orca_jax.server.in_thread import served_in_thread
 
@@ -96,20 +96,20 @@ def served_run(engine: SyntheticEngine, num_requests: int, seed: int, *, max_tok
     }
 
 
-def run_http_cost(num_requests: int = 512, *, seed: int = 0, max_batch_size: int = 128,
+def run_http_cost(num_requests: int = 512, *, seed: int = 0, max_num_seqs: int = 128,
                   max_tokens: int | None = None, host_ms: float = 0.0, device_ms: float = 0.0,
                   profile_path: str | None = None) -> dict:
     """In-process and served tokens/s of one trace, and where the served run's CPU went."""
 
     # As `python -m orca_jax.serve` runs: both runs share this process, so both get them.
-    interpreter.shorten_gil_switch_interval()
-    interpreter.freeze_startup_heap()
+    gc_and_gil.shorten_gil_switch_interval()
+    gc_and_gil.freeze_startup_heap()
 
     def engine() -> SyntheticEngine:
-        return SyntheticEngine(max_batch_size=max_batch_size, max_waiting=max(4096, num_requests),
+        return SyntheticEngine(max_num_seqs=max_num_seqs, max_waiting=max(4096, num_requests),
                                host_seconds=host_ms / 1e3, device_seconds=device_ms / 1e3)
 
-    result = {"num_requests": num_requests, "seed": seed, "max_batch_size": max_batch_size,
+    result = {"num_requests": num_requests, "seed": seed, "max_num_seqs": max_num_seqs,
               "max_tokens": max_tokens, "host_ms": host_ms, "device_ms": device_ms,
               "in_process_tokens_per_s": in_process_tokens_per_s(engine(), num_requests, seed, max_tokens)}
     result.update(served_run(engine(), num_requests, seed, max_tokens=max_tokens, profile_path=profile_path))

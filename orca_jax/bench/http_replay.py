@@ -20,7 +20,7 @@ import httpx
 from orca_jax.bench.serve_client import ServeBenchConfig, run
 from orca_jax.bench.traces import TraceKind
 
-COMPILED = re.compile(r"^orca_jax:num_compiled_buckets\{[^}]*\} ([0-9.e+]+)$", re.M)
+COMPILED = re.compile(r"^orca_jax:num_compiled_programs\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
 def _compiled_programs(base_url: str) -> int:

@@ -21,7 +21,7 @@ from orca_jax.request import SamplingParams
 
 def measure(backend: str) -> dict:
     config = EngineConfig(model="llama-8b", cache=CacheConfig(page_size=16, kv_memory_gib=12.0),
-                          scheduler=SchedulerConfig(max_batch_size=64, max_num_batched_tokens=2048),
+                          scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
                           attention=AttentionBackend(backend), max_model_len=2048)
     engine = Engine(config)
     rng = np.random.default_rng(0)

@@ -14,7 +14,7 @@ def microbench(engine: Engine, costs: roofline.ModelCosts, peaks: roofline.Peaks
                deadline=None) -> list[dict]:
     """One row per (input length, batch size): best-of-repeats seconds for the whole batch."""
     rows = []
-    largest = engine.config.scheduler.max_batch_size
+    largest = engine.config.scheduler.max_num_seqs
     for input_len in input_lens:
         for bs in batch_sizes:
             if bs > largest or (deadline is not None and deadline.expired()):

@@ -38,7 +38,7 @@ def ragged_fed(lengths: list[tuple[int, int]], batch_size: int, max_num_batched_
     pages = len(lengths) * (-(-max_len // page_size)) + 1  # room for all: only batch_size limits
     kv = KVCacheManager(pages, page_size)
     buckets = buckets or BucketPolicy(max_num_batched_tokens, batch_size, -(-max_len // page_size))
-    scheduler = Scheduler(SchedulerConfig(max_batch_size=batch_size, max_num_batched_tokens=max_num_batched_tokens,
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=batch_size, max_num_batched_tokens=max_num_batched_tokens,
                                           max_waiting=len(lengths) + 1), kv, max_len,
                           token_target=buckets.token_target if shorten else None)
     for i, (p, g) in enumerate(lengths):

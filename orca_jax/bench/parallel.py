@@ -37,14 +37,14 @@ def bucket_keys(buckets: BucketPolicy, max_kv_tokens: int, page_size: int) -> li
     """Every forward bucket a run up to max_kv_tokens per request can meet, and greedy sampling's."""
     pages = _pow2s(4, max(4, -(-max_kv_tokens // page_size)))
     tokens = _pow2s(8, buckets.max_tokens)
-    keys = [("forward", t, min(t, buckets.max_seqs), p) for t in tokens for p in pages]
-    return keys + [("sample", min(t, buckets.max_seqs), 0, True) for t in tokens]
+    keys = [("forward", t, min(t, buckets.max_num_seqs), p) for t in tokens for p in pages]
+    return keys + [("sample", min(t, buckets.max_num_seqs), 0, True) for t in tokens]
 
 
 def measure_mesh(model: str, tp: int, pp: int, trace, peaks: roofline.Peaks, *, max_batch: int,
                  token_budget: int, kv_gib: float | None, batch_sizes, decode_tokens: int) -> dict:
     config = EngineConfig(model=model, cache=CacheConfig(page_size=16, kv_memory_gib=kv_gib),
-                          scheduler=SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=token_budget),
+                          scheduler=SchedulerConfig(max_num_seqs=max_batch, max_num_batched_tokens=token_budget),
                           parallel=ParallelConfig(num_stages=pp, tensor_parallel=tp))
     engine = Engine(config)
     runner = engine.runner
@@ -55,10 +55,10 @@ def measure_mesh(model: str, tp: int, pp: int, trace, peaks: roofline.Peaks, *, 
            "compile_s": report.compile_seconds, "num_programs": runner.num_compiled_programs}
     for in_flight in sorted({pp, 1}, reverse=True):
         driver.use_scheduler(engine, driver.ORCA, max_batch, batches_in_flight=in_flight)
-        before = engine.stats().batches_in_flight_total, engine.stats().iterations
+        before = engine.stats().in_flight_total, engine.stats().iterations
         summary = driver.run_trace(engine, trace, f"orca-{tp}x{pp}-{in_flight}", realtime=False).summary()
         stats = engine.stats()
-        summary["mean_batches_in_flight"] = ((stats.batches_in_flight_total - before[0])
+        summary["mean_in_flight"] = ((stats.in_flight_total - before[0])
                                              / max(stats.iterations - before[1], 1))
         row[f"trace_in_flight_{in_flight}"] = summary
     bound_s = costs.weight_bytes / tp / peaks.hbm_bytes_per_s

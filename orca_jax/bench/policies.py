@@ -86,7 +86,7 @@ def run_one(engine, policy: SchedulingPolicy, trace: list[TraceRequest], batch_s
     from orca_jax.scheduler import Scheduler
 
     clock = IterationClock()
-    config = SchedulerConfig(max_batch_size=batch_size, max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
+    config = SchedulerConfig(max_num_seqs=batch_size, max_num_batched_tokens=engine.config.scheduler.max_num_batched_tokens,
                              policy=policy, async_scheduling=engine.config.async_scheduling)
     engine.replace_scheduler(lambda kv, max_len, stages: Scheduler(config, kv, max_len, stages, clock=clock,
                                                                    token_target=engine.buckets.token_target))
@@ -125,7 +125,7 @@ def run_policies(out_dir: str | None, *, num_requests: int = 160, batch_sizes=BA
     from orca_jax.engine import Engine
 
     engine = Engine(EngineConfig(model=model, cache=CacheConfig(page_size=16, num_pages=1 + 64 * 8),
-                                 scheduler=SchedulerConfig(max_batch_size=max(batch_sizes),
+                                 scheduler=SchedulerConfig(max_num_seqs=max(batch_sizes),
                                                            max_num_batched_tokens=256),
                                  precompile=False, seed=seed))
     rows = []

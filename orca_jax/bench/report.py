@@ -55,8 +55,8 @@ def plot_e2e(name: str, data: dict, out_dir: str) -> str | None:
     if not points:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key in sorted({(p["policy"], p["max_batch_size"]) for p in points}):
-        pts = sorted((p for p in points if (p["policy"], p["max_batch_size"]) == key), key=lambda p: p["rate"])
+    for key in sorted({(p["policy"], p["max_num_seqs"]) for p in points}):
+        pts = sorted((p for p in points if (p["policy"], p["max_num_seqs"]) == key), key=lambda p: p["rate"])
         style = "-o" if key[0] == "orca" else "--s"
         label = f"{'ORCA (ours)' if key[0] == 'orca' else 'request-level baseline'} max_bs={key[1]}"
         x = [p["throughput_req_s"] for p in pts]
@@ -108,7 +108,7 @@ def plot_micro(name: str, data: dict, out_dir: str) -> str | None:
 
 
 def _offline_rows(data: dict) -> list[tuple[str, float]]:
-    rows = [(f"{'ours' if r['policy'] == 'orca' else 'baseline'} bs={r['max_batch_size']}", r["throughput_tok_s"])
+    rows = [(f"{'ours' if r['policy'] == 'orca' else 'baseline'} bs={r['max_num_seqs']}", r["throughput_tok_s"])
             for r in (data.get("offline") or {}).get("runs", []) if "throughput_tok_s" in r]
     hf = (data.get("hf") or {}).get("offline")
     if hf:
@@ -213,7 +213,7 @@ def _model_md(name: str, data: dict) -> list[str]:
     for r in (data.get("offline") or {}).get("runs", []):
         if "throughput_tok_s" in r:
             lines.append(f"| {'ours (ORCA)' if r['policy'] == 'orca' else 'request-level baseline'} | "
-                         f"{r['max_batch_size']} | {r['throughput_tok_s']:.0f} | {r['throughput_req_s']:.2f} | "
+                         f"{r['max_num_seqs']} | {r['throughput_tok_s']:.0f} | {r['throughput_req_s']:.2f} | "
                          f"{r['iterations']} | {r['mean_batch_size']:.1f} | {_ms(_host_only(r))} | "
                          f"{_ms(r['host_breakdown_s_per_iter']['dispatch'])} | {_ms(r['device_wait_s_per_iter'])} | "
                          f"{r['padded_tokens_fed'] / r['tokens_fed']:.2f} | {r['roofline']['achieved_fraction']:.2f} |")
@@ -241,9 +241,9 @@ def _model_md(name: str, data: dict) -> list[str]:
                   "TPOT p50/p99 ms | roofline |", "|---|---|---|---|---|---|---|---|---|"]
         for p in e2e["points"]:
             if "error" in p:
-                lines.append(f"| {p['policy']} | {p['max_batch_size']} | {p['rate']} | {p['error']} |")
+                lines.append(f"| {p['policy']} | {p['max_num_seqs']} | {p['rate']} | {p['error']} |")
                 continue
-            lines.append(f"| {p['policy']} | {p['max_batch_size']} | {p['rate']:.1f} | {p['throughput_req_s']:.2f} | "
+            lines.append(f"| {p['policy']} | {p['max_num_seqs']} | {p['rate']:.1f} | {p['throughput_req_s']:.2f} | "
                          f"{_ms(p['median_norm_latency_s'])} | {_ms(p['norm_latency_s']['p90'])} | "
                          f"{_ms(p['ttft_s']['p50'])}/{_ms(p['ttft_s']['p99'])} | "
                          f"{_ms(p['tpot_s']['p50'])}/{_ms(p['tpot_s']['p99'])} | "

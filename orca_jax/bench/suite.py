@@ -175,7 +175,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
         "shapes": dataclasses.asdict(config) | {"family": config.family.value, "dtype": "bfloat16",
                                                 "num_params": config.num_params},
         "engine_settings": {k: v for k, v in settings.items() if k != "lengths"} | {
-            "max_model_len": MAX_MODEL_LEN, "max_batch_size": MAX_BATCH,
+            "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_BATCH,
                                        "page_size": 16},
         "command": "python3 -m orca_jax.bench " + " ".join(sys.argv[1:]), "seed": seed,
         "started": time.strftime("%Y-%m-%d %H:%M:%S")})
@@ -199,7 +199,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
 
     def make_engine(attention):
         budget = settings["max_num_batched_tokens"] if attention is AttentionBackend.AUTO else 256
-        engine = driver.build_engine(model, max_batch_size=MAX_BATCH, max_num_batched_tokens=budget,
+        engine = driver.build_engine(model, max_num_seqs=MAX_BATCH, max_num_batched_tokens=budget,
                                      kv_gib=settings["kv_gib"], max_model_len=MAX_MODEL_LEN, attention=attention,
                                      dtype="bfloat16", loaded=random_weights(model))
         info = warmup.precompile(engine, max_kv_tokens=max_kv_tokens)
@@ -236,7 +236,7 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
             config.num_heads, config.num_kv_heads, config.head_dim))
 
         def engine_check():
-            ref = driver.build_engine(model, max_batch_size=16, max_num_batched_tokens=256, kv_gib=2.0,
+            ref = driver.build_engine(model, max_num_seqs=16, max_num_batched_tokens=256, kv_gib=2.0,
                                       max_model_len=MAX_MODEL_LEN, attention=AttentionBackend.JNP, dtype="bfloat16",
                                       loaded=random_weights(model))
             trace = make_trace(TraceKind.UNIFORM, 8, None, seed + 7, lengths)
@@ -254,11 +254,11 @@ def run_suite(model: str, profile_name: str, out_dir: str, budget_s: float, seed
         for policy, sizes in ((driver.ORCA, profile.orca_batch_sizes), (driver.BASELINE, profile.baseline_batch_sizes)):
             for bs in sizes:
                 if deadline.expired(90):
-                    out["runs"].append({"policy": policy, "max_batch_size": bs, "skipped": "time"})
+                    out["runs"].append({"policy": policy, "max_num_seqs": bs, "skipped": "time"})
                     continue
                 driver.use_scheduler(engine, policy, bs)
                 run = driver.run_trace(engine, offline_trace, f"{policy}-bs{bs}", realtime=False, max_seconds=150)
-                out["runs"].append(run.summary() | {"policy": policy, "max_batch_size": bs,
+                out["runs"].append(run.summary() | {"policy": policy, "max_num_seqs": bs,
                                                     "roofline": roofline.run_bound(costs, peaks, run.records, run.wall_s)})
                 res.data["offline"] = out
                 res.save()
@@ -322,7 +322,7 @@ def print_table(data: dict) -> None:
     hf = (data.get("hf") or {}).get("offline")
     for run in (data.get("offline") or {}).get("runs", []):
         if "throughput_tok_s" in run:
-            print(f"offline {run['policy']:>8} bs={run['max_batch_size']:<4} {run['throughput_tok_s']:9.0f} tok/s "
+            print(f"offline {run['policy']:>8} bs={run['max_num_seqs']:<4} {run['throughput_tok_s']:9.0f} tok/s "
                   f"{run['throughput_req_s']:7.2f} req/s  host {1e3 * run['host_s_per_iter']:.2f} ms/it  "
                   f"device {1e3 * run['device_wait_s_per_iter']:.2f} ms/it  roofline "
                   f"{run['roofline']['achieved_fraction']:.2f}")

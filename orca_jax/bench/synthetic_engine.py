@@ -35,12 +35,12 @@ class _Running:
 class SyntheticEngine:
     """Engine stand-in: each step gives every running request its next letter (a..z, wrapping)."""
 
-    def __init__(self, *, max_batch_size: int = 128, max_waiting: int = 4096, max_model_len: int = 2048,
+    def __init__(self, *, max_num_seqs: int = 128, max_waiting: int = 4096, max_model_len: int = 2048,
                  host_seconds: float = 0.0, device_seconds: float = 0.0):
         self.config = EngineConfig(
             model="synthetic", cache=CacheConfig(page_size=16, num_pages=1 << 16),
-            scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting,
-                                      max_num_batched_tokens=max(2048, max_batch_size)))
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                      max_num_batched_tokens=max(2048, max_num_seqs)))
         self.tokenizer = ByteTokenizer(eos_token_ids=(EOS,), bos_token_id=1)
         self.model_config = ModelConfig(
             family=ModelFamily.LLAMA, vocab_size=self.tokenizer.vocab_size, hidden_size=8, num_layers=1,
@@ -77,7 +77,7 @@ class SyntheticEngine:
 
     def step(self) -> list[RequestOutput]:
         self.step_thread_ident = threading.get_ident()
-        room = self.config.scheduler.max_batch_size - len(self._running)
+        room = self.config.scheduler.max_num_seqs - len(self._running)
         for request in self._waiting[:room]:
             self._running[request.request_id] = request
         del self._waiting[:room]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from orca_jax.compilation import ForwardKey, SampleKey, StageInKey
 from orca_jax.engine import Engine
 
 
@@ -21,9 +22,9 @@ def precompile(engine: Engine, max_kv_tokens: int | None = None, threads: int | 
     start = time.perf_counter()
     report = engine.precompile()
     keys = engine.program_keys()
-    return {"num_forward_programs": sum(k[0] == "forward" for k in keys),
-            "num_stage_in_programs": sum(k[0] == "stage_in" for k in keys),
-            "num_sample_programs": sum(k[0] == "sample" for k in keys),
+    return {"num_forward_programs": sum(isinstance(k, ForwardKey) for k in keys),
+            "num_stage_in_programs": sum(isinstance(k, StageInKey) for k in keys),
+            "num_sample_programs": sum(isinstance(k, SampleKey) for k in keys),
             "newly_compiled": report.num_programs, "compile_s": report.compile_seconds,
             "total_s": time.perf_counter() - start,
-            "shapes": [list(k[1:]) for k in keys if k[0] == "forward"]}
+            "shapes": [[*k.bucket, k.stage] for k in keys if isinstance(k, ForwardKey)]}

@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from orca_jax.kernels.ragged_attention_jnp import token_to_seq
 from orca_jax.kernels.ragged_attention_tiles import (BlockSizes, Pass, Tile, default_block_sizes,
                                                      next_pow2, plan_passes)
 
@@ -340,15 +341,6 @@ def ragged_attention(
 
 
 # ------------------------------------------------------------------------------------- reference
-
-
-def token_to_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """Map each flat token row to its sequence; returns (seq i32[T], valid bool[T])."""
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)  # [T]
-    num_seqs = cu_q_lens.shape[0] - 1
-    valid = rows < cu_q_lens[-1]
-    return jnp.minimum(seq, num_seqs - 1), valid
 
 
 def ragged_attention_reference(

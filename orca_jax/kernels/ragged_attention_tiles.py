@@ -48,7 +48,7 @@ class BlockSizes:
 
 # Keyed by (head_dim, itemsize). Page size does not enter: the kernel gathers K/V slot by slot, so a
 # block of block_k slots costs the same whatever pages it spans. Picked by the sweep in
-# benchmarks/kernel_bench.py (Hopper, jax 0.11.2): decode tiles by KV-read GB/s, long tiles by TFLOP/s.
+# `python -m orca_jax.bench kernel` (Hopper, jax 0.11.2): decode tiles by KV-read GB/s, long tiles by TFLOP/s.
 _TILE_TABLE: dict[tuple[int, int], BlockSizes] = {
     (128, 2): BlockSizes(short=Tile(16, 64, num_warps=4, num_stages=3),
                          long=Tile(128, 64, num_warps=4, num_stages=2)),

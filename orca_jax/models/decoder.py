@@ -210,21 +210,6 @@ class Decoder:
             logits = jnp.where(jnp.arange(width) < self.real_vocab_size, logits, -jnp.inf)
         return logits
 
-    def __call__(
-        self,
-        params,
-        kv: KVCache,
-        token_ids: jax.Array,  # i32[T]
-        positions: jax.Array,  # i32[T]
-        meta: AttentionMetadata,
-        logits_indices: jax.Array,  # i32[S]: the row of each request's last new token
-    ) -> tuple[jax.Array, KVCache]:  # (f32[S, V], kv)
-        """The whole model (compute-layout params): new tokens of all requests in, logits at the
-        requested rows out."""
-        x = self.embed(params, token_ids, positions)
-        x, kv = self.layers(params["layers"], kv, x, positions, meta)
-        return self.logits(params, x[logits_indices]), kv
-
 
 @functools.partial(jax.jit, static_argnums=0)
 def _apply_block(decoder: Decoder, params, x: jax.Array, positions: jax.Array, layer_kv: LayerKV,

@@ -34,7 +34,7 @@ class _File:
     """One .safetensors file: its header parsed and checked against the file size; data read on demand.
 
     Read with plain file reads rather than `safetensors.safe_open`: that maps the file and goes through
-    jax buffers for bf16, which left the host at twice the model's size at peak (notes/ckpt.md); a
+    jax buffers for bf16, which left the host at twice the model's size at peak; a
     read into a fresh array holds one tensor at a time.
     """
 

@@ -178,7 +178,7 @@ class AsyncEngine:
         self.readiness = Readiness(ready=not precompile)
         scheduler = engine.config.scheduler
         # Our own bound covers requests still in the command queue, which the engine cannot see.
-        self.max_in_flight = max_in_flight or scheduler.max_waiting + scheduler.max_batch_size
+        self.max_in_flight = max_in_flight or scheduler.max_waiting + scheduler.max_num_seqs
         self.shutdown_grace_seconds = shutdown_grace_seconds
         self._iteration_listeners: list[Callable[[EngineStats], None]] = []
         self.latest_stats: EngineStats = engine.stats()

@@ -66,7 +66,7 @@ class _EngineStatsCollector(Collector):
              stats.kv_pages_reserved),
             ("kv_cache_total_pages", "KV cache pages requests can use (the scratch page excluded)",
              stats.kv_pages_total),
-            ("num_compiled_buckets", "Step programs compiled so far", stats.num_compiled_buckets),
+            ("num_compiled_programs", "Programs compiled (or loaded) so far", stats.num_compiled_programs),
         )
         for name, documentation, value in gauges:
             family = GaugeMetricFamily(PREFIX + name, documentation, labels=("model_name",))

@@ -14,7 +14,8 @@ re-records every command whose argument buffer moved since the last launch; ever
 batch's positions, page table and slot mapping, so a fresh input buffer re-recorded them all. On an
 H100 (llama-8b, 32 layers, T = 160) staging took host dispatch from 4.33 ms per iteration to 2.51 ms
 (1.14 ms with the same inputs every call). The previous iteration's samples stay the forward's own
-argument: staged into the same buffer they measured worse (5.2 ms).
+argument: staged into the same buffer they measured worse (5.2 ms). Every bucket stages its inputs:
+at T = 8 and 32 (llama-1b, llama-8b) staged and direct decode iterations measured the same.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from orca_jax.batch import forward_inputs_size, unpack_forward_inputs
+from orca_jax.compilation import Bucket
+from orca_jax.executable_cache import describe_arrays
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
 from orca_jax.models.projections import fuse_projections
@@ -76,9 +79,9 @@ class Stage:
         # The pages go out with the sharding they came in with; else the second call would recompile.
         self._forward_fn = forward_program(out_shardings=(self.replicated, self.kv_shardings))
         self._stage_in_fn = stage_in_program(out_shardings=self.replicated)
-        # i32[forward_inputs_size(T, S, P)] per bucket (T, S, P): the forward's packed inputs, staged
-        # by run(); each run donates it to the stage-in program, which writes it in place.
-        self._staged: dict[tuple[int, int, int], jax.Array] = {}
+        # i32[forward_inputs_size(T, S, P)] per bucket: the forward's packed inputs, staged by run();
+        # each run donates it to the stage-in program, which writes it in place.
+        self._staged: dict[Bucket, jax.Array] = {}
 
     def make_params(self, params, seed: int) -> None:
         """`params`: the whole model's device-layout tree (model layout) as numpy, already adapted to the
@@ -117,41 +120,44 @@ class Stage:
         self.kv = jax.jit(lambda: decoder.empty_cache(self.config, num_pages, page_size, self.layers),
                           out_shardings=self.kv_shardings)()
 
-    def lower(self, t: int, s: int, p: int, max_seqs: int) -> jax.stages.Lowered:
-        """The forward program of bucket (T, S, P), traced for this stage's inputs."""
+    def input_specs(self) -> tuple:
+        """What the forward reads besides its bucket's packed inputs: the weights and the pages."""
+        return describe_arrays(self.param_specs), describe_arrays(self.kv)
+
+    def lower(self, bucket: Bucket, max_num_seqs: int) -> jax.stages.Lowered:
+        """The forward program of `bucket`, traced for this stage's inputs."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
         if self.first:
-            inputs = i32(max_seqs)
+            inputs = i32(max_num_seqs)
         else:
-            inputs = jax.ShapeDtypeStruct((t, self.config.hidden_size), jnp.dtype(self.config.dtype),
+            inputs = jax.ShapeDtypeStruct((bucket.tokens, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
-        return self._forward_fn.lower(self.model, self.first, self.last, (t, s, p), self.param_specs, self.kv,
-                                      i32(forward_inputs_size(t, s, p)), inputs)
+        return self._forward_fn.lower(self.model, self.first, self.last, bucket, self.param_specs, self.kv,
+                                      i32(forward_inputs_size(*bucket)), inputs)
 
-    def lower_stage_in(self, t: int, s: int, p: int) -> jax.stages.Lowered:
-        """The stage-in program of bucket (T, S, P): the packed inputs into the bucket's staged buffer."""
-        i32 = jax.ShapeDtypeStruct((forward_inputs_size(t, s, p),), jnp.int32, sharding=self.replicated)
+    def lower_stage_in(self, bucket: Bucket) -> jax.stages.Lowered:
+        """The stage-in program of `bucket`: the packed inputs into the bucket's staged buffer."""
+        i32 = jax.ShapeDtypeStruct((forward_inputs_size(*bucket),), jnp.int32, sharding=self.replicated)
         return self._stage_in_fn.lower(i32, i32)
 
-    def staged_inputs(self, bucket: tuple[int, int, int]) -> jax.Array | None:
+    def staged_inputs(self, bucket: Bucket) -> jax.Array | None:
         """The buffer the last run of `bucket` staged its inputs in (None before the first run)."""
         return self._staged.get(bucket)
 
-    def run(self, bucket: tuple[int, int, int], stage_in: jax.stages.Compiled | None,
-            forward: jax.stages.Compiled, packed: np.ndarray, inputs) -> jax.Array:
+    def run(self, bucket: Bucket, stage_in: jax.stages.Compiled, forward: jax.stages.Compiled,
+            packed: np.ndarray, inputs) -> jax.Array:
         """Dispatch this stage (asynchronous): [T, H] activations out, or f32[S, V] logits if last.
 
         `packed`: the batch's forward inputs in one i32 vector (`batch.pack_forward_inputs`), staged by
-        `stage_in` into the bucket's buffer, which `forward` reads (no stage_in: `forward` reads
-        `packed` itself). `inputs`: the previous iteration's samples i32[max_seqs] (still on device) on
-        the first stage, else the previous stage's [T, H] activations, already moved here (`Handoff`).
+        `stage_in` into the bucket's buffer, which `forward` reads. `inputs`: the previous iteration's
+        samples i32[max_num_seqs] (still on device) on the first stage, else the previous stage's
+        [T, H] activations, already moved here (`Handoff`).
         """
-        if stage_in is not None:
-            staged = self._staged.get(bucket)
-            if staged is None:
-                staged = self._zeros(packed.shape[0])
-            self._staged[bucket] = packed = stage_in(staged, packed)  # the old buffer is donated: same address
-        out, self.kv = forward(self.params, self.kv, packed, inputs)
+        staged = self._staged.get(bucket)
+        if staged is None:
+            staged = self._zeros(packed.shape[0])
+        self._staged[bucket] = staged = stage_in(staged, packed)  # the old buffer is donated: same address
+        out, self.kv = forward(self.params, self.kv, staged, inputs)
         return out
 
     def _zeros(self, size: int) -> jax.Array:
@@ -180,7 +186,7 @@ def _stage_in(staged, packed):
     return jax.lax.dynamic_update_slice(staged, packed, (0,))
 
 
-def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: tuple[int, int, int], params, kv,
+def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Bucket, params, kv,
                    packed, inputs):
     """One stage's forward: (activations [T, H], or logits f32[S, V] on the last stage; kv)."""
     fields = unpack_forward_inputs(packed, *bucket)
@@ -189,7 +195,7 @@ def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: tupl
                              num_seqs=fields["num_seqs"])
     positions = fields["positions"]
     if first:
-        # token_sources: i32[T], -1 or the row of `inputs` (i32[max_seqs], the previous iteration's
+        # token_sources: i32[T], -1 or the row of `inputs` (i32[max_num_seqs], the previous iteration's
         # samples, still on device) that holds the token.
         token_ids, token_sources = fields["token_ids"], fields["token_sources"]
         token_ids = jnp.where(token_sources >= 0, inputs[jnp.maximum(token_sources, 0)], token_ids)

@@ -15,13 +15,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from orca_jax.kernels.ragged_attention import token_to_seq
-
 _MASK_VALUE = -1e30  # finite: a fully masked row never computes (-inf) - (-inf)
 
 
+def token_to_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Map each flat token row to its sequence; returns (seq i32[T], valid bool[T])."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)  # [T]
+    num_seqs = cu_q_lens.shape[0] - 1
+    valid = rows < cu_q_lens[-1]
+    return jnp.minimum(seq, num_seqs - 1), valid
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "pages_per_block"))
-def ragged_attention_blocked(
+def ragged_attention_jnp(
     q: jax.Array,  # [T, N, D]
     k_cache: jax.Array,  # [KVH, num_pages, page_size, D]: one layer's pages
     v_cache: jax.Array,  # [KVH, num_pages, page_size, D]

@@ -118,6 +118,8 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: size the pool from kv_memory_gib
     kv_memory_gib: float | None = None  # None: a fraction of free device memory (runner decides)
+    # Requests sharing a prefix share its full pages (prefix_cache.py); on by default, as in vLLM v1.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.page_size <= 0:

@@ -56,6 +56,9 @@ class EngineStats:
     peak_in_flight: int = 0
     in_flight_total: int = 0
     num_preemptions: int = 0  # requests whose KV was freed to make room (recomputed later)
+    kv_pages_evictable: int = 0  # cached pages no request holds (count as free)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
     deadline_hits: int = 0  # requests with a deadline that finished by it
     deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
 
@@ -124,7 +127,8 @@ class Engine:
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache)
-        self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
+        self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
@@ -192,6 +196,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the pages forgotten. Requests keep the pages they hold."""
+        return self.kv.reset_prefix_cache()
 
     # ---- seams for benchmarks and baselines ----
 
@@ -291,7 +299,8 @@ class Engine:
             finished=request.status.finished,
             finish_reason=request.status.value if request.status.finished else None,
             new_logprobs=new_logprobs,
-            queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time)
+            queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
+            num_cached_tokens=request.num_cached_tokens)
         return output
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:
@@ -313,5 +322,8 @@ class Engine:
         stats.kv_pages_used = self.kv.num_used_pages
         stats.kv_pages_reserved = self.kv.num_reserved_pages
         stats.num_preemptions = self.scheduler.num_preemptions
+        stats.kv_pages_evictable = self.kv.num_evictable_pages
+        stats.prefix_cache_queries = self.kv.num_prefix_cache_queries
+        stats.prefix_cache_hits = self.kv.num_prefix_cache_hits
         stats.num_compiled_programs = self.runner.compilation.num_compiled_programs
         return stats

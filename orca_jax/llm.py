@@ -38,6 +38,7 @@ class GenerationOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's name)
 
     @property
     def text(self) -> str:
@@ -60,11 +61,12 @@ class LLM:
                  kv_cache_memory_gib: float | None = None, max_model_len: int | None = None,
                  dtype: str | None = None, attention_backend: str = "auto",
                  scheduling_policy: str = "fcfs", kv_allocation: str = "reserve", tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, seed: int = 0,
+                 pipeline_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True,
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         config = engine_config or EngineConfig(
             model=model,
-            cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib),
+            cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=SchedulingPolicy(scheduling_policy),
@@ -156,4 +158,5 @@ def _to_generation_output(out: RequestOutput, prompt: Prompt, engine: Engine) ->
     completion = CompletionOutput(index=0, text=out.text, token_ids=out.output_token_ids,
                                   finish_reason=out.finish_reason)
     return GenerationOutput(request_id=out.request_id, prompt=prompt if isinstance(prompt, str) else None,
-                            prompt_token_ids=prompt_ids, outputs=[completion])
+                            prompt_token_ids=prompt_ids, outputs=[completion],
+                            num_cached_tokens=out.num_cached_tokens)

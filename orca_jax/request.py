@@ -95,6 +95,13 @@ class Request:
     # outputs it had (recompute_len tokens) as one long initiation, and samples on from where it was.
     num_preemptions: int = 0
     recompute_len: int = 0
+    # Prefix caching: what besides the tokens decides the K/V (e.g. the adapter); requests of different
+    # salts never share pages. page_keys: the content key of each full page of known tokens, computed
+    # once per page (prefix_cache.extend_page_keys), with the page's tokens.
+    cache_salt: str | None = None
+    page_keys: list[int] = dataclasses.field(default_factory=list)
+    page_tokens: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
 
     @property
     def num_prompt_tokens(self) -> int:

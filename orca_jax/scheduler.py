@@ -152,6 +152,7 @@ class Scheduler:
                 if not self._admit(request, batch, preempted, now):
                     can_admit = not self.policy.blocks_later_admissions
                     continue
+                views[request] = own_view(request)  # admitted past the pages it found cached
             batch.append(request)
 
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_num_seqs.
@@ -216,31 +217,41 @@ class Scheduler:
             return 0
         return int(self.config.kv_watermark * self.kv.num_usable_pages)
 
-    def _may_admit(self, request: Request) -> bool:
-        num_tokens = self._admission_tokens(request)
-        if not self.policy.may_admit(request, self.kv, num_tokens):
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached pages a waiting request can start from: full pages before its last initiation token
+        (that one is always computed, so sampling has its logits)."""
+        return self.kv.cached_prefix(request, request.num_initiation_tokens - 1)
+
+    def _may_admit(self, request: Request, hit: list[int]) -> bool:
+        cost = self.kv.admission_cost(self._admission_tokens(request), hit)
+        if not self.policy.may_admit(request, self.kv, cost):
             return False
-        left = self.kv.num_unreserved_pages - self.kv.num_pages_for(num_tokens)
-        return left >= self._watermark_pages()
+        return self.kv.num_unreserved_pages - cost >= self._watermark_pages()
 
     def _admit(self, request: Request, batch: list[Request], preempted: set[Request], now: float) -> bool:
-        """Give a waiting request its KV (preempting lower-ranked requests if the policy may)."""
-        if not self._may_admit(request):
+        """Give a waiting request its KV (preempting lower-ranked requests if the policy may), starting
+        from the pages of its prefix already cached."""
+        hit = self._cached_prefix(request)
+        if not self._may_admit(request, hit):
             if not self.policy.preempts_for_admission:
                 return False
             victims = [r for r in self._ranked_running(now)
                        if r not in batch and self.policy.outranks(request, r, now)]
-            need = self.kv.num_pages_for(self._admission_tokens(request)) + self._watermark_pages()
+            need = self.kv.admission_cost(self._admission_tokens(request), hit) + self._watermark_pages()
             if self.kv.num_unreserved_pages + sum(self.kv.num_reserved_for(v.request_id)
                                                   for v in victims) < need:
                 return False  # even all of them would not make room: take nothing
-            while victims and not self._may_admit(request):
+            while victims and not self._may_admit(request, hit):
                 victim = victims.pop()  # the lowest-ranked first
                 self.preempt(victim)
                 preempted.add(victim)
-            if not self._may_admit(request):
+            if not self._may_admit(request, hit):
                 return False
-        self.kv.reserve(request.request_id, self._admission_tokens(request))
+        self.kv.reserve(request.request_id, self._admission_tokens(request), hit,
+                        num_queried=request.num_initiation_tokens)
+        request.num_computed_tokens = len(hit) * self.kv.page_size
+        if request.num_preemptions == 0:  # what its client hears of: its first life's hits
+            request.num_cached_tokens += request.num_computed_tokens
         request.status = RequestStatus.RUNNING
         if request.scheduled_time is None:
             request.scheduled_time = now
@@ -288,7 +299,7 @@ class Scheduler:
         """
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"only a running request can be preempted, not {request.status.value}")
-        self.kv.free(request.request_id)
+        self._release_kv(request)
         request.status = RequestStatus.WAITING
         request.recompute_len = request.num_tokens
         request.num_computed_tokens = 0
@@ -398,6 +409,14 @@ class Scheduler:
             self._num_waiting -= 1
         request.status = status
         request.finish_time = now
-        self.kv.free(request.request_id)
+        self._release_kv(request)
         del self._requests[request.request_id]
+
+    def _release_kv(self, request: Request) -> None:
+        """Free the request's pages, first indexing those its returned batches finished writing (pages
+        whose last token came from the device were not known when planned), so a recompute after a
+        preemption, or the next turn of a chat, finds them."""
+        if self.kv.has_reservation(request.request_id):
+            self.kv.publish(request, request.num_computed_tokens)
+            self.kv.free(request.request_id)
 

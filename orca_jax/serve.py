@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
     p.add_argument("--page-size", type=int, default=_default(CacheConfig, "page_size"), help="tokens per KV page")
     p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_default(CacheConfig, "enable_prefix_caching"),
+                   help="requests sharing a prefix (a system prompt, a chat's history) share its full KV pages")
     p.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV pool size in GiB")
     p.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
                    default=AttentionBackend.AUTO.value)
@@ -121,7 +124,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages,
-                          kv_memory_gib=args.kv_cache_memory_gib),
+                          kv_memory_gib=args.kv_cache_memory_gib,
+                          enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=SchedulingPolicy(args.scheduling_policy),

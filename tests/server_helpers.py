@@ -126,6 +126,10 @@ class FakeEngine:
         self.waiting = [r for r in self.waiting if r.request_id != request_id]
         return len(self.waiting) < before
 
+    def reset_prefix_cache(self) -> int:
+        self._enter()
+        return 0  # nothing is cached here
+
     def has_unfinished(self) -> bool:
         self._enter()
         return bool(self.waiting or self.running)

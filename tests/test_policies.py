@@ -43,13 +43,17 @@ def test_order_does_not_mutate_the_pool():
 
 def test_admission_is_the_whole_reservation_fitting():
     kv = KVCacheManager(num_pages=5, page_size=4)  # 4 usable pages = 16 tokens
+
+    def may_admit(policy, request):  # the whole reservation: prompt + max_tokens, in pages
+        return policy.may_admit(request, kv, kv.num_pages_for(request.max_total_tokens))
+
     for policy in (FCFS(), Priority(), EDF()):
-        assert policy.may_admit(req("fits", 0.0, prompt_len=8, max_tokens=8), kv)
-        assert not policy.may_admit(req("big", 0.0, prompt_len=8, max_tokens=9), kv)
+        assert may_admit(policy, req("fits", 0.0, prompt_len=8, max_tokens=8))
+        assert not may_admit(policy, req("big", 0.0, prompt_len=8, max_tokens=9))
         assert policy.blocks_later_admissions  # Algorithm 1's strict order
     kv.reserve("held", 9)  # 3 pages
-    assert not FCFS().may_admit(req("two", 0.0, prompt_len=4, max_tokens=1), kv)
-    assert FCFS().may_admit(req("one", 0.0, prompt_len=2, max_tokens=2), kv)
+    assert not may_admit(FCFS(), req("two", 0.0, prompt_len=4, max_tokens=1))
+    assert may_admit(FCFS(), req("one", 0.0, prompt_len=2, max_tokens=2))
 
 
 def test_every_config_value_has_a_policy():

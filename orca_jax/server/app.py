@@ -106,10 +106,16 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        """Forget every cached prefix (vLLM's route); running requests keep their pages."""
+        forgotten = await async_engine.call(lambda engine: engine.reset_prefix_cache())
+        return JSONResponse({"status": "ok", "pages_forgotten": forgotten})
+
     # Added last = outermost: the Host and the key are checked before the body is even read.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
-        protected = ("/v1", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
+        protected = ("/v1", "/reset_prefix_cache", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)

@@ -137,6 +137,15 @@ class _Abort:
 
 
 @dataclasses.dataclass(slots=True)
+class _Call:
+    """Run fn(engine) on the engine thread between iterations (the engine is not thread-safe)."""
+
+    fn: Callable[[Engine], object]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future  # resolved on loop with fn's result, or its exception
+
+
+@dataclasses.dataclass(slots=True)
 class _Tracked:
     """What the engine thread remembers of a live request, to end its stream on shutdown."""
 
@@ -184,7 +193,7 @@ class AsyncEngine:
         self.latest_stats: EngineStats = engine.stats()
         self.error: BaseException | None = None
         self._cond = threading.Condition()
-        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()
         self._stop_requested = False
         self._num_in_flight = 0  # guarded by _cond
         self._thread: threading.Thread | None = None
@@ -264,6 +273,18 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
             self._cond.notify()
 
+    async def call(self, fn: Callable[[Engine], object]) -> object:
+        """fn(engine)'s result, run on the engine thread between two iterations (e.g. resetting the
+        prefix cache); raises what fn raised, or EngineUnavailableError when the loop is not running."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._cond:
+            if not self.is_running or self.error is not None:
+                raise EngineUnavailableError("engine is not running")
+            self._commands.append(_Call(fn, loop, done))
+            self._cond.notify()
+        return await done
+
     # ---- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -324,7 +345,14 @@ class AsyncEngine:
             self._deliver(outputs, tracked)
             idle_backoff = 0.0 if ran or outputs else min(MAX_IDLE_BACKOFF_SECONDS, 2 * idle_backoff or 1e-4)
 
-    def _apply(self, command: _Add | _Abort, tracked: dict[str, _Tracked], *, refuse: bool) -> None:
+    def _apply(self, command: _Add | _Abort | _Call, tracked: dict[str, _Tracked], *, refuse: bool) -> None:
+        if isinstance(command, _Call):
+            try:
+                result, error = command.fn(self.engine), None
+            except Exception as failed:  # noqa: BLE001 - handed to the caller, the loop goes on
+                result, error = None, failed
+            _call_soon(command.loop, _settle, command.done, result, error)
+            return
         if isinstance(command, _Abort):
             if tracked.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
@@ -409,6 +437,15 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> No
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     if not future.done():
         future.set_result(error)
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

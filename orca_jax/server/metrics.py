@@ -79,6 +79,9 @@ class _EngineStatsCollector(Collector):
             ("deadline_misses", "Requests with a deadline that finished after it or were dropped",
              stats.deadline_misses),
             ("prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
+             stats.prefix_cache_hits),
             ("generation_tokens", "Tokens generated", stats.generated_tokens_total),
             ("iterations", "Engine iterations run", stats.iterations),
         )

@@ -12,7 +12,8 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 from orca_jax.request import SamplingParams
 
@@ -251,15 +252,29 @@ def unix_now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's field; present when some prompt tokens were cached (vLLM's counting).
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
+        details = PromptTokensDetails(cached_tokens=num_cached_tokens) if num_cached_tokens else None
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens)
+                   total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_details(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):

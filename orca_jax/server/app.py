@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.errors import install_error_handlers
@@ -29,6 +30,32 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 _DOC_PATHS = ("/docs", "/redoc", "/openapi.json")  # the schema tells an intruder what to send
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+
+# What a well-formed body (per the schema) can still be refused for: limits of the model and server
+# that JSON Schema cannot state. Each 400 carries the `code` (or `param`) named here.
+_RUNTIME_RULES = (
+    "A body the schema accepts can still get a 400 for limits of the served model: prompt tokens "
+    "plus max_tokens beyond the context (code context_length_exceeded); a token id outside the "
+    "vocabulary (code token_id_out_of_range); more prompts x n than the server runs at once (code "
+    "too_many_choices); best_of other than n (param best_of: candidates are not ranked).")
+_CHAT_RULES = (" The model's chat template may refuse a conversation, e.g. roles out of order "
+               "(param messages).")
+
+# With "stream": true the 200 is server-sent events (the schema describes one event): each `data:` a
+# chunk object as JSON (or an error object), the last one [DONE].
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
+                   "description": "JSON, or with stream: true server-sent events"}}
+
+
+class HealthStatus(BaseModel):
+    """/health's body: "ok" (200); "starting" with compile progress, or "unhealthy" with a reason (503)."""
+
+    status: str
+    reason: str | None = None
+    waiting_for: str | None = None
+    compiled: int | None = None
+    total: int | None = None
 
 
 def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
@@ -67,11 +94,13 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
 
     v1 = APIRouter(prefix="/v1", responses=_ERROR_RESPONSES)
 
-    @v1.post("/completions", response_model=CompletionResponse)
+    @v1.post("/completions", response_model=CompletionResponse, description=_RUNTIME_RULES,
+             responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @v1.post("/chat/completions", response_model=ChatCompletionResponse)
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse,
+             description=_RUNTIME_RULES + _CHAT_RULES, responses=_STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
@@ -89,7 +118,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, response_model_exclude_none=True,
+             responses={503: {"model": HealthStatus, "description": "starting or unhealthy"}})
     async def health() -> JSONResponse:
         """200 once every program is compiled and the engine loop is alive and accepting; else 503."""
         if async_engine.is_healthy:
@@ -102,7 +132,9 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                   else "shutting down or not started")
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

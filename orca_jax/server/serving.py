@@ -94,7 +94,7 @@ class OpenAIServing:
         if len(prompts) * body.n > self.async_engine.max_in_flight:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is more than the "
                            f"{self.async_engine.max_in_flight} requests this server runs at once",
-                           param="n")
+                           param="n", code="too_many_choices")
         choices = []
         for prompt_index, prompt_ids in enumerate(prompts):
             self._check_prompt_ids(prompt_ids, param=param)
@@ -110,7 +110,7 @@ class OpenAIServing:
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                           param=param)
+                           param=param, code="token_id_out_of_range")
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int | None, *,
                     param: str) -> int:

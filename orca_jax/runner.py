@@ -147,7 +147,8 @@ class ModelRunner:
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
         # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
         per_device = max(stage.params_bytes // stage.mesh.size for stage in self.stages)
-        self.num_pages = num_pages_for(config, cache_config, per_device, self.device, self.num_devices)
+        self.num_pages = num_pages_for(config, cache_config, per_device, self.device, self.num_devices,
+                                       max_num_seqs=max_seqs, max_model_len=config.max_seq_len)
         # The weights are made (drawn, or placed from `params`) on a thread of their own, so a start
         # compiles the programs meanwhile: those need only the weights' shapes. Several processes
         # make them in line instead, every process dispatching the same programs in the same order.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
@@ -48,6 +50,15 @@ _STREAMED = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
                    "description": "JSON, or with stream: true server-sent events"}}
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CORSPolicy:
+    """Which web pages of other origins may call the API (Starlette's CORSMiddleware)."""
+
+    allowed_origins: tuple[str, ...]  # "*" for any
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+
 class HealthStatus(BaseModel):
     """/health's body: "ok" (200); "starting" with compile progress, or "unhealthy" with a reason (503)."""
 
@@ -62,12 +73,15 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                metrics_require_auth: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                allow_special_tokens_in_text: bool = False,
-               allowed_hosts: tuple[str, ...] | None = None) -> FastAPI:
+               allowed_hosts: tuple[str, ...] | None = None, chat_template: str | None = None,
+               log_requests: bool = False, cors: CORSPolicy | None = None) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
     A bare Engine is wrapped in an AsyncEngine. Only one app at a time may drive one engine.
     `default_max_tokens` caps chats that name no max_tokens (None: the rest of the context);
-    `allowed_hosts` (None: any) are the Host header values answered, e.g. LOCAL_HOSTS.
+    `allowed_hosts` (None: any) are the Host header values answered, e.g. LOCAL_HOSTS;
+    `chat_template` replaces the model's own; `log_requests` logs one line per generation request;
+    `cors` (None: no cross-origin access) lets web pages of other origins call the API.
     """
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     served_model_name = served_model_name or async_engine.engine.config.model
@@ -76,7 +90,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     async_engine.add_iteration_listener(metrics.observe_iteration)
     serving = OpenAIServing(async_engine, metrics, served_model_name=served_model_name,
                             default_max_tokens=default_max_tokens,
-                            allow_special_tokens_in_text=allow_special_tokens_in_text)
+                            allow_special_tokens_in_text=allow_special_tokens_in_text,
+                            chat_template=chat_template, log_requests=log_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -138,11 +153,15 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    # Added last = outermost: the Host and the key are checked before the body is even read.
+    # Added last = outermost: the Host and the key are checked before the body is even read. CORS
+    # sits outside the key: a browser's preflight carries no key, and a 401 needs CORS headers too.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         protected = ("/v1", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers)
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)
     return app

@@ -155,8 +155,10 @@ def startup_report(engine) -> list[str]:
     pages, page_size = engine.stats().kv_pages_total, engine.runner.page_size
     kv_bytes = engine.runner.kv_bytes
     size = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
-    return [line, f"KV pool: {pages} pages x {page_size} tokens = {pages * page_size} tokens for requests "
-                  f"(+1 scratch page), {size}"]
+    return [line, f"model: {engine.config.model} in {engine.model_config.dtype}, context {engine.max_model_len} "
+                  "tokens",
+            f"KV pool: {pages} pages x {page_size} tokens = {pages * page_size} tokens for requests "
+            f"(+1 scratch page), {size}"]
 
 
 def _already_handled(sig: int, frame: FrameType | None) -> None:

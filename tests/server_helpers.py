@@ -250,12 +250,12 @@ async def asgi_client(app, **client_kwargs) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-def live_server(app, *, graceful_seconds: float = 5.0,
-                limits: HTTPLimits = HTTPLimits()) -> contextlib.AbstractContextManager[ServedApp]:
+def live_server(app, *, graceful_seconds: float = 5.0, limits: HTTPLimits = HTTPLimits(),
+                **uvicorn_config) -> contextlib.AbstractContextManager[ServedApp]:
     """Serve `app` with uvicorn on a free loopback port, in a background thread (.url, .server, .thread),
-    with serve's HTTP limits."""
+    with serve's HTTP limits; `uvicorn_config`: more uvicorn.Config options (root_path, ...)."""
     return served_in_thread(app, timeout_graceful_shutdown=graceful_seconds, backlog=2048,
-                            **limits.uvicorn_options())
+                            **limits.uvicorn_options(), **uvicorn_config)
 
 
 def parse_sse(text: str) -> list[dict | str]:

@@ -221,3 +221,26 @@ def test_limits_are_checked():
     for bad in ({"max_header_bytes": 0}, {"header_timeout_s": 0}, {"max_connections": -1}):
         with pytest.raises(ValueError):
             HTTPLimits(**bad)
+
+
+def test_shutdown_answers_unfinished_requests_503_and_does_not_wait_for_them():
+    app = create_app(FakeEngine(), served_model_name="fake")
+    with live_server(app, graceful_seconds=30) as served:
+        upload = _connect(served)  # a body that stops halfway
+        upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        head = _connect(served)  # headers that stop halfway
+        head.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        idle = _connect(served)  # a finished request on a kept-alive connection
+        idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.2)
+        start = time.perf_counter()
+        served.server.should_exit = True
+        answers = [_read_until_closed(sock) for sock in (upload, head, idle)]
+        served.thread.join(10)
+        elapsed = time.perf_counter() - start
+    for sock in (upload, head, idle):
+        sock.close()
+    assert [_status(answer) for answer in answers] == [503, 503, 200]
+    assert b"shutting_down" in answers[0] and b"retry-after: 1" in answers[0].lower()
+    assert not served.thread.is_alive() and elapsed < 3  # not uvicorn's 30 s graceful timeout

@@ -104,7 +104,8 @@ class ModelRunner:
         # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
         per_device = max(stage.params_bytes // stage.mesh.size for stage in self.stages)
         self.num_pages = num_pages_for(config, cache_config, per_device, self.device,
-                                       sum(stage.mesh.size for stage in self.stages))
+                                       sum(stage.mesh.size for stage in self.stages),
+                                       max_num_seqs=max_num_seqs, max_model_len=config.max_seq_len)
         self._params_ready = self._start_making_params(params, seed)
         for stage in self.stages:
             stage.params_ready = self._params_ready

@@ -53,6 +53,7 @@ CASES = {
         (' \n{"name": "add", "arguments": {"a": 1, "b": [2, "]}"]}}', None, [A_CALL]),
         ("Paris is sunny today.", "Paris is sunny today.", []),
         ('{"answer": 42}', '{"answer": 42}', []),
+        ('{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36}', []),  # an answer, not a call
         ('{"name": "add", "parameters": {"a": 1, "b": [2, "]}"]}}; {"name": broken',
          '; {"name": broken', [A_CALL]),
         ('{"name": "add", "parameters": {"a": 1, "b": [2, "]}"]}} and some words', "and some words", [A_CALL]),

@@ -305,7 +305,11 @@ def _call_of(value, *argument_keys: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of a parsed call object, or None when it is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = next((value[key] for key in argument_keys if key in value), {})
+    # The arguments key is required (as vLLM's parsers do): `{"name": "Ada", "age": 36}` is an answer.
+    key = next((key for key in argument_keys if key in value), None)
+    if key is None:
+        return None
+    arguments = value[key]
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         arguments = _loads(arguments)
     if not isinstance(arguments, dict):

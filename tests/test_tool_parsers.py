@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 
 import numpy as np
 import pytest
@@ -134,3 +135,18 @@ def test_registry_and_ids():
     assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id)
     _, (call,) = get_tool_parser("hermes").parse(f"<tool_call>{ADD}</tool_call>")
     assert call.id.startswith("call_")
+
+
+@pytest.mark.parametrize("parser, template", [
+    ("llama3_json", '{{"name": "write", "parameters": {{"text": "{}"}}}}'),
+    ("mistral", '[TOOL_CALLS][{{"name": "write", "arguments": {{"text": "{}"}}}}]'),
+    ("hermes", '<tool_call>{{"name": "write", "arguments": {{"text": "{}"}}}}</tool_call>'),
+])
+def test_long_arguments_stream_in_linear_time(parser, template):
+    body = "x{[\\\"]}" * 4000  # 28,000 characters of brackets, quotes and escapes inside one string
+    text = template.format(body)
+    stream = get_tool_parser(parser).streaming(counter_ids())
+    start = time.perf_counter()
+    deltas = [stream.feed(char) for char in text] + [stream.finish()]
+    assert time.perf_counter() - start < 5.0  # a rescan per character would take minutes
+    assert assemble(deltas) == (None, [ToolCall("id0", "write", json.dumps({"text": json.loads(f'"{body}"')}))])

@@ -75,6 +75,7 @@ class StreamingToolParser:
         self._num_calls = 0
         self._held_space = ""  # whitespace-only content kept back until we know what follows it
         self._after_call = False  # the content since the last call is all whitespace so far
+        self._value_end = _ValueEnd()  # scans the JSON at the start of the undecided text
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
@@ -114,6 +115,7 @@ class StreamingToolParser:
 
     def _take(self, count: int) -> str:
         taken, self._buf = self._buf[:count], self._buf[count:]
+        self._value_end.reset()  # what it scanned has moved
         return taken
 
     def _content_until(self, marker: str, final: bool) -> bool:
@@ -191,7 +193,7 @@ class Llama3JsonParser(StreamingToolParser):
                 return
             if self._state == "calls":
                 stripped = self._buf.lstrip()
-                end = _json_value_end(stripped) if stripped.startswith("{") else None
+                end = self._value_end(stripped) if stripped.startswith("{") else None
                 if end is None and not final and (not stripped or stripped.startswith("{")):
                     return
                 skip = len(self._buf) - len(stripped)
@@ -236,7 +238,7 @@ class MistralParser(StreamingToolParser):
                 self._in_calls = True
             stripped = self._buf.lstrip()
             opens = stripped[:1] in ("[", "{")
-            end = _json_value_end(stripped) if opens else None
+            end = self._value_end(stripped) if opens else None
             if end is None and not final and (not stripped or opens):
                 return
             calls = None
@@ -324,27 +326,40 @@ def _loads(text: str):
         return None
 
 
-def _json_value_end(text: str) -> int | None:
-    """Where the object or array that `text` starts with ends (index after its closing bracket),
-    or None when the text ends first. Brackets inside strings do not count."""
-    depth, in_string, escaped = 0, False, False
-    for index, char in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
+class _ValueEnd:
+    """Where the object or array at the start of a growing text ends; each call scans only the
+    text added since the last (arguments can be long: a file's content), until reset()."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._scanned, self._depth, self._in_string, self._escaped = 0, 0, False, False
+
+    def __call__(self, text: str) -> int | None:
+        """Index after the closing bracket, or None when the text ends first. Brackets inside
+        strings do not count. `text` must extend the text of the previous call."""
+        depth, in_string, escaped = self._depth, self._in_string, self._escaped
+        for index in range(self._scanned, len(text)):
+            char = text[index]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == '"':
+                    in_string = False
             elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return index + 1
-    return None
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.reset()
+                    return index + 1
+        self._scanned, self._depth, self._in_string, self._escaped = len(text), depth, in_string, escaped
+        return None
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -155,6 +155,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # requests per iteration (ORCA's max batch size)
     max_num_batched_tokens: int = 512  # token budget per iteration; longer prompts take several
+    # The most prompt tokens one request feeds per iteration (vLLM's long_prefill_token_threshold), so
+    # a long prompt shares its iterations with decodes; None: no cap but the budget.
+    long_prefill_token_threshold: int | None = None
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this
     # Plan iteration k+1 while iteration k runs: a request of k that will sample a token feeds it in
@@ -191,6 +194,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("SchedulerConfig.max_num_batched_tokens must be at least max_num_seqs "
                              "so every running request can get its one increment token")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold <= 0:
+            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be positive, got "
+                             f"{self.long_prefill_token_threshold}")
         if self.max_waiting <= 0:
             raise ValueError(f"SchedulerConfig.max_waiting must be positive, got {self.max_waiting}")
 

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
+from orca_jax.engine_defaults import UsageContext, batch_defaults
 from orca_jax.models.loader import LoadedModel
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
@@ -54,15 +55,20 @@ class LLM:
 
     Arguments follow vLLM's names: tensor_parallel_size splits every layer over that many devices
     (ORCA's intra-layer parallelism), pipeline_parallel_size splits the layer stack into stages.
+    max_num_seqs and max_num_batched_tokens default to the device's (engine_defaults.py).
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, page_size: int = 16, num_kv_pages: int | None = None,
+    def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, page_size: int = 16, num_kv_pages: int | None = None,
                  kv_cache_memory_gib: float | None = None, max_model_len: int | None = None,
                  dtype: str | None = None, attention_backend: str = "auto",
                  scheduling_policy: str = "fcfs", kv_allocation: str = "reserve", tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True,
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
+            defaults = batch_defaults(UsageContext.OFFLINE)  # the device's (engine_defaults.py)
+            max_num_seqs = max_num_seqs or defaults.max_num_seqs
+            max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
         config = engine_config or EngineConfig(
             model=model,
             cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib,

@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here so `--help` and flag errors come back without loading jax.
     from orca_jax import multihost
     multihost.initialize(config.parallel)  # before anything else touches jax
+    from orca_jax.engine_defaults import UsageContext, batch_defaults
+    config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER))  # the device's batch
     from orca_jax.engine import Engine
     from orca_jax.models.weights import WeightsError
     from orca_jax.server import AsyncEngine, create_app, gc_and_gil

@@ -23,11 +23,12 @@ class FakeClock:
 
 def make_scheduler(num_pages=65, page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                    policy=SchedulingPolicy.FCFS, max_model_len=256, num_stages=1, max_waiting=1024,
-                   async_scheduling=False, token_target=None):
+                   async_scheduling=False, token_target=None, **options):
     # Algorithm 1 as the paper has it: num_stages batches in flight hold disjoint requests.
     kv = KVCacheManager(num_pages, page_size)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, policy=policy, max_waiting=max_waiting,
-                             max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling)
+                             max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+                             **options)
     clock = FakeClock()
     return Scheduler(config, kv, max_model_len, num_stages, clock=clock, token_target=token_target), kv, clock
 
@@ -432,3 +433,11 @@ def test_async_scheduling_plans_the_next_batch_from_the_one_in_flight():
     sched.update(first, [7, 8])
     sched.update(second, [9] * second.num_requests)
     assert sched.get("0").output_token_ids == [7, 9]
+
+
+def test_long_prefill_threshold_caps_each_prompt_chunk():
+    sched, kv, _ = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    sched.add_request(make_request("long", prompt_len=20, max_tokens=2))
+    sched.add_request(make_request("short", prompt_len=2, max_tokens=2))
+    output = sched.schedule()
+    assert [s.num_new_tokens for s in output.scheduled] == [8, 2]  # the budget had room for 20 + 2

@@ -26,7 +26,7 @@ from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("orca_jax.serve")
 # The server's default, unlike the library's (RESERVE, ORCA as published): chats without max_tokens
-# then share the pool instead of running one at a time (measured: benchmarks/results/cpu/kv_modes.json, README).
+# then share the pool instead of running one at a time (measured: benchmarks/results/cpu/notes.md, README).
 SERVE_KV_ALLOCATION = KVAllocation.ON_DEMAND
 
 

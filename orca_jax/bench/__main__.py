@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None):
     """Parse, then run the subcommand; returns what it returned (a Results, mostly)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    args.argv = argv
     args.command_line = "python -m orca_jax.bench " + shlex.join(argv)
     return args.handler(args)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
+import enum
 import json
 import os
 import re
@@ -26,6 +26,7 @@ import numpy as np
 from orca_jax.batch import BucketPolicy
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
+from orca_jax.executable_cache import source_digest
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.request import Request, SamplingParams
 
@@ -54,17 +55,6 @@ def source_commit() -> str:
         return "unknown"
 
 
-def source_digest() -> str:
-    """A hash of the package's Python sources: ties a result to its code where git is absent."""
-    digest = hashlib.sha1()
-    for root, dirs, files in sorted(os.walk(PACKAGE_DIR)):
-        dirs.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
-            with open(os.path.join(root, name), "rb") as f:
-                digest.update(name.encode() + f.read())
-    return digest.hexdigest()[:12]
-
-
 def device_info() -> dict:
     """jax's first device (this starts jax's backend, which takes most of a GPU's memory)."""
     import jax
@@ -79,7 +69,7 @@ def stamp(bench: str, model: str | None, command: str, device: dict | None = Non
     import jax  # its version only: the backend (and the GPU's memory) is device_info()'s
 
     return {"bench": bench, "model": model, "jax": jax.__version__, **(device_info() if device is None else device),
-            "commit": source_commit(), "source_digest": source_digest(), "command": command,
+            "commit": source_commit(), "source_digest": (source_digest() or "")[:12], "command": command,
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -88,7 +78,7 @@ class Results(dict):
 
     def __init__(self, bench: str, args: argparse.Namespace, model: str | None = None, device: dict | None = None):
         super().__init__(stamp(bench, model, args.command_line, device))
-        self["args"] = {k: v for k, v in vars(args).items() if k not in ("handler", "command_line", "argv")}
+        self["args"] = {k: v for k, v in vars(args).items() if k not in ("handler", "command_line")}
         self.path = None
         if args.save_result or args.result_dir:
             directory = args.result_dir or "."
@@ -115,7 +105,7 @@ def _json_default(value):
         return list(value)
     if dataclasses.is_dataclass(value):
         return dataclasses.asdict(value)
-    if hasattr(value, "value"):  # enums
+    if isinstance(value, enum.Enum):
         return value.value
     return str(value)
 
@@ -137,7 +127,7 @@ def _on_off_list(text: str) -> list[bool]:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama-8b",
                          lists: bool = False) -> None:
-    """The engine's flags, named as `python -m orca_jax.serve`'s; defaults are the issue's engine shape
+    """The engine's flags, named as `python -m orca_jax.serve`'s; defaults are the README's engine shape
     (128 sequences, 2048 tokens per iteration), bf16 random weights, and the library's scheduling
     (fcfs, ORCA's reservation). With lists, --max-num-seqs, --max-in-flight, --scheduling-policy and
     --async-scheduling take comma lists (every combination runs on one engine built for the largest)."""

@@ -139,7 +139,7 @@ def test_plan_matches_the_memory_plan_and_ragged_batching_pads_least(tmp_path):
 def test_kernel_interpreted_checks_and_times_every_section(tmp_path):
     bench.main(["kernel", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "16", "--contexts", "32",
                 "--batch-sizes", "1,2", "--prefill-len", "16", "--prefill-batch", "2", "--check", "timed-shape",
-                "--no-jax-paged", "--result-dir", str(tmp_path)])
+                "--result-dir", str(tmp_path)])
     result = _result(tmp_path, "attention-h4-kv2-d16_kernel.json")
     (check,) = result["check"]
     assert check["ok"] and check["max_abs_err"] <= check["tolerance"]

@@ -7,7 +7,8 @@ page_table, num_seqs) with caches [KVH, pages, page_size, D]. Sections, saved as
   request's length): the kernel against ragged_attention_reference;
 - copy: the device's copy bandwidth (a jax elementwise pass, and torch's memcpy where there is one);
 - decode: one token per request at each --contexts x --batch-sizes, as a fraction of that bandwidth
-  (K/V bytes a perfect kernel reads once / time), beside jax's own Pallas paged_attention;
+  (K/V bytes a perfect kernel reads once / time), and with --jax-paged beside jax's own Pallas
+  paged_attention;
 - prefill: --prefill-batch causal prompts of --prefill-len tokens, TFLOP/s, against cuDNN's flash
   attention (jax.nn.dot_product_attention) on the same dense problem;
 - sweep (--sweep): a grid of tiles per workload, which is what the kernel's tile table was picked from.
@@ -59,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-batch", type=int, default=8)
     parser.add_argument("--check", choices=["all", "timed-shape", "none"], default="all",
                         help="correctness cases: all, one of the timed shape, or none")
-    parser.add_argument("--no-jax-paged", action="store_true", help="skip jax's paged_attention beside decode")
+    parser.add_argument("--jax-paged", action="store_true",
+                        help="also time jax's own Pallas paged_attention on each decode case (a compile each)")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of tiles")
     parser.add_argument("--sweep-seconds", type=float, default=180.0)
     parser.add_argument("--interpret", action="store_true", help="run the kernel interpreted (CPU; default off GPU)")
@@ -191,7 +193,7 @@ def decode(args: argparse.Namespace, copy_gb_s: float, kernel, on_row) -> list[d
                 seconds = time_call(kernel, *batch.args, iters=20, reps=9)
                 row |= {"us": 1e6 * seconds, "kv_gb_s": batch.kv_bytes / seconds / 1e9,
                         "frac_of_copy": batch.kv_bytes / seconds / 1e9 / copy_gb_s}
-                if not args.no_jax_paged:
+                if args.jax_paged:
                     row |= jax_paged_attention(batch)
                 del batch
             except Exception as err:

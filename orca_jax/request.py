@@ -95,6 +95,11 @@ class Request:
     # outputs it had (recompute_len tokens) as one long initiation, and samples on from where it was.
     num_preemptions: int = 0
     recompute_len: int = 0
+    # The LoRA adapter it runs with (LoRARequest.lora_int_id; 0: the base model): part of what its
+    # KV depends on, so prefix caching salts with it. lora_slot: the device slot holding that adapter
+    # while the request holds KV (lora/slots.py sets it at admission; 0 otherwise).
+    lora_int_id: int = 0
+    lora_slot: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

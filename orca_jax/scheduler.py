@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from orca_jax.config import KVAllocation, SchedulerConfig
 from orca_jax.kv_cache import KVCacheManager
+from orca_jax.lora.slots import AdapterSlots
 from orca_jax.plan import (PlanningView, ScheduledRequest, SchedulerInterface, SchedulerOutput,  # noqa: F401
                            own_view, plan_request)
 from orca_jax.policies import Policy, make_policy
@@ -31,7 +32,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  max_in_flight: int = 1, clock: Callable[[], float] = time.monotonic,
-                 policy: Policy | None = None, token_target: Callable[[int], int] | None = None):
+                 policy: Policy | None = None, token_target: Callable[[int], int] | None = None,
+                 adapters: AdapterSlots | None = None):
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if max_in_flight <= 0:
@@ -45,6 +47,9 @@ class Scheduler:
         # tokens planned -> tokens to feed (BucketPolicy.token_target: the bucket below, where padding
         # up would cost time); prompt chunks give up the difference. None: feed every planned token.
         self._token_target = token_target
+        # LoRA adapter slots on the device (None: no adapters): a waiting request is admitted only
+        # once its adapter has a slot, and meanwhile does not hold up the requests behind it.
+        self._adapters = adapters
         # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
         self._requests: dict[str, Request] = {}
         self._num_waiting = 0
@@ -149,7 +154,11 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 if not can_admit or request in preempted:
                     continue
+                if self._adapters is not None and not self._adapters.admit(request):
+                    continue  # waits for an adapter slot; the requests behind it go on
                 if not self._admit(request, batch, preempted, now):
+                    if self._adapters is not None:
+                        self._adapters.release(request)
                     can_admit = not self.policy.blocks_later_admissions
                     continue
             batch.append(request)
@@ -289,6 +298,8 @@ class Scheduler:
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"only a running request can be preempted, not {request.status.value}")
         self.kv.free(request.request_id)
+        if self._adapters is not None:
+            self._adapters.release(request)
         request.status = RequestStatus.WAITING
         request.recompute_len = request.num_tokens
         request.num_computed_tokens = 0
@@ -399,5 +410,7 @@ class Scheduler:
         request.status = status
         request.finish_time = now
         self.kv.free(request.request_id)
+        if self._adapters is not None:
+            self._adapters.release(request)
         del self._requests[request.request_id]
 

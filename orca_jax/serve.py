@@ -22,6 +22,7 @@ import uvicorn
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
 from orca_jax.server.app import LOCAL_HOSTS
+from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules, register_lora_modules
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("orca_jax.serve")
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace-seconds", type=float, default=0.0,
                    help="on SIGTERM, let in-flight requests run this long before aborting them")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_lora_arguments(p)
     return p
 
 
@@ -135,7 +137,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                 num_processes=args.num_processes, process_id=args.process_id),
         attention=AttentionBackend(args.attention_backend),
         dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
+        compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
+        lora=lora_config_from_args(args))
 
 
 class _Server(uvicorn.Server):
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--default-max-tokens must be 0 (the rest of the context) or more")
     try:
         config = engine_config_from_args(args)
+        lora_modules = parse_lora_modules(args.lora_modules)
     except ValueError as error:
         parser.error(str(error))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -183,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     # it got; it reports ready only after that, and nothing compiles while serving. Other processes
     # compile as process 0's runner tells them (multihost.Mirror).
     engine = Engine(dataclasses.replace(config, precompile=False))
+    try:
+        register_lora_modules(engine, lora_modules)
+    except ValueError as error:  # a LoRAError names the adapter and the problem
+        log.error("%s", error)
+        return 2
     if not multihost.is_leader():
         log.info("process %d: running process 0's steps", args.process_id)
         multihost.run_worker(engine.runner)

@@ -55,8 +55,15 @@ class SyntheticEngine:
         self._stats = EngineStats(kv_pages_total=1 << 16)
         self._arrivals = 0
 
+    lora = None  # no LoRA adapters
+
+    def list_loras(self) -> list:
+        return []
+
     def add_request(self, prompt: list[int], sampling: SamplingParams, *, request_id: str | None = None,
-                    priority: int = 0, deadline: float | None = None) -> str:
+                    priority: int = 0, deadline: float | None = None, lora_request=None) -> str:
+        if lora_request is not None:
+            raise ValueError("the synthetic engine serves no LoRA adapters")
         if len(prompt) + sampling.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens > max_model_len ({self.max_model_len})")
         request_id = request_id or f"synthetic-{self._arrivals}"

@@ -32,6 +32,9 @@ class LoRAManager:
         self._registered: dict[int, LoRARequest] = {}  # by lora_int_id
         self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()  # LRU last
         self._requests: dict[str, int] = {}  # unfinished request id -> its adapter's lora_int_id
+        # Ids of removed adapters are never taken again: they salt the prefix cache, whose pages may
+        # outlive the adapter, and a request racing its adapter's removal must not bring it back.
+        self._removed: set[int] = set()
         self.num_loads = 0  # adapters written into a device slot, since start
 
     # ---- the registry ----------------------------------------------------------------------------
@@ -41,6 +44,9 @@ class LoRAManager:
         known = self._registered.get(lora.lora_int_id)
         if known == lora:
             return
+        if lora.lora_int_id in self._removed:
+            raise LoRAError(f"LoRA adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} belonged to an "
+                            "adapter that was unloaded; give a new adapter a new id")
         if known is not None:
             raise LoRAError(f"LoRA adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} is already used "
                             f"by adapter {known.lora_name!r} ({known.lora_path})")
@@ -54,6 +60,7 @@ class LoRAManager:
         """Unregister an adapter; requests already using it finish with it. False if unknown."""
         if self._registered.pop(lora_int_id, None) is None:
             return False
+        self._removed.add(lora_int_id)
         self.slots.remove(lora_int_id)
         self._trim_host()
         return True

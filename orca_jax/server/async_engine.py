@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import SamplingParams
 
@@ -129,11 +130,21 @@ class _Add:
     deadline: float | None
     stream: RequestStream
     accepted: asyncio.Future  # resolved on stream.loop: None, or the exception add_request raised
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclasses.dataclass(slots=True)
+class _Call:
+    """Run fn(engine) on the engine thread (e.g. adding a LoRA adapter between iterations)."""
+
+    fn: Callable
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future  # resolved on loop: (result, None) or (None, the exception fn raised)
 
 
 @dataclasses.dataclass(slots=True)
@@ -184,7 +195,7 @@ class AsyncEngine:
         self.latest_stats: EngineStats = engine.stats()
         self.error: BaseException | None = None
         self._cond = threading.Condition()
-        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _Call] = collections.deque()
         self._stop_requested = False
         self._num_in_flight = 0  # guarded by _cond
         self._thread: threading.Thread | None = None
@@ -231,8 +242,10 @@ class AsyncEngine:
     # ---- requests (event loop) ------------------------------------------------------------------
 
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
-                     request_id: str, priority: int = 0, deadline: float | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the engine has accepted it.
+                     request_id: str, priority: int = 0, deadline: float | None = None,
+                     lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (with the LoRA adapter `lora_request`, or the base model); returns its
+        stream once the engine has accepted it.
 
         Raises EngineOverloadedError, EngineUnavailableError, or what Engine.add_request raised
         (ValueError for a request the engine cannot hold; QueueFullError when its pool is full).
@@ -248,7 +261,8 @@ class AsyncEngine:
             if self._num_in_flight >= self.max_in_flight:
                 raise EngineOverloadedError(f"{self._num_in_flight} requests in flight; retry later")
             self._num_in_flight += 1
-            self._commands.append(_Add(prompt_token_ids, sampling, priority, deadline, stream, accepted))
+            self._commands.append(_Add(prompt_token_ids, sampling, priority, deadline, stream, accepted,
+                                       lora_request))
             self._cond.notify()
         try:
             error = await accepted
@@ -263,6 +277,23 @@ class AsyncEngine:
         with self._cond:
             self._commands.append(_Abort(request_id))
             self._cond.notify()
+
+    async def run_in_engine(self, fn: Callable[[Engine], object]):
+        """fn(engine) on the engine thread, between iterations (the engine is not thread-safe);
+        returns its result or raises what it raised."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._cond:
+            if self.error is not None:
+                raise EngineDeadError(f"engine loop failed: {self.error!r}")
+            if not self.is_running:
+                raise EngineUnavailableError("engine is not running")
+            self._commands.append(_Call(fn, loop, done))
+            self._cond.notify()
+        result, error = await done
+        if error is not None:
+            raise error
+        return result
 
     # ---- the engine thread ----------------------------------------------------------------------
 
@@ -324,7 +355,14 @@ class AsyncEngine:
             self._deliver(outputs, tracked)
             idle_backoff = 0.0 if ran or outputs else min(MAX_IDLE_BACKOFF_SECONDS, 2 * idle_backoff or 1e-4)
 
-    def _apply(self, command: _Add | _Abort, tracked: dict[str, _Tracked], *, refuse: bool) -> None:
+    def _apply(self, command: _Add | _Abort | _Call, tracked: dict[str, _Tracked], *, refuse: bool) -> None:
+        if isinstance(command, _Call):
+            try:
+                outcome = (command.fn(self.engine), None)
+            except Exception as error:  # handed to the caller, as add_request's errors are
+                outcome = (None, error)
+            _call_soon(command.loop, _resolve, command.done, outcome)
+            return
         if isinstance(command, _Abort):
             if tracked.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
@@ -338,7 +376,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(command.prompt_token_ids, command.sampling,
                                         request_id=stream.request_id, priority=command.priority,
-                                        deadline=command.deadline)
+                                        deadline=command.deadline, lora_request=command.lora_request)
             except (ValueError, QueueFullError) as refused:  # the request's fault or a full pool
                 error = refused
         if error is None:
@@ -387,6 +425,8 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 _call_soon(command.stream.loop, _resolve, command.accepted, error)
+            elif isinstance(command, _Call):
+                _call_soon(command.loop, _resolve, command.done, (None, error))
         for entry in tracked.values():
             _call_soon(entry.stream.loop, _put_all, [(entry.stream, error)])
         tracked.clear()

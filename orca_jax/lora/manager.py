@@ -10,10 +10,11 @@ uploads what it says before dispatching a plan, through `upload` (the runner's l
 from __future__ import annotations
 
 import collections
+import os
 from typing import Callable
 
 from orca_jax.config import LoRAConfig, ModelConfig
-from orca_jax.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from orca_jax.lora.adapter import CONFIG_FILE, LoRAAdapter, LoRAError, load_adapter
 from orca_jax.lora.request import LoRARequest
 from orca_jax.lora.slots import AdapterSlots
 
@@ -35,12 +36,14 @@ class LoRAManager:
         # Ids of removed adapters are never taken again: they salt the prefix cache, whose pages may
         # outlive the adapter, and a request racing its adapter's removal must not bring it back.
         self._removed: set[int] = set()
+        self._unreadable: set[int] = set()  # handed over in memory with no adapter at their path: always kept
         self.num_loads = 0  # adapters written into a device slot, since start
 
     # ---- the registry ----------------------------------------------------------------------------
     def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
-        """Register an adapter (read from lora.lora_path unless given); LoRAError if it cannot be
-        served or its name or id is taken by another. Registering the same one again is a no-op."""
+        """Register an adapter (read from lora.lora_path unless given; one given whose path holds no
+        adapter, e.g. random weights, stays in host memory); LoRAError if it cannot be served or its
+        name or id is taken by another. Registering the same one again is a no-op."""
         known = self._registered.get(lora.lora_int_id)
         if known == lora:
             return
@@ -53,6 +56,8 @@ class LoRAManager:
         if any(r.lora_name == lora.lora_name for r in self._registered.values()):
             raise LoRAError(f"LoRA adapter {lora.lora_name!r} is already loaded")
         self._host[lora.lora_int_id] = adapter or self._read(lora)
+        if adapter is not None and not os.path.isfile(os.path.join(lora.lora_path, CONFIG_FILE)):
+            self._unreadable.add(lora.lora_int_id)
         self._registered[lora.lora_int_id] = lora
         self._trim_host()
 
@@ -61,6 +66,7 @@ class LoRAManager:
         if self._registered.pop(lora_int_id, None) is None:
             return False
         self._removed.add(lora_int_id)
+        self._unreadable.discard(lora_int_id)
         self.slots.remove(lora_int_id)
         self._trim_host()
         return True
@@ -100,7 +106,7 @@ class LoRAManager:
     def _trim_host(self) -> None:
         """Drop host copies nobody needs: unregistered ones at once, beyond max_cpu_loras the least
         recently used."""
-        needed = set(self._requests.values()) | set(self.slots.resident)
+        needed = set(self._requests.values()) | set(self.slots.resident) | self._unreadable
         idle = [i for i in self._host if i not in needed]
         excess = len([i for i in idle if i in self._registered]) - self.config.num_cpu_loras
         for lora_int_id in idle:

@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,http-cost,policies}`:
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,http-cost,policies,lora}`:
 see each subcommand's --help."""
 
 from __future__ import annotations
@@ -106,6 +106,11 @@ def main(argv=None) -> None:
     policies.add_argument("--num-requests", type=int, default=160, help="per run at batch 16 (x4 at 64)")
     policies.add_argument("--seed", type=int, default=0)
 
+    lora = sub.add_parser("lora", help="multi-LoRA serving vs the base model: adapter terms per form, the ORCA "
+                          "trace over random adapters, batch-1 decode")
+    from orca_jax.bench import lora as lora_bench
+    lora_bench.add_arguments(lora)
+
     # Its own parser takes the rest of the line (see the dispatch below); listed here for --help.
     sub.add_parser("kernels", help="ragged attention kernel vs the jnp reference on a GPU")
 
@@ -195,6 +200,8 @@ def main(argv=None) -> None:
                 json.dump(result, f, indent=1)
         if args.profile:
             print_profile(args.profile)
+    elif args.command == "lora":
+        lora_bench.main(args)
     elif args.command == "policies":
         from orca_jax.bench.policies import run_policies
         run_policies(args.out, num_requests=args.num_requests, seed=args.seed)

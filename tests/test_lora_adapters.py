@@ -157,3 +157,26 @@ def test_manager_keeps_at_most_max_cpu_loras_idle_adapters_in_host_memory(tmp_pa
         manager.add(LoRARequest("a1", 2, str(tmp_path / "a1")))
     with pytest.raises(ValueError, match="duplicate request_id 'r'"):
         manager.request_added("r", LoRARequest("a0", 1, str(tmp_path / "a0")))
+
+
+def test_flags_and_config_checks():
+    from orca_jax.config import EngineConfig, ParallelConfig
+    from orca_jax.serve import build_parser, engine_config_from_args
+    from orca_jax.server.lora import parse_lora_modules
+
+    parse = lambda *argv: engine_config_from_args(build_parser().parse_args(list(argv)))  # noqa: E731
+    assert parse().lora is None
+    assert parse("--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "8").lora == \
+        LoRAConfig(max_loras=4, max_lora_rank=32, max_cpu_loras=8)
+    with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
+        parse("--lora-modules", "a=/x")
+    assert parse_lora_modules(["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']) == [("a", "/x"), ("b", "/y")]
+    for bad, message in (("a", "expected name=path"), ('{"name": "b"}', "not a JSON object with name and path")):
+        with pytest.raises(ValueError, match=message):
+            parse_lora_modules([bad])
+    with pytest.raises(ValueError, match="names an adapter twice"):
+        parse_lora_modules(["a=/x", "a=/y"])
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
+        LoRAConfig(max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="not supported with several controller processes"):
+        EngineConfig(lora=LoRAConfig(), parallel=ParallelConfig(num_processes=2, coordinator_address="h:1"))

@@ -74,8 +74,8 @@ def main(args: argparse.Namespace) -> dict:
 
     config = random_model(args.model, args.dtype).config
     if "ops" in sections:
-        result["ops"] = [time_layer_terms(config, args.num_adapters, args.rank, t)
-                         for t in (int(x) for x in args.tokens.split(","))]
+        result["ops"] = time_layer_terms(config, args.num_adapters, args.rank,
+                                         [int(x) for x in args.tokens.split(",")])
         save()
         for row in result["ops"]:
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
@@ -88,10 +88,10 @@ def main(args: argparse.Namespace) -> dict:
 
 # ---- ops ------------------------------------------------------------------------------------------
 
-def time_layer_terms(config: ModelConfig, num_slots: int, rank: int, tokens: int, seed: int = 0) -> dict:
+def time_layer_terms(config: ModelConfig, num_slots: int, rank: int, token_counts, seed: int = 0) -> list[dict]:
     """One layer of `config` (a Llama-family model): its base projections and the adapter terms in each
-    candidate form, at `tokens` tokens spread evenly over `num_slots` adapters (sorted by slot, as
-    ragged_dot needs)."""
+    candidate form, per token count, the tokens spread evenly over `num_slots` adapters (sorted by
+    slot, as ragged_dot needs). Each form gets the weight layout it reads best."""
     if config.family is not ModelFamily.LLAMA:
         raise ValueError("the ops section times Llama-family layers (q|k|v, o, gate|up, down)")
     dtype = jnp.dtype(config.dtype)
@@ -101,11 +101,12 @@ def time_layer_terms(config: ModelConfig, num_slots: int, rank: int, tokens: int
         return jnp.asarray((scale * rng.standard_normal(shape, np.float32)).astype(dtype))
 
     h, n, k, d, f = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_size
-    g = n // k
-    x, attn_out, act = rand(tokens, h, scale=1), rand(tokens, n, d, scale=1), rand(tokens, f, scale=1)
-    base = {"qkv": rand(h, k, g + 2, d), "o": rand(n, d, h), "gate_up": rand(h, 2, f), "down": rand(f, h)}
-    slots = jnp.asarray(np.repeat(np.arange(1, num_slots + 1), -(-tokens // num_slots))[:tokens], jnp.int32)
+    base = {"qkv": rand(h, k, n // k + 2, d), "o": rand(n, d, h), "gate_up": rand(h, 2, f), "down": rand(f, h)}
     table = nest({path: rand(*shape) for path, shape in layer_shapes(config, num_slots, rank).items()})
+    # Per projection, flat [in, out], for the forms that take one projection at a time.
+    flat = {p: (int(np.prod(i)), int(np.prod(o))) for p, (i, o) in projection_shapes(config).items()}
+    slot_major = {p: (rand(num_slots, i, rank), rand(num_slots, rank, o)) for p, (i, o) in flat.items()}
+    in_major = {p: (rand(i, num_slots, rank), slot_major[p][1]) for p, (i, _) in flat.items()}  # A: [in, M, R]
 
     @jax.jit
     def base_fn(x, attn_out, act, w):
@@ -118,38 +119,34 @@ def time_layer_terms(config: ModelConfig, num_slots: int, rank: int, tokens: int
         return (ops.qkv_delta(x, table["attn"]["qkv"], tokens), ops.o_delta(attn_out, table["attn"]["o"], tokens),
                 ops.gate_up_delta(x, table["mlp"]["gate_up"], tokens), ops.in_delta(act, table["mlp"]["down"], tokens))
 
-    # Per projection, flat [in, out], for the forms that take one projection at a time.
-    shapes = projection_shapes(config)
-    flat = {p: (int(np.prod(i)), int(np.prod(o))) for p, (i, o) in shapes.items()}
-    inputs = {p: {"o": attn_out.reshape(tokens, -1), "down": act}.get(p, x) for p in flat}
-    per_slot = {p: (rand(num_slots, i, rank), rand(num_slots, rank, o)) for p, (i, o) in flat.items()}
-    group_sizes = jnp.asarray(np.bincount(np.asarray(slots), minlength=num_slots + 1)[1:], jnp.int32)
-
-    def each(form, slot_major):
+    def each(form):
         @jax.jit
-        def fn(inputs, weights, slots, group_sizes):
-            out = []
-            for p, (a, b) in weights.items():
-                if form is ops.ragged_dot_delta:
-                    out.append(form(inputs[p], a, b, group_sizes))
-                else:
-                    out.append(form(inputs[p], a if slot_major else a.transpose(1, 0, 2), b, slots))
-            return out
+        def fn(inputs, weights, slots_or_sizes):
+            return [form(inputs[p], a, b, slots_or_sizes) for p, (a, b) in weights.items()]
         return fn
 
-    base_s = time_call(base_fn, x, attn_out, act, base)
-    row = {"tokens": tokens, "base_ms": 1e3 * base_s}
-    for name, fn, args in (
-            ("dense", dense_fn, (x, attn_out, act, table, slots)),
-            ("dense_per_projection", each(ops.dense_delta, False), (inputs, per_slot, slots, group_sizes)),
-            ("gather", each(ops.gather_delta, True), (inputs, per_slot, slots, group_sizes)),
-            ("ragged_dot", each(ops.ragged_dot_delta, True), (inputs, per_slot, slots, group_sizes))):
-        try:
-            seconds = time_call(fn, *args)
-            row[f"{name}_ms"], row[f"{name}_over_base"] = 1e3 * seconds, seconds / base_s
-        except Exception as error:  # one form failing to compile must not lose the others
-            row[f"{name}_error"] = repr(error)[:300]
-    return row
+    forms = {"dense_per_projection": (each(ops.dense_delta), in_major, "slots"),
+             "gather": (each(ops.gather_delta), slot_major, "slots"),
+             "ragged_dot": (each(ops.ragged_dot_delta), slot_major, "group_sizes")}
+    rows = []
+    for tokens in token_counts:
+        x, attn_out, act = rand(tokens, h, scale=1), rand(tokens, n, d, scale=1), rand(tokens, f, scale=1)
+        slot_ids = np.repeat(np.arange(1, num_slots + 1), -(-tokens // num_slots))[:tokens]
+        slots = jnp.asarray(slot_ids, jnp.int32)
+        routing = {"slots": slots, "group_sizes": jnp.asarray(np.bincount(slot_ids, minlength=num_slots + 1)[1:], jnp.int32)}
+        inputs = {p: {"o": attn_out.reshape(tokens, -1), "down": act}.get(p, x) for p in flat}
+        base_s = time_call(base_fn, x, attn_out, act, base)
+        row = {"tokens": tokens, "adapters_used": int(min(tokens, num_slots)), "base_ms": 1e3 * base_s}
+        timed = [("dense", dense_fn, (x, attn_out, act, table, slots))]
+        timed += [(name, fn, (inputs, weights, routing[by])) for name, (fn, weights, by) in forms.items()]
+        for name, fn, args in timed:
+            try:
+                seconds = time_call(fn, *args)
+                row[f"{name}_ms"], row[f"{name}_over_base"] = 1e3 * seconds, seconds / base_s
+            except Exception as error:  # one form failing to compile must not lose the others
+                row[f"{name}_error"] = repr(error)[:300]
+        rows.append(row)
+    return rows
 
 
 # ---- engine ---------------------------------------------------------------------------------------

@@ -2,19 +2,20 @@
 
 Every token carries its adapter slot (0: none); the table holds M slots of rank R. A projection's
 term is `B[slot] @ (A[slot] @ x)` per token (the scaling is folded into B when an adapter is loaded).
-What the forward uses is the masked dense form: one matmul against every slot's A at once
+The forward computes it in the masked dense form: one matmul against every slot's A at once
 (`[T, in] @ [in, M * R]`), the [T, M, R] result zeroed outside each token's own slot, then one
-matmul against every slot's B (`[T, M * R] @ [M * R, out]`). Two plain GEMMs a projection, whose
-shapes do not depend on how tokens spread over adapters; a slot no token uses costs its weights'
-read and M * R columns of FLOPs (M * R = 256 at 16 slots of rank 16: 2-6% of a llama-8b layer's
-matmul work per side, the weights read ~10% of the layer's).
+matmul against every slot's B (`[T, M * R] @ [M * R, out]`). Two plain GEMMs per projection whose
+shapes do not depend on how the tokens spread over adapters, and no sort or permutation of the
+batch. Its cost: at 16 slots of rank 16 on llama-8b, ~5% of a layer's matmul FLOPs per side and
+~10% more weight bytes read (every slot's, used or not).
 
-The alternatives measured against it (bench/lora.py times all three on a GPU):
-- gather: each token's A and B gathered ([T, in, R]), then a batched matvec: reads only the slots
-  in use, but materializes T copies; only ever cheaper for a few tokens;
-- jax.lax.ragged_dot: a grouped GEMM over tokens sorted by slot. XLA's GPU backend expands it into
-  dense zero-padded matmuls over every group (openxla/xla#45999 describes that default), the same
-  FLOPs as the masked form plus padded copies.
+The other forms, same results (tests/test_lora_engine.py), timed against it by `bench lora`:
+- gather: each token's A and B gathered ([T, in, R]), then batched matvecs: reads only the slots in
+  use but materializes a copy per token; at most a win for a few tokens;
+- jax.lax.ragged_dot: a grouped GEMM over tokens sorted by slot. XLA's GPU backend lowers it by
+  default to dense zero-padded matmuls over every group (described in openxla/xla#45999), the
+  masked form's FLOPs plus padded copies, and it needs the batch sorted by adapter.
+The masked form is the one chosen until a GPU measurement says otherwise.
 
 Einsum letters as in decoder.py, plus M slots, R rank, P the parts of a fused projection (q|k|v's
 A, k|v's B, gate|up).

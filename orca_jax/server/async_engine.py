@@ -139,12 +139,10 @@ class _Abort:
 
 
 @dataclasses.dataclass(slots=True)
-class _Call:
-    """Run fn(engine) on the engine thread (e.g. adding a LoRA adapter between iterations)."""
-
+class _Call:  # fn(engine) on the engine thread; done resolved on loop: (result, None) or (None, error)
     fn: Callable
     loop: asyncio.AbstractEventLoop
-    done: asyncio.Future  # resolved on loop: (result, None) or (None, the exception fn raised)
+    done: asyncio.Future
 
 
 @dataclasses.dataclass(slots=True)
@@ -361,8 +359,7 @@ class AsyncEngine:
                 outcome = (command.fn(self.engine), None)
             except Exception as error:  # handed to the caller, as add_request's errors are
                 outcome = (None, error)
-            _call_soon(command.loop, _resolve, command.done, outcome)
-            return
+            return _call_soon(command.loop, _resolve, command.done, outcome)
         if isinstance(command, _Abort):
             if tracked.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)

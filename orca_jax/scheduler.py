@@ -154,11 +154,10 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 if not can_admit or request in preempted:
                     continue
-                if self._adapters is not None and not self._adapters.admit(request):
-                    continue  # waits for an adapter slot; the requests behind it go on
-                if not self._admit(request, batch, preempted, now):
-                    if self._adapters is not None:
-                        self._adapters.release(request)
+                admitted = self._admit(request, batch, preempted, now)
+                if admitted is None:
+                    continue  # waits for its LoRA adapter's slot; the requests behind it go on
+                if not admitted:
                     can_admit = not self.policy.blocks_later_admissions
                     continue
             batch.append(request)
@@ -232,29 +231,39 @@ class Scheduler:
         left = self.kv.num_unreserved_pages - self.kv.num_pages_for(num_tokens)
         return left >= self._watermark_pages()
 
-    def _admit(self, request: Request, batch: list[Request], preempted: set[Request], now: float) -> bool:
-        """Give a waiting request its KV (preempting lower-ranked requests if the policy may)."""
-        if not self._may_admit(request):
-            if not self.policy.preempts_for_admission:
-                return False
+    def _admit(self, request: Request, batch: list[Request], preempted: set[Request], now: float) -> bool | None:
+        """Give a waiting request its KV (preempting lower-ranked requests if the policy may) and its
+        LoRA adapter's slot; None: its KV would fit, but its adapter has no slot yet."""
+        fits = self._may_admit(request)
+        if not fits and not self.policy.preempts_for_admission:
+            return False
+        if self._adapters is not None and not self._adapters.admit(request):
+            return None  # checked before preempting anyone for it
+        if not fits:
             victims = [r for r in self._ranked_running(now)
                        if r not in batch and self.policy.outranks(request, r, now)]
             need = self.kv.num_pages_for(self._admission_tokens(request)) + self._watermark_pages()
             if self.kv.num_unreserved_pages + sum(self.kv.num_reserved_for(v.request_id)
                                                   for v in victims) < need:
-                return False  # even all of them would not make room: take nothing
+                return self._release_adapter(request)  # even all of them would not make room: take nothing
             while victims and not self._may_admit(request):
                 victim = victims.pop()  # the lowest-ranked first
                 self.preempt(victim)
                 preempted.add(victim)
             if not self._may_admit(request):
-                return False
+                return self._release_adapter(request)
         self.kv.reserve(request.request_id, self._admission_tokens(request))
         request.status = RequestStatus.RUNNING
         if request.scheduled_time is None:
             request.scheduled_time = now
         self._num_waiting -= 1
         return True
+
+    def _release_adapter(self, request: Request) -> bool:
+        """The request gives its adapter slot back (it was not admitted after all); False."""
+        if self._adapters is not None:
+            self._adapters.release(request)
+        return False
 
     def _ranked_running(self, now: float) -> list[Request]:
         """Requests holding KV (in flight or not), best first in the policy's order."""
@@ -298,8 +307,7 @@ class Scheduler:
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"only a running request can be preempted, not {request.status.value}")
         self.kv.free(request.request_id)
-        if self._adapters is not None:
-            self._adapters.release(request)
+        self._release_adapter(request)
         request.status = RequestStatus.WAITING
         request.recompute_len = request.num_tokens
         request.num_computed_tokens = 0
@@ -410,7 +418,6 @@ class Scheduler:
         request.status = status
         request.finish_time = now
         self.kv.free(request.request_id)
-        if self._adapters is not None:
-            self._adapters.release(request)
+        self._release_adapter(request)
         del self._requests[request.request_id]
 

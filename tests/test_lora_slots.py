@@ -131,3 +131,18 @@ def test_random_workload_never_deadlocks():
             break
         step(sched, slots)
     assert added == 150 and not sched.has_unfinished()
+
+
+def test_a_request_whose_kv_does_not_fit_takes_no_slot():
+    """Its adapter is not loaded (nor another evicted) while the pool cannot hold it anyway."""
+    sched, slots = make(num_slots=2, num_pages=9)  # 8 usable pages of 4 tokens
+    sched.add_request(request("a", 1, max_tokens=20))  # 23 tokens: 6 pages
+    sched.add_request(request("b", 2, max_tokens=20))  # does not fit beside a
+    batch, loads, _ = step(sched, slots)
+    assert batch == {"a": 1} and loads == [(1, 1)]
+    for _ in range(5):
+        batch, loads, _ = step(sched, slots)
+        assert batch == {"a": 1} and loads == [] and slots.slot_of(2) == 0
+    while "b" not in batch:
+        batch, loads, _ = step(sched, slots)
+    assert loads == [(2, 2)]

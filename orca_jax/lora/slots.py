@@ -1,9 +1,9 @@
 """Which LoRA adapter holds each device slot, and who may take one (host only; no jax).
 
-The scheduler makes two calls: `admit(request)` when it would admit a waiting request (True: the
+The scheduler makes two calls: `admit(request)` when a waiting request's KV would fit (True: the
 request's adapter has a slot, now pinned by the request; False: it waits, and the scheduler goes on
-with the requests behind it), and `release(request)` when the request gives its KV up (finished,
-preempted, or its KV admission failed after all). The engine then takes the slots to load before it
+with the requests behind it; a request whose KV cannot fit takes no slot, so it evicts nothing), and
+`release(request)` when the request gives its KV up (finished, preempted, or not admitted after all). The engine then takes the slots to load before it
 dispatches the plan (`take_loads`).
 
 - A slot pinned by a request holding KV is never evicted (its batches read the slot).

@@ -201,7 +201,7 @@ class Engine:
         try:
             self.scheduler.add_request(request)
         except BaseException:
-            if self.lora is not None:
+            if lora_int_id:  # refused: its adapter need not stay in host memory for it
                 self.lora.request_done(request_id)
             raise
         self._stats.prompt_tokens_total += len(token_ids)

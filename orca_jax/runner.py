@@ -27,11 +27,11 @@ from orca_jax.batch import RaggedBatch, empty_batch, pack_forward_inputs
 from orca_jax.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PrecompileReport,
                                   ProgramKey, ProgramSource, ProgressFn, SampleKey, StageInKey)
 from orca_jax.config import AttentionBackend, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
-from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.executable_cache import ExecutableCache
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_jnp import ragged_attention_jnp
 from orca_jax.kv_pool import num_pages_for
+from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
 from orca_jax.request import SamplingParams

@@ -122,6 +122,14 @@ class RaggedBatch:
     # i32[T]: -1 where token_ids holds the token, else the row of the previous iteration's samples
     # (still on device) to take it from; None: every token is in token_ids.
     token_sources: np.ndarray | None = None
+    # i32[T]: each token's LoRA adapter slot (0: none); None: no token has one, and the forward
+    # program without the adapter term runs (a static choice, like all_greedy's).
+    lora_slots: np.ndarray | None = None
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether any token uses an adapter (picks the forward program with the adapter term)."""
+        return self.lora_slots is not None
 
     @property
     def bucket(self) -> Bucket:
@@ -146,12 +154,13 @@ BATCH_ARRAYS = (
     ("seed", lambda t, s, p: (s,), np.uint32),
     ("step", lambda t, s, p: (s,), np.int32),
     ("token_sources", lambda t, s, p: (t,), np.int32),  # None on a batch that feeds every token itself
+    ("lora_slots", lambda t, s, p: (t,), np.int32),  # None on a batch without adapters
 )
 # What the forward program reads (sampling takes the rest), packed into one i32 vector so a batch
 # reaches the device in one copy.
 _FORWARD_INPUTS = tuple(entry for entry in BATCH_ARRAYS if entry[0] in (
     "token_ids", "token_sources", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
-    "num_seqs", "logits_indices"))
+    "num_seqs", "logits_indices", "lora_slots"))
 
 
 def forward_inputs_size(t: int, s: int, p: int) -> int:
@@ -160,11 +169,11 @@ def forward_inputs_size(t: int, s: int, p: int) -> int:
 
 
 def pack_forward_inputs(batch: RaggedBatch) -> np.ndarray:
-    """i32[forward_inputs_size]: the forward's inputs in one vector; token_sources -1 (none) when the
-    batch has none."""
+    """i32[forward_inputs_size]: the forward's inputs in one vector; token_sources -1 (none) and
+    lora_slots 0 (none) when the batch has none."""
     t = batch.token_ids.shape[0]
-    sources = batch.token_sources if batch.token_sources is not None else np.full(t, -1, np.int32)
-    return np.concatenate([np.asarray(sources if name == "token_sources" else getattr(batch, name),
+    absent = {"token_sources": np.full(t, -1, np.int32), "lora_slots": np.zeros(t, np.int32)}
+    return np.concatenate([np.asarray(value if (value := getattr(batch, name)) is not None else absent[name],
                                       np.int32).ravel() for name, _, _ in _FORWARD_INPUTS])
 
 
@@ -232,6 +241,11 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:
         for i, source in sources:
             token_sources[cu_q_lens[i]] = source
 
+    lora_slots = None
+    if any(item.lora_slot for item in scheduled):
+        lora_slots = np.zeros(t_pad, np.int32)
+        lora_slots[:num_tokens] = np.repeat(np.asarray([item.lora_slot for item in scheduled], np.int32), q_lens_np)
+
     temperature = np.zeros(s_pad, np.float32)
     top_k = np.zeros(s_pad, np.int32)
     top_p = np.ones(s_pad, np.float32)
@@ -247,14 +261,15 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:
         logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         step=step, num_top_logprobs=SamplingParams.MAX_TOP_LOGPROBS if wants_top_logprobs else 0,
         all_greedy=not temperature.any(), num_real_tokens=num_tokens, num_real_seqs=num_seqs,
-        token_sources=token_sources)
+        token_sources=token_sources, lora_slots=lora_slots)
 
 
-def empty_batch(t: int, s: int, p: int) -> RaggedBatch:
-    """An all-padding batch of one bucket: no live sequence, every token writes to scratch page 0."""
+def empty_batch(t: int, s: int, p: int, lora: bool = False) -> RaggedBatch:
+    """An all-padding batch of one bucket: no live sequence, every token writes to scratch page 0;
+    `lora`: laid out for the forward with the adapter term (every token's slot 0, none)."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return RaggedBatch(token_ids=z(t), positions=z(t), slot_mapping=z(t), cu_q_lens=z(s + 1), kv_lens=z(s),
                        page_table=z(s, p), num_seqs=z(1), logits_indices=z(s),
                        temperature=z(s, dtype=np.float32), top_k=z(s), top_p=np.ones(s, np.float32),
                        seed=z(s, dtype=np.uint32), step=z(s), num_top_logprobs=0, all_greedy=True,
-                       num_real_tokens=0, num_real_seqs=0)
+                       num_real_tokens=0, num_real_seqs=0, lora_slots=z(t) if lora else None)

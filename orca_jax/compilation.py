@@ -2,7 +2,8 @@
 
 An iteration dispatches compiled programs back to back: per token bucket and pipeline stage a
 stage-in (the batch's packed inputs into a buffer that stays put, stage.py) and a forward; then one
-sampling program. Their keys are typed (ForwardKey, StageInKey, SampleKey). `precompile` compiles
+sampling program; with LoRA adapters, a slot-update program per stage. Their keys are typed
+(ForwardKey, StageInKey, SampleKey, LoRAUpdateKey). `precompile` compiles
 them on a thread pool (XLA compiles outside the GIL), each one first looked up in the executable
 cache (executable_cache.py: serialized executables, loaded without tracing) and in jax's persistent
 compilation cache, so nothing compiles while serving. A key that was not precompiled still runs,
@@ -41,10 +42,12 @@ class Bucket(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
 class ForwardKey:
-    """A stage's ragged forward pass over one bucket."""
+    """A stage's ragged forward pass over one bucket; with the LoRA adapter term or without (static:
+    a batch without adapted tokens skips that work)."""
 
     bucket: Bucket
     stage: int
+    lora: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -64,14 +67,25 @@ class SampleKey:
     all_greedy: bool
 
 
-ProgramKey = ForwardKey | StageInKey | SampleKey
-_KEY_TYPES = {cls.__name__: cls for cls in (ForwardKey, StageInKey, SampleKey)}
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class LoRAUpdateKey:
+    """A stage's write of one adapter into one slot of its LoRA table (lora/table.py)."""
+
+    stage: int
+
+
+ProgramKey = ForwardKey | StageInKey | SampleKey | LoRAUpdateKey
+_KEY_TYPES = {cls.__name__: cls for cls in (ForwardKey, StageInKey, SampleKey, LoRAUpdateKey)}
 
 
 def key_to_json(key: ProgramKey) -> list:
     """A key as plain JSON data (several processes send keys to each other)."""
     if isinstance(key, SampleKey):
         return [type(key).__name__, key.seqs, key.num_top_logprobs, key.all_greedy]
+    if isinstance(key, LoRAUpdateKey):
+        return [type(key).__name__, key.stage]
+    if isinstance(key, ForwardKey):
+        return [type(key).__name__, list(key.bucket), key.stage, key.lora]
     return [type(key).__name__, list(key.bucket), key.stage]
 
 
@@ -80,6 +94,10 @@ def key_from_json(data: list) -> ProgramKey:
     cls = _KEY_TYPES[data[0]]
     if cls is SampleKey:
         return SampleKey(int(data[1]), int(data[2]), bool(data[3]))
+    if cls is LoRAUpdateKey:
+        return LoRAUpdateKey(int(data[1]))
+    if cls is ForwardKey:
+        return ForwardKey(Bucket(*(int(x) for x in data[1])), int(data[2]), bool(data[3]))
     return cls(Bucket(*(int(x) for x in data[1])), int(data[2]))
 
 

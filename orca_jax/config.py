@@ -223,6 +223,34 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names): a device table of max_loras adapter slots of max_lora_rank.
+
+    Every program is compiled for the table's shape, so which adapters are loaded never changes a
+    program; an adapter of a smaller rank is zero-padded. Adapters beyond the slots wait in host
+    memory (up to max_cpu_loras that no request needs; None: max_loras) and are swapped in, least
+    recently used first, when a request needs them.
+    """
+
+    max_loras: int = 1  # adapter slots on the device
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self):
+        if self.max_loras <= 0 or self.max_lora_rank <= 0:
+            raise ValueError(f"LoRAConfig.max_loras and max_lora_rank must be positive, got "
+                             f"{self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"LoRAConfig.max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                             f"max_loras ({self.max_loras})")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in host memory while no request needs them."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once by the entry point."""
 
@@ -241,6 +269,8 @@ class EngineConfig:
     # JAX's persistent compilation cache: "auto" keeps jax's own setting if one is made, else a
     # per-user directory (compilation.default_cache_dir()); a path uses it; None turns it off.
     compilation_cache_dir: str | None = "auto"
+    # Multi-LoRA serving (vLLM's enable_lora); None: off, and no program reads an adapter table.
+    lora: LoRAConfig | None = None
 
     @property
     def async_scheduling(self) -> bool:
@@ -263,3 +293,5 @@ class EngineConfig:
                              f"got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
+        if self.lora is not None and self.parallel.num_processes > 1:
+            raise ValueError("LoRA adapters are not supported with several controller processes yet")

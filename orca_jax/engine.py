@@ -22,6 +22,8 @@ from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, execu
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.kv_cache import KVCacheManager
+from orca_jax.lora.manager import LoRAManager
+from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
@@ -126,15 +128,20 @@ class Engine:
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
-                                  max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache)
+                                  max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
+                                  lora=config.lora)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
+        # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
+        self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,
+                                                                 self.runner.load_lora)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
         scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
-        factory = scheduler_factory or functools.partial(Scheduler, scheduler_config,
-                                                         token_target=self.buckets.token_target)
+        factory = scheduler_factory or functools.partial(
+            Scheduler, scheduler_config, token_target=self.buckets.token_target,
+            adapters=None if self.lora is None else self.lora.slots)
         self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.effective_max_in_flight)
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._observers: list[EngineObserver] = []
@@ -166,11 +173,13 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *,
                     request_id: str | None = None, priority: int = 0,
-                    deadline: float | None = None, arrival_time: float | None = None) -> str:
+                    deadline: float | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; raises ValueError if it can never run, QueueFullError if the pool is full.
 
         deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
-        scheduler counts iterations); arrival_time None: now.
+        scheduler counts iterations); arrival_time None: now. lora_request: the adapter to run with
+        (registered now if new; a LoRAError, a ValueError, if it cannot be served).
         """
         token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
@@ -180,19 +189,49 @@ class Engine:
         # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
         seed = sampling.seed if sampling.seed is not None else \
             zlib.crc32(f"{self.config.seed}:{request_id}".encode())
+        lora_int_id = 0
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, "
+                                 "but LoRA is not enabled (EngineConfig.lora, --enable-lora)")
+            lora_int_id = self.lora.request_added(request_id, lora_request)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           priority=priority, deadline=deadline,
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
-                                                             sampling.include_stop_str_in_output))
-        self.scheduler.add_request(request)
+                                                             sampling.include_stop_str_in_output),
+                          lora_int_id=lora_int_id)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            if lora_int_id:  # refused: its adapter need not stay in host memory for it
+                self.lora.request_done(request_id)
+            raise
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
+        if self.lora is not None:
+            self.lora.request_done(request_id)
         return self.scheduler.abort(request_id)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----
+
+    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
+        """Register an adapter for later requests (read from its path unless `adapter`, a
+        lora.adapter.LoRAAdapter, is given); LoRAError (a ValueError) if it cannot be served."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (EngineConfig.lora, --enable-lora)")
+        self.lora.add(lora_request, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter (requests using it finish with it); False if unknown."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
@@ -228,6 +267,8 @@ class Engine:
             scheduled_at = time.perf_counter()
             self._schedule_s += scheduled_at - phase_start
             dropped += [self._output_for(request, 0) for request in output.dropped]
+            if self.lora is not None:  # adapters the plan placed in new slots, written before its dispatch
+                self.lora.upload_loads()
             if not output.scheduled:
                 break
             batch = build_batch(output, self.buckets)
@@ -281,6 +322,8 @@ class Engine:
         detok = request.detokenizer
         ids = request.output_token_ids
         if request.status.finished:
+            if self.lora is not None:
+                self.lora.request_done(request.request_id)
             detok.flush()
             met = request.deadline_met
             if met is not None:

@@ -49,7 +49,8 @@ def is_leader() -> bool:
 
 
 # RaggedBatch's arrays in message order; token_sources last, and only when the batch has them.
-_ARRAYS = tuple(entry for entry in BATCH_ARRAYS if entry[0] != "token_sources")
+# lora_slots never: adapters are served by one controller process only (EngineConfig refuses more).
+_ARRAYS = tuple(entry for entry in BATCH_ARRAYS if entry[0] not in ("token_sources", "lora_slots"))
 _SOURCES = next(entry for entry in BATCH_ARRAYS if entry[0] == "token_sources")
 
 

@@ -95,13 +95,23 @@ class Request:
     # outputs it had (recompute_len tokens) as one long initiation, and samples on from where it was.
     num_preemptions: int = 0
     recompute_len: int = 0
-    # Prefix caching: what besides the tokens decides the K/V (e.g. the adapter); requests of different
-    # salts never share pages. page_keys: the content key of each full page of known tokens, computed
-    # once per page (prefix_cache.extend_page_keys), with the page's tokens.
+    # The LoRA adapter it runs with (LoRARequest.lora_int_id; 0: the base model): part of what its
+    # KV depends on, so prefix caching salts with it. lora_slot: the device slot holding that adapter
+    # while the request holds KV (lora/slots.py sets it at admission; 0 otherwise).
+    lora_int_id: int = 0
+    lora_slot: int = 0
+    # Prefix caching: a caller's salt (vLLM's cache_salt: requests of different salts never share
+    # pages; the adapter is salted in too, see kv_salt). page_keys: the content key of each full page
+    # of known tokens, computed once per page (prefix_cache.extend_page_keys), with the page's tokens.
     cache_salt: str | None = None
     page_keys: list[int] = dataclasses.field(default_factory=list)
     page_tokens: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+
+    @property
+    def kv_salt(self) -> tuple[int, str | None]:
+        """What besides the tokens decides its K/V: the adapter and the caller's salt."""
+        return self.lora_int_id, self.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

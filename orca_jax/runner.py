@@ -24,13 +24,14 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from orca_jax import multihost
 from orca_jax.batch import RaggedBatch, empty_batch, pack_forward_inputs
-from orca_jax.compilation import (Bucket, CompilationManager, ForwardKey, PrecompileReport, ProgramKey,
-                                  ProgramSource, ProgressFn, SampleKey, StageInKey)
-from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
+from orca_jax.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PrecompileReport,
+                                  ProgramKey, ProgramSource, ProgressFn, SampleKey, StageInKey)
+from orca_jax.config import AttentionBackend, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 from orca_jax.executable_cache import ExecutableCache
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_jnp import ragged_attention_jnp
 from orca_jax.kv_pool import num_pages_for
+from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
 from orca_jax.request import SamplingParams
@@ -84,20 +85,22 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
-                 max_num_seqs: int = 256, executable_cache: ExecutableCache | None = None):
+                 max_num_seqs: int = 256, executable_cache: ExecutableCache | None = None,
+                 lora: LoRAConfig | None = None):
         check_parallel_fits(parallel, config)
         # Vocabulary padded and KV heads replicated to fit the tensor size; from here on `config` is
         # the device shapes (the logits width, the KV pages), the plan keeps the model's own.
         self.tensor_plan = tensor_plan.plan_for(config, parallel.tensor_parallel)
         self.config = config = self.tensor_plan.device
         self.max_num_seqs = max_num_seqs  # the most sequences one batch holds: the width of next_tokens
+        self.lora_config = lora  # None: no adapter table, and no forward program has the adapter term
         meshes = make_stage_meshes(parallel, devices)
         self.device = meshes[0].devices.flat[0]
         attention = choose_attention(backend, self.device.platform)
         self.stages = [
             Stage(i, len(meshes), layers, mesh, self.tensor_plan,
                   decoder.Decoder(config, shard_over_heads(attention, mesh),
-                                  real_vocab_size=self.tensor_plan.vocab_size))
+                                  real_vocab_size=self.tensor_plan.vocab_size), lora)
             for i, (layers, mesh) in enumerate(zip(stage_layer_ranges(config.num_layers, len(meshes)), meshes))]
         self.page_size = cache_config.page_size
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
@@ -155,7 +158,7 @@ class ModelRunner:
     def _program_identity(self, backend: AttentionBackend) -> tuple:
         """What every program of this runner depends on beyond its own key and input arrays."""
         return (repr(self.config), backend.value, self.device.platform, self.tensor_plan.vocab_size,
-                self.max_num_seqs, [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
+                self.max_num_seqs, repr(self.lora_config), [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
                                     for s in self.stages])
 
     @property
@@ -185,10 +188,14 @@ class ModelRunner:
 
     def program_keys(self, buckets: Iterable[Bucket]) -> list[ProgramKey]:
         """Every program an iteration over these buckets can need: per bucket a stage-in and a forward
-        per stage, and sampling per sequence width, top-logprob count and greedy flag."""
+        per stage (with LoRA, a second forward with the adapter term, and one slot update per stage),
+        and sampling per sequence width, top-logprob count and greedy flag."""
         buckets = list(buckets)
         keys: list[ProgramKey] = [cls(bucket, stage.index) for bucket in buckets
                                   for cls in (StageInKey, ForwardKey) for stage in self.stages]
+        if self.lora_config is not None:
+            keys += [ForwardKey(bucket, stage.index, True) for bucket in buckets for stage in self.stages]
+            keys += [LoRAUpdateKey(stage.index) for stage in self.stages]
         keys += [SampleKey(s, k, greedy) for s in sorted({b.seqs for b in buckets})
                  for k in (0, SamplingParams.MAX_TOP_LOGPROBS) for greedy in (True, False)]
         return keys
@@ -201,8 +208,10 @@ class ModelRunner:
         if isinstance(key, StageInKey):  # its only inputs are the packed vectors its key sizes
             return ProgramSource(functools.partial(stage.lower_stage_in, key.bucket),
                                  list(stage.mesh.devices.flat), ())
-        return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs),
-                             list(stage.mesh.devices.flat), stage.input_specs())
+        if isinstance(key, LoRAUpdateKey):  # its inputs are the table's shapes, in the identity
+            return ProgramSource(stage.lora.lower_update, list(stage.mesh.devices.flat), ())
+        return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs, key.lora),
+                             list(stage.mesh.devices.flat), stage.input_specs(key.lora))
 
     def _lower_sample(self, key: SampleKey) -> jax.stages.Lowered:
         replicated = self.stages[-1].replicated
@@ -222,8 +231,8 @@ class ModelRunner:
         todo, compile_seconds, seconds_by_key = self.compilation.precompile(keys, progress, threads)
         start = time.perf_counter()
         if warm:  # dispatched back to back, waited for once: the device runs one while the host loads the next
-            buckets = sorted({key.bucket for key in todo if isinstance(key, ForwardKey)})
-            jax.block_until_ready([self._forward(empty_batch(*bucket)) for bucket in buckets])
+            variants = sorted({(key.bucket, key.lora) for key in todo if isinstance(key, ForwardKey)})
+            jax.block_until_ready([self._forward(empty_batch(*bucket, lora=lora)) for bucket, lora in variants])
         return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start, seconds_by_key)
 
     # ---- one iteration ----
@@ -237,6 +246,8 @@ class ModelRunner:
 
     def _forward(self, batch: RaggedBatch) -> jax.Array:
         bucket = batch.bucket
+        if batch.has_lora and self.lora_config is None:
+            raise ValueError("a batch with LoRA adapter slots, but this runner has no adapter table")
         packed = pack_forward_inputs(batch)  # i32: one host-to-device copy per stage, not nine
         inputs = self._no_tokens if batch.token_sources is None else self._next_tokens
         executable = self.compilation.executable
@@ -244,8 +255,17 @@ class ModelRunner:
             if stage.index > 0:
                 inputs = self._to_next[stage.index - 1](inputs)
             inputs = stage.run(bucket, executable(StageInKey(bucket, stage.index)),
-                               executable(ForwardKey(bucket, stage.index)), packed, inputs)
+                               executable(ForwardKey(bucket, stage.index, batch.has_lora)), packed, inputs,
+                               batch.has_lora)
         return inputs
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Write `adapter` (None: zeros) into adapter slot `slot` (1-based, as a batch's lora_slots
+        name it) on every stage; asynchronous, ordered after every batch already dispatched."""
+        if self.lora_config is None:
+            raise RuntimeError("this runner has no LoRA adapter table (EngineConfig.lora is None)")
+        for stage in self.stages:
+            stage.lora.load(self.compilation.executable(LoRAUpdateKey(stage.index)), slot - 1, adapter)
 
     def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:
         """Dispatch sampling of a forward's logits; returns the packed i32[S, 2 + 2K] device array."""

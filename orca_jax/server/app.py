@@ -15,11 +15,12 @@ from pydantic import BaseModel
 
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.errors import install_error_handlers
+from orca_jax.server.lora import ServedModels, install_lora_routes
 from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
 from orca_jax.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
-    ModelCard, ModelList, unix_now,
+    ModelCard, ModelList,
 )
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS, OpenAIServing
 
@@ -88,10 +89,12 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: async_engine.num_in_flight,
                             model_name=served_model_name)
     async_engine.add_iteration_listener(metrics.observe_iteration)
+    # The base and its LoRA adapters (those the engine holds now, and later loads over HTTP).
+    models = ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
     serving = OpenAIServing(async_engine, metrics, served_model_name=served_model_name,
                             default_max_tokens=default_max_tokens,
                             allow_special_tokens_in_text=allow_special_tokens_in_text,
-                            chat_template=chat_template, log_requests=log_requests)
+                            chat_template=chat_template, log_requests=log_requests, models=models)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -119,17 +122,15 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=served_model_name, created=unix_now(), max_model_len=serving.max_model_len)
-
     @v1.get("/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=models.cards())
 
     @v1.get("/models/{model:path}", response_model=ModelCard)
     async def get_model(model: str) -> ModelCard:
-        serving.check_model(model)
-        return model_card()
+        return models.card(model)
+
+    install_lora_routes(v1, models)
 
     app.include_router(v1)
 
@@ -156,7 +157,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
         """Forget every cached prefix (vLLM's route); running requests keep their pages."""
-        forgotten = await async_engine.call(lambda engine: engine.reset_prefix_cache())
+        forgotten = await async_engine.run_in_engine(lambda engine: engine.reset_prefix_cache())
         return JSONResponse({"status": "ok", "pages_forgotten": forgotten})
 
     # Added last = outermost: the Host and the key are checked before the body is even read. CORS

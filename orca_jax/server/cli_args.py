@@ -20,6 +20,7 @@ from orca_jax.engine_defaults import BatchDefaults, UsageContext, batch_defaults
 from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 from orca_jax.server.http_limits import HTTPLimits
+from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 
 PROG = "python -m orca_jax.serve"
@@ -192,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no line per HTTP request from uvicorn (health polling fills the log)")
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="no line per generation request (its id, prompt tokens and sampling settings)")
+    add_lora_arguments(p)
     return p
 
 
@@ -254,6 +256,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if template is not None:
             jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)  # syntax only
         engine_config_from_args(args)
+        parse_lora_modules(args.lora_modules)
         http_limits_from_args(args)
     except (ValueError, jinja2.TemplateSyntaxError) as error:
         parser.error(str(error))
@@ -317,4 +320,5 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
                                 num_processes=args.num_processes, process_id=args.process_id),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
+        compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
+        lora=lora_config_from_args(args))

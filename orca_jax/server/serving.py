@@ -12,6 +12,7 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from orca_jax.lora.request import LoRARequest
 from orca_jax.request import SamplingParams
 from orca_jax.tokenizer import with_chat_template
 from orca_jax.server.async_engine import (
@@ -20,6 +21,7 @@ from orca_jax.server.async_engine import (
 from orca_jax.server.choices import Choice, ChoiceStreams, derive_seed, submit_all, usage_of
 from orca_jax.server.errors import APIError, error_body
 from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
+from orca_jax.server.lora import ServedModels
 from orca_jax.server.metrics import ServerMetrics
 from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, unix_now
 
@@ -48,10 +50,12 @@ class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, *, served_model_name: str,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  allow_special_tokens_in_text: bool = False, chat_template: str | None = None,
-                 log_requests: bool = False):
+                 log_requests: bool = False, models: ServedModels | None = None):
         self.async_engine = async_engine
         self.metrics = metrics
         self.served_model_name = served_model_name
+        # The names a request's `model` may give: the base and its LoRA adapters.
+        self.models = models or ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
         self.default_max_tokens = default_max_tokens
         self.split_special_tokens = not allow_special_tokens_in_text
         self.log_requests = log_requests
@@ -63,18 +67,18 @@ class OpenAIServing:
         self.page_size = engine.config.cache.page_size
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         prompts = [self.tokenizer.encode_prompt(p, split_special_tokens=self.split_special_tokens)
                    if isinstance(p, str) else list(p) for p in body.prompts()]
         choices = self._choices(body, prompts, requested=body.max_tokens,
                                 default=COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=body.logprobs, param="prompt")
         request_id = new_id("cmpl")
-        formatter = CompletionFormatter(request_id, self.served_model_name, unix_now(), self.tokenizer,
+        formatter = CompletionFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
                                         include_usage=body.include_usage_in_stream)
-        return await self._generate(body, request, request_id, choices, formatter)
+        return await self._generate(body, request, request_id, choices, formatter, lora)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         try:
             prompt_ids = self.tokenizer.encode_chat(body.template_messages(), add_generation_prompt=True,
                                                     split_special_tokens=self.split_special_tokens)
@@ -83,16 +87,18 @@ class OpenAIServing:
         choices = self._choices(body, [prompt_ids], requested=body.requested_max_tokens, default=None,
                                 logprobs=body.num_logprobs, param="messages")
         request_id = new_id("chatcmpl")
-        formatter = ChatFormatter(request_id, self.served_model_name, unix_now(), self.tokenizer,
+        formatter = ChatFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
                                   include_usage=body.include_usage_in_stream)
-        return await self._generate(body, request, request_id, choices, formatter)
+        return await self._generate(body, request, request_id, choices, formatter, lora)
 
     # ---- validation -----------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.served_model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 if it names nothing served."""
+        return self.models.resolve(model)
+
+    def _model_name(self, lora: LoRARequest | None) -> str:
+        return self.served_model_name if lora is None else lora.lora_name
 
     def _choices(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], *,
                  requested: int | None, default: int | None, logprobs: int | None, param: str) -> list[Choice]:
@@ -151,13 +157,13 @@ class OpenAIServing:
 
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
                         request_id: str, choices: list[Choice],
-                        formatter: CompletionFormatter | ChatFormatter) -> Response:
+                        formatter: CompletionFormatter | ChatFormatter, lora: LoRARequest | None = None) -> Response:
         if self.log_requests:
             _log_request(request_id, body, choices)
         deadline = None if body.deadline_seconds is None else time.monotonic() + body.deadline_seconds
         timers = [self.metrics.request_timer(len(c.prompt_ids), c.sampling.max_tokens, body.priority)
                   for c in choices]
-        streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline), timers)
+        streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline, lora), timers)
         if body.stream:
             return StreamingResponse(self._sse(streams, choices, formatter, body.deadline_seconds), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -174,10 +180,10 @@ class OpenAIServing:
         return JSONResponse(formatter.response(finals, usage).model_dump(mode="json"))
 
     async def _submit(self, choices: list[Choice], request_id: str, priority: int,
-                      deadline: float | None) -> list[RequestStream]:
+                      deadline: float | None, lora: LoRARequest | None = None) -> list[RequestStream]:
         try:
             return await submit_all(self.async_engine, choices, request_id=request_id, priority=priority,
-                                    deadline=deadline)
+                                    deadline=deadline, lora_request=lora)
         except (EngineOverloadedError, QueueFullError) as error:
             self.metrics.requests_rejected.labels(status="503", **self.metrics.labels).inc()
             raise APIError(503, f"server overloaded: {error}", code="server_overloaded",

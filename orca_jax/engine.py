@@ -22,6 +22,7 @@ from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, execu
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.kv_cache import KVCacheManager
+from orca_jax.logits_rules import LogitsRules, SamplingBatcher
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
@@ -123,7 +124,10 @@ class Engine:
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
-                                  max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache)
+                                  max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
+                                  sampling=config.sampling)
+        self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
+                                         config.sampling.logit_table_width, config.sampling.max_logprobs)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
@@ -172,6 +176,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        rules = self._logits_rules(sampling)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
         seed = sampling.seed if sampling.seed is not None else \
@@ -181,10 +186,23 @@ class Engine:
                           priority=priority, deadline=deadline,
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
-                                                             sampling.include_stop_str_in_output))
+                                                             sampling.include_stop_str_in_output,
+                                                             sampling.skip_special_tokens),
+                          logits_rules=rules)
         self.scheduler.add_request(request)
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
+
+    def _logits_rules(self, sampling: SamplingParams) -> LogitsRules | None:
+        """The request's logits processing in token ids; ValueError (naming the SamplingParams field)
+        for what this engine cannot honour."""
+        max_logprobs = self.config.sampling.max_logprobs
+        if sampling.logprobs is not None and sampling.logprobs > max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs must be between 0 and {max_logprobs} "
+                             f"(SamplingConfig.max_logprobs), got {sampling.logprobs}")
+        return LogitsRules.resolve(sampling, self.tokenizer, self.tokenizer.eos_token_ids,
+                                   self.model_config.vocab_size, self.runner.config.vocab_size,
+                                   self.config.sampling.logit_table_width)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
@@ -222,7 +240,7 @@ class Engine:
             dropped += [self._output_for(request, 0) for request in output.dropped]
             if not output.scheduled:
                 break
-            batch = build_batch(output, self.buckets)
+            batch = build_batch(output, self.buckets, self._sampling)
             built_at = time.perf_counter()
             self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch)))
             phase_start = time.perf_counter()
@@ -258,6 +276,8 @@ class Engine:
         outputs = []
         for item in scheduled:
             request = item.request
+            if request.status.finished:
+                self._sampling.release(request)  # its penalty slot, if it had one
             if request.status is RequestStatus.FINISHED_ABORTED:
                 continue  # aborted while in flight
             num_new = len(request.output_token_ids) - item.step

@@ -22,7 +22,7 @@ from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, execu
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.kv_cache import KVCacheManager
-from orca_jax.logits_rules import LogitsRules, SamplingBatcher
+from orca_jax.logits_rules import LogitsRules, SamplingBatcher, TokenMaskSource
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
@@ -115,7 +115,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
                  scheduler_factory: SchedulerFactory | None = None,
-                 precompile_progress: ProgressFn | None = None):
+                 precompile_progress: ProgressFn | None = None, token_masks: TokenMaskSource | None = None):
         self.config = config
         executable_cache = executable_cache_for(config.compilation_cache_dir)  # before anything compiles
         loaded = loaded or load_model(config.model, dtype=config.dtype)
@@ -126,8 +126,9 @@ class Engine:
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
                                   sampling=config.sampling)
+        # token_masks: per-step allowed tokens from outside the sampler (structured output), applied on device.
         self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
-                                         config.sampling.logit_table_width, config.sampling.max_logprobs)
+                                         config.sampling.logit_table_width, config.sampling.max_logprobs, token_masks)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,

@@ -4,10 +4,14 @@ A request's logit_bias, bad words, min_tokens and allowed_token_ids are resolved
 when it is added (`LogitsRules.resolve`). Each iteration `SamplingBatcher.rows` turns the plan's rows
 into the sampling program's per-row inputs: the sampling parameters, and, for a batch where any row
 processes its logits, a sparse per-row logit table (bias or ban entries, some conditional on the
-previous token when that token is still on device), the packed allowed-token bitmask, and the
-penalty slots: rows of the device's token-count tables that the host assigns to requests using
-penalties and fills from their tokens when a request gets one (first sample, after a preemption, or
-after its slot went to another request).
+previous token when that token is still on device), the packed allowed-token bitmask (allowed_token_ids,
+and whatever a TokenMaskSource, structured output's seam, allows this step), and the penalty slots:
+rows of the device's token-count tables that the host assigns to requests using penalties and fills
+from their tokens when a request gets one (first sample, after a preemption, or after its slot went
+to another request).
+
+allowed_token_ids go through the bitmask rather than the logit table: a whitelist of any length then
+costs the same, and needs no table width.
 
 The batch's sampling mode is static (one program each, see sampling.py): GREEDY when no kept row
 samples; SAMPLE when every sampled row has 0 < top_k <= TOP_K_CANDIDATES (drawn from a bounded
@@ -20,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -144,6 +148,9 @@ def pack_token_mask(token_ids: Sequence[int], logits_width: int) -> np.ndarray:
     return np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little").view(np.uint32).ravel().view(np.int32)
 
 
+_NO_RULES = LogitsRules(np.zeros(0, np.int32), np.zeros(0, np.float32), (), np.zeros(0, np.int32), 0, False, None)
+
+
 class PenaltySlots:
     """Which request owns which row of the device's token-count tables (host side only).
 
@@ -190,6 +197,16 @@ class PenaltySlots:
             self._owner[slot] = None
 
 
+class TokenMaskSource(Protocol):
+    """Allowed tokens a component outside the sampler decides per step (structured output's grammar
+    matcher): the seam through which such masks reach the device's bitmask."""
+
+    def token_mask(self, request: Request, step: int) -> np.ndarray | None:
+        """i32[ceil(V / 32)] (pack_token_mask's layout) for the request's sample after `step` outputs,
+        or None: no constraint from this source."""
+        ...
+
+
 def keeps_sample(item: ScheduledRequest) -> bool:
     """Whether the row's sample becomes an output token (not a mid-prompt chunk's, discarded)."""
     return item.token_source >= 0 or item.start + item.num_new_tokens >= item.request.num_tokens
@@ -206,8 +223,9 @@ class SamplingBatcher:
     """The sampling inputs of each batch (`rows`), and the penalty slots behind them."""
 
     def __init__(self, num_penalty_slots: int, logits_width: int, table_width: int,
-                 max_logprobs: int = SamplingParams.MAX_TOP_LOGPROBS):
+                 max_logprobs: int = SamplingParams.MAX_TOP_LOGPROBS, token_masks: TokenMaskSource | None = None):
         self.slots = PenaltySlots(num_penalty_slots)
+        self.token_masks = token_masks  # per-step allowed tokens from outside (None: allowed_token_ids only)
         self.logits_width = logits_width  # V of the logits; an id of V in the table is padding (dropped)
         self.table_width = table_width
         self.max_logprobs = max_logprobs
@@ -239,17 +257,23 @@ class SamplingBatcher:
         else:
             mode = SampleMode.SAMPLE
         wants_top = any(k and item.sampling.logprobs for k, item in zip(kept, scheduled))
-        processed = [i for i, item in enumerate(scheduled) if kept[i] and item.request.logits_rules is not None]
+        masks = {}  # row -> packed allowed tokens from the mask source
+        if self.token_masks is not None:
+            masks = {i: mask for i, item in enumerate(scheduled)
+                     if kept[i] and (mask := self.token_masks.token_mask(item.request, item.step)) is not None}
+        processed = [i for i, item in enumerate(scheduled)
+                     if kept[i] and (item.request.logits_rules is not None or i in masks)]
         # SEARCH programs always process logits; processed ones always return the top logprobs
         # (sampler.sample_variants).
         is_processed = bool(processed) or mode is SampleMode.SEARCH
         out.update(sample_mode=mode, num_top_logprobs=self.max_logprobs if wants_top or is_processed else 0,
                    logits_processed=is_processed)
         if out["logits_processed"]:
-            out.update(self._processing(scheduled, processed, s_pad))
+            out.update(self._processing(scheduled, processed, masks, s_pad))
         return out
 
-    def _processing(self, scheduled: Sequence[ScheduledRequest], processed: list[int], s_pad: int) -> dict:
+    def _processing(self, scheduled: Sequence[ScheduledRequest], processed: list[int], masks: dict[int, np.ndarray],
+                    s_pad: int) -> dict:
         """The logits-processing arrays (sampling.LogitsArrays' fields, the bitmask, the slot fills)."""
         w = self.table_width
         out = {"presence_penalty": np.zeros(s_pad, np.float32), "frequency_penalty": np.zeros(s_pad, np.float32),
@@ -257,23 +281,25 @@ class SamplingBatcher:
                "sampled_source": np.full(s_pad, -1, np.int32),
                "bias_token_ids": np.full((s_pad, w), self.logits_width, np.int32),
                "bias_values": np.zeros((s_pad, w), np.float32), "bias_conditions": np.full((s_pad, w), -1, np.int32)}
-        penalized = [i for i in processed if scheduled[i].request.logits_rules.uses_penalties]
-        busy = {slot for i in penalized if (slot := self.slots.slot_of(scheduled[i].request)) is not None}
+        rules_of = {i: scheduled[i].request.logits_rules or _NO_RULES for i in processed}
+        busy = {slot for i in processed if rules_of[i].uses_penalties
+                and (slot := self.slots.slot_of(scheduled[i].request)) is not None}
         fills: list[tuple[int, Request]] = []
         mask = None
         for i in processed:
             item = scheduled[i]
-            request, rules, sp = item.request, item.request.logits_rules, item.sampling
+            request, rules, sp = item.request, rules_of[i], item.sampling
             pending = item.token_source >= 0
             out["sampled_source"][i] = item.token_source
             ids, values, conditions = rules.entries(request.output_token_ids, item.step, pending)
             out["bias_token_ids"][i, :len(ids)] = ids
             out["bias_values"][i, :len(ids)] = values
             out["bias_conditions"][i, :len(ids)] = conditions
-            if rules.allowed_mask is not None:
+            row_masks = [m for m in (rules.allowed_mask, masks.get(i)) if m is not None]
+            if row_masks:
                 if mask is None:
-                    mask = np.full((s_pad, len(rules.allowed_mask)), -1, np.int32)
-                mask[i] = rules.allowed_mask
+                    mask = np.full((s_pad, -(-self.logits_width // 32)), -1, np.int32)
+                mask[i] = np.bitwise_and.reduce(row_masks)
             if rules.uses_penalties:
                 slot, fresh = self.slots.assign(request, busy)
                 busy.add(slot)

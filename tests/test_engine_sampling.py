@@ -164,3 +164,39 @@ def test_llm_generate_takes_every_sampling_parameter():
     assert len(outs[0].token_ids) == 8 and 65 not in outs[0].token_ids
     assert len(outs[1].token_ids) == 8 and set(outs[1].token_ids) <= {65, 66, 67}
     assert llm.stats().kv_pages_used == 0
+
+
+class EvenTokensFrom:
+    """A token-mask source (the seam structured output fills): even tokens only, from a given step on."""
+
+    def __init__(self, from_step: int):
+        self.from_step = from_step
+        self.asked: list[tuple[str, int]] = []
+
+    def token_mask(self, request, step):
+        self.asked.append((request.request_id, step))
+        if not request.request_id.startswith("even") or step < self.from_step:
+            return None
+        from orca_jax.logits_rules import pack_token_mask
+        return pack_token_mask(range(0, 256, 2), 256)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_token_masks_from_outside_apply_on_device(async_scheduling):
+    from orca_jax.engine import Engine
+    source = EvenTokensFrom(from_step=2)
+    base = tiny_engine(async_scheduling=async_scheduling)
+    engine = Engine(base.config, token_masks=source)
+    for kind in (dict(), dict(temperature=1.2, seed=5), dict(repetition_penalty=1.4, allowed_token_ids=[7, 8, 9, 10])):
+        engine.add_request([40, 41, 42], SamplingParams(max_tokens=10, ignore_eos=True, **kind), request_id="even")
+        engine.add_request([40, 41, 42], SamplingParams(max_tokens=10, ignore_eos=True, **kind), request_id="free")
+        out = drain(engine)
+        base.add_request([40, 41, 42], SamplingParams(max_tokens=10, ignore_eos=True, **kind), request_id="free")
+        unconstrained = drain(base)["free"]
+        assert all(t % 2 == 0 for t in out["even"][2:]), out["even"]
+        assert out["free"] == unconstrained  # the mask is its row's only
+        if "temperature" in kind:  # the same seed unconstrained draws odd tokens: the mask made them even
+            assert any(t % 2 for t in unconstrained[2:]), unconstrained
+        if "allowed_token_ids" in kind:  # both masks: their intersection
+            assert set(out["even"][2:]) <= {8, 10} and set(out["free"]) <= {7, 8, 9, 10}
+    assert ("even", 0) in source.asked and ("even", 9) in source.asked

@@ -30,8 +30,9 @@ def test_bad_words_are_tokenized_as_vllm_does():
 
 
 def test_sampling_params_checks_name_the_field():
-    for kwargs, field in [(dict(presence_penalty=2.5), "presence_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-                          (dict(min_p=1.5), "min_p"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    for kwargs, field in [(dict(presence_penalty=2.5), "presence_penalty"),
+                          (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+                          (dict(min_tokens=5, max_tokens=4), "min_tokens"),
                           (dict(logit_bias={"a": 1.0}), "logit_bias"), (dict(logit_bias={3: math.inf}), "logit_bias"),
                           (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(bad_words=[" "]), "bad_words"),
                           (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(logprobs=-1), "logprobs")]:

@@ -16,7 +16,8 @@ costs the same, and needs no table width.
 The batch's sampling mode is static (one program each, see sampling.py): GREEDY when no kept row
 samples; SAMPLE when every sampled row has 0 < top_k <= TOP_K_CANDIDATES (drawn from a bounded
 candidate set) or needs the whole vocabulary with no threshold (top_k 0, top_p 1); SEARCH when some
-row needs a threshold over the whole vocabulary (top_p < 1 without a small top_k, or a larger top_k).
+row needs a top-p threshold over the whole vocabulary (top_p < 1, top_k 0); SEARCH_TOP_K when some
+row has a top_k above TOP_K_CANDIDATES (a top-k threshold too: rare, and twice SEARCH's passes).
 """
 
 from __future__ import annotations
@@ -45,12 +46,19 @@ class SampleMode(enum.IntEnum):
 
     GREEDY = 0  # no kept row samples: the argmax
     SAMPLE = 1  # sampled rows use the top-k candidates, or the whole vocabulary without a threshold
-    SEARCH = 2  # some row needs a top-p or top-k threshold over the whole vocabulary
+    SEARCH = 2  # some row needs a top-p threshold over the whole vocabulary
+    SEARCH_TOP_K = 3  # some row needs a top-k threshold over the whole vocabulary (and maybe top-p)
 
 
-def needs_search(sampling: SamplingParams) -> bool:
-    """Whether a sampled row needs a threshold searched over the whole vocabulary."""
-    return sampling.top_k > TOP_K_CANDIDATES or (sampling.top_k == 0 and sampling.top_p < 1.0)
+def sample_mode(sampled: Sequence[SamplingParams]) -> SampleMode:
+    """The mode a batch whose sampled rows (kept, temperature > 0) have these parameters needs."""
+    if not sampled:
+        return SampleMode.GREEDY
+    if any(sp.top_k > TOP_K_CANDIDATES for sp in sampled):
+        return SampleMode.SEARCH_TOP_K
+    if any(sp.top_k == 0 and sp.top_p < 1.0 for sp in sampled):
+        return SampleMode.SEARCH
+    return SampleMode.SAMPLE
 
 
 def bad_word_token_ids(bad_words: Sequence[str], tokenizer) -> list[tuple[int, ...]]:
@@ -250,12 +258,7 @@ class SamplingBatcher:
                 out[name][:n] = column
             out["seed"][:n] = [item.seed for item in scheduled]
             out["step"][:n] = [item.step for item in scheduled]
-        if not any(sampled):
-            mode = SampleMode.GREEDY
-        elif any(s and needs_search(item.sampling) for s, item in zip(sampled, scheduled)):
-            mode = SampleMode.SEARCH
-        else:
-            mode = SampleMode.SAMPLE
+        mode = sample_mode([item.sampling for s, item in zip(sampled, scheduled) if s])
         wants_top = any(k and item.sampling.logprobs for k, item in zip(kept, scheduled))
         masks = {}  # row -> packed allowed tokens from the mask source
         if self.token_masks is not None:
@@ -265,7 +268,7 @@ class SamplingBatcher:
                      if kept[i] and (item.request.logits_rules is not None or i in masks)]
         # SEARCH programs always process logits; processed ones always return the top logprobs
         # (sampler.sample_variants).
-        is_processed = bool(processed) or mode is SampleMode.SEARCH
+        is_processed = bool(processed) or mode >= SampleMode.SEARCH
         out.update(sample_mode=mode, num_top_logprobs=self.max_logprobs if wants_top or is_processed else 0,
                    logits_processed=is_processed)
         if out["logits_processed"]:

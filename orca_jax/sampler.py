@@ -1,9 +1,9 @@
 """The sampling programs' device state on the last pipeline stage, and how their keys lower and run.
 
 The sampling family, per sequence width S, with K = SamplingConfig.max_logprobs: GREEDY and SAMPLE
-without logits processing, each with top-logprobs 0 or K; GREEDY, SAMPLE and SEARCH with processing,
-which always return the top K (a processed batch is rarer, and one K fewer halves its programs): 7
-programs per S (5 when K is 0). One more program fills penalty slots of the token-count tables. The
+without logits processing, each with top-logprobs 0 or K; every mode (GREEDY, SAMPLE, SEARCH,
+SEARCH_TOP_K) with processing, which always returns the top K (a processed batch is rarer, and one K
+fewer halves its programs): 8 programs per S (6 when K is 0). One more program fills penalty slots of the token-count tables. The
 state kept here between iterations: the count tables (donated to the programs that update them), the
 previous batch's samples (which a conditional logit-table entry reads), and an all-allowed bitmask
 per S for processed batches without one.
@@ -47,7 +47,7 @@ class Sampler:
         self.tables = jax.jit(lambda: empty_tables(self.num_penalty_slots, vocab_size), out_shardings=replicated)()
         self.last_samples = self._constant(np.zeros(max_num_seqs, np.int32))  # i32[max_num_seqs]
         self._all_allowed: dict[int, jax.Array] = {}  # S -> i32[S, ceil(V / 32)] of -1
-        # SEARCH's passes unrolled on GPU (no loop to run there), a loop elsewhere (quicker to compile).
+        # The searches' passes unrolled on GPU (no loop to run there), a loop elsewhere (quicker to compile).
         self._unroll = replicated.mesh.devices.flat[0].platform == "gpu"
         self._plain_fn = jax.jit(_sample_plain, static_argnums=(2, 3, 4, 5), out_shardings=replicated)
         self._processed_fn = jax.jit(_sample_processed, static_argnums=(5, 6, 7, 8), donate_argnums=(3,),

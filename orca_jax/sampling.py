@@ -103,23 +103,24 @@ def candidate_keep(values: jax.Array, top_k, top_p, min_p) -> jax.Array:
     return keep & ((jnp.cumsum(q) - q < top_p) | (top_p >= 1.0))
 
 
-def vocab_keep(scaled: jax.Array, top_k, top_p, min_p, search: bool, unroll: bool = True) -> jax.Array:
-    """bool[V]: which tokens of a row (f32[V] scaled logits) min_p keeps and, with `search`, a top_k
-    above TOP_K_CANDIDATES and top_p (each a threshold: tokens tied at it all stay)."""
+def vocab_keep(scaled: jax.Array, top_k, top_p, min_p, mode: SampleMode, unroll: bool = True) -> jax.Array:
+    """bool[V]: which tokens of a row (f32[V] scaled logits) min_p keeps and, by the mode's searches, a
+    top_k above TOP_K_CANDIDATES and top_p (each a threshold: tokens tied at it all stay)."""
     top = jnp.max(scaled)
     keep = (jnp.exp(scaled - top) >= min_p) & (scaled > -jnp.inf)
-    if not search:
+    if mode < SampleMode.SEARCH:
         return keep
-    keys = order_key(scaled)
-    kth = radix_threshold(keys, jnp.ones(scaled.shape[-1], jnp.int32), top_k, unroll)
-    keep &= (keys >= kth) | (top_k <= min(TOP_K_CANDIDATES, scaled.shape[-1]))
+    if mode is SampleMode.SEARCH_TOP_K:
+        keys = order_key(scaled)
+        kth = radix_threshold(keys, jnp.ones(scaled.shape[-1], jnp.int32), top_k, unroll)
+        keep &= (keys >= kth) | (top_k <= min(TOP_K_CANDIDATES, scaled.shape[-1]))
     mass = jnp.where(keep, jnp.exp(scaled - top), 0.0)
     q = mass / jnp.sum(mass)
     q_keys = jax.lax.bitcast_convert_type(q, jnp.uint32)  # q >= 0: its bits are in its order
     return keep & ((q_keys >= radix_threshold(q_keys, q, top_p, unroll)) | (top_p >= 1.0))
 
 
-def _draw(scaled: jax.Array, top_k, top_p, min_p, key, search: bool, unroll: bool) -> jax.Array:
+def _draw(scaled: jax.Array, top_k, top_p, min_p, key, mode: SampleMode, unroll: bool) -> jax.Array:
     """One row's sample from its temperature-scaled logits (f32[V]) under min_p, top_k and top_p."""
     vocab = scaled.shape[-1]
     num_candidates = min(TOP_K_CANDIDATES, vocab)
@@ -129,17 +130,17 @@ def _draw(scaled: jax.Array, top_k, top_p, min_p, key, search: bool, unroll: boo
     keep = candidate_keep(values, top_k, top_p, min_p)
     safe_ids = jnp.minimum(ids, vocab - 1)  # a padded block's ids are past the vocabulary (never kept)
     from_candidates = ids[jnp.argmax(jnp.where(keep, values + gumbel[safe_ids], -jnp.inf))]
-    keep = vocab_keep(scaled, top_k, top_p, min_p, search, unroll)
+    keep = vocab_keep(scaled, top_k, top_p, min_p, mode, unroll)
     from_vocab = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf)).astype(jnp.int32)
     token = jnp.where((top_k > 0) & (top_k <= num_candidates), from_candidates, from_vocab)
     return jnp.where(token < vocab, token, jnp.argmax(scaled).astype(jnp.int32))  # nothing kept: the best
 
 
-def _sample_row(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step, search: bool,
+def _sample_row(logits: jax.Array, temperature, top_k, top_p, min_p, seed, step, mode: SampleMode,
                 unroll: bool) -> jax.Array:
     scaled = logits / jnp.maximum(temperature, 1e-6)
     key = jax.random.fold_in(jax.random.key(seed), step)
-    return _draw(scaled, top_k, top_p, min_p, key, search, unroll)
+    return _draw(scaled, top_k, top_p, min_p, key, mode, unroll)
 
 
 def sample(logits: jax.Array, params: SamplingArrays, mode: SampleMode, num_top_logprobs: int,
@@ -149,7 +150,7 @@ def sample(logits: jax.Array, params: SamplingArrays, mode: SampleMode, num_top_
     `processed`: the logits after logits processing (None: unprocessed), which greedy rows take the
     argmax of and sampled rows draw from; logprobs are of the raw `logits` (vLLM's default). `mode`
     is static (the host knows every row's parameters): a device-side branch would make XLA on GPU
-    copy the predicate to the host and block the dispatching thread. `unroll`: SEARCH's passes as
+    copy the predicate to the host and block the dispatching thread. `unroll`: the searches' passes as
     straight-line code (for GPUs; see radix_threshold).
     """
     x = logits if processed is None else processed
@@ -157,7 +158,7 @@ def sample(logits: jax.Array, params: SamplingArrays, mode: SampleMode, num_top_
     if mode is SampleMode.GREEDY:  # the common serving case draws nothing
         token_ids = greedy_ids
     else:
-        draw = functools.partial(_sample_row, search=mode is SampleMode.SEARCH, unroll=unroll)
+        draw = functools.partial(_sample_row, mode=mode, unroll=unroll)
         sampled_ids = jax.vmap(draw)(x, *params)
         token_ids = jnp.where(params.temperature == 0.0, greedy_ids, sampled_ids)
     logprobs_all = jax.nn.log_softmax(logits, axis=-1)  # [S, V]

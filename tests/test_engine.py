@@ -177,16 +177,16 @@ def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
 
     With max_num_seqs 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs, 4
     stage-in) and S is 8 or 16 (the next power of two of T, capped at the batch size). Per S the
-    sampling family is 7 programs (sampler.sample_variants): GREEDY and SAMPLE, each with top-K 0 or
-    20, and GREEDY, SAMPLE, SEARCH with logits processing (top-K 20); then one penalty-table fill:
-    4 + 4 + 2 x 7 + 1 = 23 in all. Two randomized 200-request runs over every sampling parameter
+    sampling family is 8 programs (sampler.sample_variants): GREEDY and SAMPLE, each with top-K 0 or
+    20, and GREEDY, SAMPLE, SEARCH, SEARCH_TOP_K with logits processing (top-K 20); then one
+    penalty-table fill: 4 + 4 + 2 x 8 + 1 = 25 in all. Two randomized 200-request runs over every sampling parameter
     then compile nothing more.
     """
     engine = tiny_engine(max_num_seqs=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
     assert engine.buckets.ladder == (8, 16, 32, 64)
     compilation = engine.runner.compilation
     compiled = compilation.compiled_keys
-    assert len(compiled) == compilation.num_compiled_programs == 4 + 4 + 2 * 7 + 1
+    assert len(compiled) == compilation.num_compiled_programs == 4 + 4 + 2 * 8 + 1
     assert compiled == frozenset(engine.program_keys())
 
     def run(seed):

@@ -108,7 +108,7 @@ def test_batch_modes_and_discarded_samples():
     assert mode(_item(greedy, 0, 4)) is SampleMode.GREEDY
     assert mode(_item(greedy, 0, 4), _item(small_k, 0, 4), _item(plain, 0, 4)) is SampleMode.SAMPLE
     assert mode(_item(small_k, 0, 4), _item(top_p, 0, 4)) is SampleMode.SEARCH
-    assert mode(_item(big_k, 0, 4)) is SampleMode.SEARCH
+    assert mode(_item(big_k, 0, 4), _item(top_p, 0, 4)) is SampleMode.SEARCH_TOP_K
     # A mid-prompt chunk's sample is dropped: drawn greedily, it asks for no program of its own.
     rows = batcher.rows([_item(top_p, 0, 2)], 8)
     assert rows["sample_mode"] is SampleMode.GREEDY and rows["temperature"][0] == 0.0

@@ -71,7 +71,7 @@ def _ours_keep(scaled, top_k, top_p, min_p, search):
     values, ids = top_k_candidates(scaled, min(TOP_K_CANDIDATES, scaled.shape[-1]))
     from_candidates = jnp.zeros(scaled.shape[-1], bool).at[ids].set(candidate_keep(values, top_k, top_p, min_p),
                                                                     mode="drop")
-    return from_candidates if not search else vocab_keep(scaled, top_k, top_p, min_p, True)
+    return from_candidates if not search else vocab_keep(scaled, top_k, top_p, min_p, SampleMode.SEARCH_TOP_K)
 
 
 def test_greedy_is_argmax_and_logprob_is_log_softmax(logits):
@@ -161,6 +161,7 @@ def test_kept_set_matches_transformers_warpers():
 
 @pytest.mark.parametrize("case, mode", [(dict(temperature=1.3, top_k=6, top_p=0.9), SampleMode.SAMPLE),
                                         (dict(temperature=0.9, top_p=0.85, min_p=0.02), SampleMode.SEARCH),
+                                        (dict(temperature=1.2, top_k=20, top_p=0.9), SampleMode.SEARCH_TOP_K),
                                         (dict(temperature=1.0), SampleMode.SAMPLE)])
 def test_draws_follow_the_kept_distribution(logits, case, mode):
     """Chi-square of 3000 seeded draws against the exact renormalized probabilities (fixed seed, so
@@ -179,7 +180,7 @@ def test_draws_follow_the_kept_distribution(logits, case, mode):
 
 def test_same_seed_same_tokens_whatever_shares_the_batch():
     """A row's draw depends on its own logits, parameters, seed and step only: not on its neighbours,
-    its place in the batch, or which program (SAMPLE or SEARCH) the batch needed."""
+    its place in the batch, or which program (SAMPLE, SEARCH, SEARCH_TOP_K) the batch needed."""
     logits = jax.random.normal(jax.random.key(2), (4, BIG_VOCAB)) * 3
     params = SamplingArrays(jnp.array([0.8, 1.0, 0.0, 1.2]), jnp.array([50, 0, 0, 0], jnp.int32),
                             jnp.array([0.95, 1.0, 1.0, 0.7]), jnp.array([0.0, 0.05, 0.0, 0.0]),
@@ -195,6 +196,8 @@ def test_same_seed_same_tokens_whatever_shares_the_batch():
     assert alone == together[:3].tolist()
     looped = np.asarray(_sample(logits, params, SampleMode.SEARCH, 0, None, False).token_ids)
     np.testing.assert_array_equal(looped, together)  # the search as a loop or unrolled: one answer
+    with_top_k = np.asarray(_sample(logits, params, SampleMode.SEARCH_TOP_K, 0, None, True).token_ids)
+    np.testing.assert_array_equal(with_top_k, together)  # a top-k search too changes no row without one
 
 
 def test_different_steps_give_different_draws(logits):

@@ -87,6 +87,12 @@ class LogitsRules:
     uses_penalties: bool
     allowed_mask: np.ndarray | None  # i32[ceil(V / 32)]: bit j of word w allows token 32 w + j; None: any
 
+    def applies_at(self, step: int) -> bool:
+        """Whether the sample after `step` outputs needs logits processing (min_tokens alone stops
+        needing it once that many are out)."""
+        return self.uses_penalties or len(self.bias_ids) > 0 or bool(self.bad_word_sequences) \
+            or self.allowed_mask is not None or step < self.min_tokens
+
     @property
     def num_entries(self) -> int:
         """The most logit-table entries this request uses in one iteration."""
@@ -264,8 +270,8 @@ class SamplingBatcher:
         if self.token_masks is not None:
             masks = {i: mask for i, item in enumerate(scheduled)
                      if kept[i] and (mask := self.token_masks.token_mask(item.request, item.step)) is not None}
-        processed = [i for i, item in enumerate(scheduled)
-                     if kept[i] and (item.request.logits_rules is not None or i in masks)]
+        processed = [i for i, item in enumerate(scheduled) if kept[i] and (
+            i in masks or (item.request.logits_rules is not None and item.request.logits_rules.applies_at(item.step)))]
         # SEARCH programs always process logits; processed ones always return the top logprobs
         # (sampler.sample_variants).
         is_processed = bool(processed) or mode >= SampleMode.SEARCH

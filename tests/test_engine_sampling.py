@@ -128,15 +128,22 @@ def test_min_tokens_logit_bias_allowed_tokens_and_special_tokens():
     out = drain(engine)
     assert out["bias"] == [77] * 5 and set(out["allowed"]) <= {65, 66, 67} and len(set(out["allowed"])) > 1
     # skip_special_tokens: the byte vocabulary's EOS (2) stays out of the text unless asked for.
+    # (Byte-level vocabularies decode a special token to its own text, no spaces around it, whatever
+    # spaces_between_special_tokens says: as vLLM's fast detokenizer.)
     texts = {}
-    for skip in (True, False):
+    for skip, spaces in ((True, True), (False, True), (False, False)):
         engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True, logit_bias={2: 100.0},
-                                                  skip_special_tokens=skip), request_id=str(skip))
-        for o in iter(engine.step, None):
-            if any(x.finished for x in o):
-                texts[skip] = next(x.text for x in o if x.finished)
-                break
-    assert texts == {True: "", False: "\x02" * 3}
+                                                  skip_special_tokens=skip, spaces_between_special_tokens=spaces),
+                           request_id="special")
+        texts[skip, spaces] = engine_text(engine, "special")
+    assert texts == {(True, True): "", (False, True): "\x02" * 3, (False, False): "\x02" * 3}
+
+
+def engine_text(engine, request_id):
+    while True:
+        for out in engine.step():
+            if out.finished and out.request_id == request_id:
+                return out.text
 
 
 def test_engine_refuses_what_it_cannot_honour():

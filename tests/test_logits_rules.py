@@ -115,6 +115,10 @@ def test_batch_modes_and_discarded_samples():
     assert not rows["logits_processed"] and rows["num_top_logprobs"] == 0
     rows = batcher.rows([_item(top_p, 0, 4)], 8)  # SEARCH programs process logits (neutral here)
     assert rows["logits_processed"] and rows["num_top_logprobs"] == 20 and (rows["penalty_slot"] == -1).all()
+    # min_tokens alone needs processing only until that many outputs are out.
+    short = _request("m", min_tokens=2)
+    assert [batcher.rows([_item(short, 3 + step, 1, step=step)], 8)["logits_processed"] for step in range(4)] \
+        == [True, True, False, False]
 
 
 def test_processed_rows_get_slots_tables_and_fills():

@@ -3,10 +3,10 @@
 The sampling family, per sequence width S, with K = SamplingConfig.max_logprobs: GREEDY and SAMPLE
 without logits processing, each with top-logprobs 0 or K; every mode (GREEDY, SAMPLE, SEARCH,
 SEARCH_TOP_K) with processing, which always returns the top K (a processed batch is rarer, and one K
-fewer halves its programs): 8 programs per S (6 when K is 0). One more program fills penalty slots of the token-count tables. The
-state kept here between iterations: the count tables (donated to the programs that update them), the
-previous batch's samples (which a conditional logit-table entry reads), and an all-allowed bitmask
-per S for processed batches without one.
+fewer halves its programs): 8 programs per S (6 when K is 0). One more program fills penalty slots
+of the token-count tables. The state kept here between iterations: the count tables (donated to the
+programs that update them), the previous batch's samples (which a conditional logit-table entry
+reads), and an all-allowed bitmask per S for processed batches without one.
 """
 
 from __future__ import annotations

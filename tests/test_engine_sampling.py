@@ -160,8 +160,10 @@ def test_llm_generate_takes_every_sampling_parameter():
     """The offline API end to end: the new SamplingParams fields through LLM.generate."""
     from orca_jax import LLM
     from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
+    # (max_num_seqs 3: test_executable_cache counts re-serialized programs; on CPU one that jax's
+    # session cache already holds from here could not be serialized again.)
     llm = LLM(engine_config=EngineConfig(model="tiny-llama", cache=CacheConfig(page_size=4, num_pages=64),
-                                         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+                                         scheduler=SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=32),
                                          precompile=False))
     params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, min_p=0.05, seed=1,
                              presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, bad_words=["A"],

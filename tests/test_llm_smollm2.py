@@ -64,16 +64,17 @@ def test_repetition_penalty_and_min_tokens_equal_transformers(llm, hf_model):
     tokens (the penalty over prompt and output, EOS banned until min_tokens)."""
     eos = list(llm.tokenizer.eos_token_ids)
     params = SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.3, min_tokens=MAX_TOKENS)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outputs):
+    prompts = PROMPTS[:2]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    for prompt, out, unpenalized in zip(prompts, outputs, plain):
         ids = llm.tokenizer.encode(prompt)
         with torch.no_grad():
             expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
                                          do_sample=False, repetition_penalty=1.3, eos_token_id=eos,
                                          pad_token_id=eos[0], attention_mask=None)[0, len(ids):].tolist()
         assert out.token_ids == expected, prompt
-        assert out.token_ids != llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS),
-                                             use_tqdm=False)[0].token_ids  # the penalty changed something
+        assert out.token_ids != unpenalized.token_ids  # the penalty changed something
 
 
 def test_bad_words_are_never_emitted(llm):
@@ -81,12 +82,12 @@ def test_bad_words_are_never_emitted(llm):
     vLLM tokenizes a bad word: alone and after a space)."""
     from orca_jax.logits_rules import bad_word_token_ids
     for sampling in (dict(), dict(temperature=1.0, seed=7)):
-        first = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, **sampling), use_tqdm=False)
-        for prompt, out in zip(PROMPTS, first):
-            words = list(dict.fromkeys(out.text.split()))[:3]
-            assert words, out.text
-            again = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, bad_words=words, **sampling),
-                                 use_tqdm=False)[0].token_ids
-            for banned in bad_word_token_ids(words, llm.tokenizer):
-                n = len(banned)
-                assert all(tuple(again[i:i + n]) != banned for i in range(len(again) - n + 1)), (words, banned)
+        first = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=MAX_TOKENS, **sampling), use_tqdm=False)
+        words = [list(dict.fromkeys(out.text.split()))[:3] for out in first]
+        assert all(words), [out.text for out in first]
+        again = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=MAX_TOKENS, bad_words=w, **sampling)
+                                           for w in words], use_tqdm=False)
+        for w, out in zip(words, again):
+            for banned in bad_word_token_ids(w, llm.tokenizer):
+                n, ids = len(banned), out.token_ids
+                assert all(tuple(ids[i:i + n]) != banned for i in range(len(ids) - n + 1)), (w, banned)

@@ -251,6 +251,24 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """Caps on what one request may ask of the sampler (each sizes the sampling programs' inputs)."""
+
+    # The most top logprobs a request may ask for (vLLM's --max-logprobs); the top-K width of the
+    # sampling programs that return them.
+    max_logprobs: int = 20
+    # Entries of the per-row logit table one request may use in one iteration: its logit_bias, its
+    # bad words (one entry per tokenized word) and, below min_tokens, its stop and EOS tokens.
+    logit_table_width: int = 64
+
+    def __post_init__(self):
+        if self.max_logprobs < 0:
+            raise ValueError(f"SamplingConfig.max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.logit_table_width <= 0:
+            raise ValueError(f"SamplingConfig.logit_table_width must be positive, got {self.logit_table_width}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once by the entry point."""
 
@@ -258,6 +276,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    sampling: SamplingConfig = SamplingConfig()
     attention: AttentionBackend = AttentionBackend.AUTO
     dtype: str | None = None  # one of DTYPES; None ("auto"): the checkpoint's (a preset's own)
     max_model_len: int | None = None  # caps the preset's max_seq_len when set

@@ -24,6 +24,7 @@ from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
+from orca_jax.logits_rules import LogitsRules, SamplingBatcher, TokenMaskSource
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
@@ -119,7 +120,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
                  scheduler_factory: SchedulerFactory | None = None,
-                 precompile_progress: ProgressFn | None = None):
+                 precompile_progress: ProgressFn | None = None, token_masks: TokenMaskSource | None = None):
         self.config = config
         executable_cache = executable_cache_for(config.compilation_cache_dir)  # before anything compiles
         loaded = loaded or load_model(config.model, dtype=config.dtype)
@@ -129,7 +130,10 @@ class Engine:
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
-                                  lora=config.lora)
+                                  lora=config.lora, sampling=config.sampling)
+        # token_masks: per-step allowed tokens from outside the sampler (structured output), applied on device.
+        self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
+                                         config.sampling.logit_table_width, config.sampling.max_logprobs, token_masks)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
         # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
@@ -185,6 +189,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        rules = self._logits_rules(sampling)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
         seed = sampling.seed if sampling.seed is not None else \
@@ -200,8 +205,9 @@ class Engine:
                           priority=priority, deadline=deadline,
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
-                                                             sampling.include_stop_str_in_output),
-                          lora_int_id=lora_int_id)
+                                                             sampling.include_stop_str_in_output,
+                                                             sampling.skip_special_tokens),
+                          logits_rules=rules, lora_int_id=lora_int_id)
         try:
             self.scheduler.add_request(request)
         except BaseException:
@@ -210,6 +216,17 @@ class Engine:
             raise
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
+
+    def _logits_rules(self, sampling: SamplingParams) -> LogitsRules | None:
+        """The request's logits processing in token ids; ValueError (naming the SamplingParams field)
+        for what this engine cannot honour."""
+        max_logprobs = self.config.sampling.max_logprobs
+        if sampling.logprobs is not None and sampling.logprobs > max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs must be between 0 and {max_logprobs} "
+                             f"(SamplingConfig.max_logprobs), got {sampling.logprobs}")
+        return LogitsRules.resolve(sampling, self.tokenizer, self.tokenizer.eos_token_ids,
+                                   self.model_config.vocab_size, self.runner.config.vocab_size,
+                                   self.config.sampling.logit_table_width)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
@@ -271,7 +288,7 @@ class Engine:
                 self.lora.upload_loads()
             if not output.scheduled:
                 break
-            batch = build_batch(output, self.buckets)
+            batch = build_batch(output, self.buckets, self._sampling)
             built_at = time.perf_counter()
             self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch)))
             phase_start = time.perf_counter()
@@ -307,6 +324,8 @@ class Engine:
         outputs = []
         for item in scheduled:
             request = item.request
+            if request.status.finished:
+                self._sampling.release(request)  # its penalty slot, if it had one
             if request.status is RequestStatus.FINISHED_ABORTED:
                 continue  # aborted while in flight
             num_new = len(request.output_token_ids) - item.step

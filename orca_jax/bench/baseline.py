@@ -166,6 +166,9 @@ class RequestLevelScheduler:
         del self._waiting[:len(chosen)]
         for r in chosen:
             r.prompt_token_ids = [PAD_TOKEN_ID] * (prompt_len - r.num_prompt_tokens) + r.prompt_token_ids
+            # The pads are really computed (FasterTransformer's cost): no request may take another's
+            # pages of pads from the prefix cache.
+            r.cache_salt = f"request-level:{r.request_id}"
             r.sampling = dataclasses.replace(r.sampling, max_tokens=max_tokens, ignore_eos=True,
                                              stop_token_ids=())
             self.kv.reserve(r.request_id, prompt_len + max_tokens)

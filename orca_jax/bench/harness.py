@@ -146,6 +146,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--page-size", type=int, default=16)
     group.add_argument("--num-kv-pages", type=int, default=None, help="KV pool in pages")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="requests sharing a prefix share its KV pages (each trace run starts with none cached)")
     group.add_argument("--kv-cache-memory-gib", type=float, default=None,
                        help="KV pool in GiB (default: the runner's share of free memory)")
     group.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
@@ -171,7 +173,8 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None, 
     cache_dir = args.compilation_cache_dir
     return EngineConfig(
         model=args.model, dtype=model_dtype(args),
-        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages, kv_memory_gib=args.kv_cache_memory_gib),
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages, kv_memory_gib=args.kv_cache_memory_gib,
+                          enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting, async_scheduling=args.async_scheduling[0],
                                   policy=SchedulingPolicy(args.scheduling_policy.split(",")[0]),
@@ -231,7 +234,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
               ("--pipeline-parallel-size", args.pipeline_parallel_size),
               ("--scheduling-policy", args.scheduling_policy.split(",")[0]), ("--kv-allocation", args.kv_allocation),
               ("--compilation-cache-dir", args.compilation_cache_dir)]
-    return [str(x) for flag, value in values if value is not None for x in (flag, value)]
+    switches = ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+    return [str(x) for flag, value in values if value is not None for x in (flag, value)] + switches
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import copy
 import gc
-import statistics
 import time
 
 import numpy as np

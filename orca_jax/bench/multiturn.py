@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import copy
 import gc
+import os
 import time
 
 import numpy as np
@@ -160,7 +161,8 @@ def run(args: argparse.Namespace) -> Results:
     if args.http:  # first, before this process takes the GPU
         for caching in (True, False):
             flags = serve_flags(_with_caching(args, caching), args.port)
-            with launched_server(flags, args.port, None) as server:
+            log = os.path.join(args.result_dir, f"{args.model}_server_{caching}.log") if args.result_dir else None
+            with launched_server(flags, args.port, log) as server:
                 trace = ChatTrace(args, vocab_size=_vocab_size(args))
                 run_http = asyncio.run(http_turns(server["base_url"], args.model, trace))
             results.section(f"http_caching_{'on' if caching else 'off'}", run_http)

@@ -21,6 +21,7 @@ from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.finetune.tuner import FineTuner
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
@@ -60,6 +61,13 @@ class EngineStats:
     num_preemptions: int = 0  # requests whose KV was freed to make room (recomputed later)
     deadline_hits: int = 0  # requests with a deadline that finished by it
     deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
+    # Fine-tuning (finetune/deferral.py's counters): iterations, their seconds and tokens, and those
+    # that ran while inference requests waited (deferred), with their seconds.
+    fine_tuning_iterations: int = 0
+    fine_tuning_seconds_total: float = 0.0
+    fine_tuning_tokens_total: int = 0
+    inference_deferrals_total: int = 0
+    inference_deferral_seconds_total: float = 0.0
 
     @property
     def mean_batch_size(self) -> float:
@@ -131,6 +139,10 @@ class Engine:
         # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
         self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,
                                                                  self.runner.load_lora)
+        # Fine-tuning jobs (None: off): run between inference iterations, served through self.lora.
+        self.fine_tuning = None if config.fine_tuning is None else FineTuner(
+            config.fine_tuning, self.runner.stages[0], self.model_config, self.tokenizer, self.lora, config.model,
+            self.max_model_len)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
@@ -232,6 +244,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or a fine-tuning job with an iteration to run."""
+        return self.has_unfinished() or (self.fine_tuning is not None and self.fine_tuning.has_work())
+
     # ---- seams for benchmarks and baselines ----
 
     def replace_scheduler(self, factory: SchedulerFactory) -> SchedulerInterface:
@@ -251,7 +267,12 @@ class Engine:
     # ---- one iteration ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: fill the pipeline, then take the oldest batch's tokens."""
+        """Run one iteration: fill the pipeline, then take the oldest batch's tokens; or, while no
+        request runs, a fine-tuning iteration if Deferred Continuous Batching allows (finetune/deferral.py)."""
+        if self.fine_tuning is not None and not self._in_flight and not self.scheduler.num_running \
+                and self.fine_tuning.has_work() \
+                and self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
+            return []
         start = phase_start = time.perf_counter()
         dropped: list[RequestOutput] = []
         while self.scheduler.can_schedule:
@@ -357,4 +378,11 @@ class Engine:
         stats.kv_pages_reserved = self.kv.num_reserved_pages
         stats.num_preemptions = self.scheduler.num_preemptions
         stats.num_compiled_programs = self.runner.compilation.num_compiled_programs
+        if self.fine_tuning is not None:
+            counters = self.fine_tuning.policy.stats
+            stats.fine_tuning_iterations = counters.iterations
+            stats.fine_tuning_seconds_total = counters.seconds
+            stats.fine_tuning_tokens_total = counters.tokens
+            stats.inference_deferrals_total = counters.deferrals
+            stats.inference_deferral_seconds_total = counters.deferral_seconds
         return stats

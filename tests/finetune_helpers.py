@@ -3,10 +3,14 @@ the same examples as our packed TrainBatch and as a padded transformers batch.""
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 
-from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, LoRAConfig, SchedulerConfig
 from orca_jax.engine import Engine
+from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.model import TrainBatch, host_batch
 
 # (prompt tokens, completion tokens): the loss covers the completion only. Lengths differ, and the
@@ -56,3 +60,37 @@ def padded_hf_batch(examples=EXAMPLES):
         mask[i, :len(tokens)] = 1
         labels[i, len(prompt):len(tokens)] = torch.tensor(completion)
     return ids, mask, labels
+
+
+# ---- jobs on an engine ------------------------------------------------------------------------------
+
+TOY = [("The quick", " fox"), ("Once upon", " robot"), ("def f", " return"), ("What is", " Paris")]
+RECORDS = [{"prompt": p, "completion": c} for p, c in TOY]
+# A high learning rate and no warm-up: the toy task is learned in a few dozen steps.
+FAST = TrainingHyperparameters(n_epochs=40, batch_size=4, learning_rate_multiplier=50, warmup_ratio=0.0,
+                               micro_batch_tokens=128)
+
+
+def engine_config(directory: str, **fine_tuning) -> EngineConfig:
+    return EngineConfig(model="tiny", cache=CacheConfig(page_size=8, num_pages=64),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                        attention=AttentionBackend.JNP, precompile=False,
+                        lora=LoRAConfig(max_loras=2, max_lora_rank=8),
+                        fine_tuning=FineTuningConfig(directory=directory, **fine_tuning))
+
+
+def drive(engine: Engine, until) -> None:
+    """Step the engine until `until()`, resting while a job's data or programs are made elsewhere."""
+    deadline = time.monotonic() + 120
+    while not until():
+        assert time.monotonic() < deadline, "the job did not get there"
+        if engine.has_work():
+            engine.step()
+        else:
+            time.sleep(0.005)
+
+
+def upload(tuner, records) -> str:
+    """Store records as an uploaded fine-tuning file; its id."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    return tuner.store.save_file(data, "data.jsonl", "fine-tune")["id"]

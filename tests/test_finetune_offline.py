@@ -6,35 +6,20 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 import pytest
 
+from finetune_helpers import FAST, RECORDS, TOY, drive, engine_config, upload
 from hf_dirs import write_hf_dir
 from orca_jax import LLM, SamplingParams
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, LoRAConfig,
-                             SchedulerConfig)
 from orca_jax.engine import Engine
 from orca_jax.finetune.data import DatasetError
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.models.loader import load_model
 
-TOY = [("The quick", " fox"), ("Once upon", " robot"), ("def f", " return"), ("What is", " Paris")]
-RECORDS = [{"prompt": p, "completion": c} for p, c in TOY]
-# A high learning rate and no warm-up: the toy task is learned in a few dozen steps.
-FAST = TrainingHyperparameters(n_epochs=40, batch_size=4, learning_rate_multiplier=50, warmup_ratio=0.0,
-                               micro_batch_tokens=128)
 GREEDY = SamplingParams(max_tokens=3, temperature=0)
-
-
-def engine_config(directory: str, **fine_tuning) -> EngineConfig:
-    return EngineConfig(model="tiny", cache=CacheConfig(page_size=8, num_pages=64),
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-                        attention=AttentionBackend.JNP, precompile=False,
-                        lora=LoRAConfig(max_loras=2, max_lora_rank=8),
-                        fine_tuning=FineTuningConfig(directory=directory, **fine_tuning))
 
 
 @pytest.fixture(scope="module")
@@ -111,17 +96,6 @@ def test_finished_adapter_loads_in_peft(loaded, tmp_path):
     assert config["r"] == 4 and sorted(config["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
 
 
-def drive(engine: Engine, until) -> None:
-    """Step the engine until `until()`, resting while a job's data or programs are made elsewhere."""
-    deadline = time.monotonic() + 120
-    while not until():
-        assert time.monotonic() < deadline, "the job did not get there"
-        if engine.has_work():
-            engine.step()
-        else:
-            time.sleep(0.005)
-
-
 def adapter_arrays(path: str) -> dict:
     from safetensors.numpy import load_file
 
@@ -139,7 +113,7 @@ def test_resume_after_restart_repeats_the_uninterrupted_run(loaded, tmp_path):
 
     first = Engine(engine_config(str(tmp_path / "resumed"), keep_checkpoints=1), loaded)
     tuner = first.fine_tuning
-    file_id = tuner.store.save_file("".join(json.dumps(r) + "\n" for r in RECORDS).encode(), "d.jsonl", "fine-tune")["id"]
+    file_id = upload(tuner, RECORDS)
     job_id = tuner.create_job(file_id, hp, rank=4)["id"]
     drive(first, lambda: tuner.job(job_id)["step"] >= 5)
     assert [c["step_number"] for c in tuner.checkpoints(job_id)] == [3]
@@ -166,7 +140,7 @@ def test_resume_after_restart_repeats_the_uninterrupted_run(loaded, tmp_path):
 def test_cancel_mid_job(loaded, tmp_path):
     engine = Engine(engine_config(str(tmp_path)), loaded)
     tuner = engine.fine_tuning
-    file_id = tuner.store.save_file("".join(json.dumps(r) + "\n" for r in RECORDS).encode(), "d.jsonl", "fine-tune")["id"]
+    file_id = upload(tuner, RECORDS)
     job_id = tuner.create_job(file_id, FAST, rank=4)["id"]
     drive(engine, lambda: tuner.job(job_id)["step"] >= 2)
     assert tuner.cancel(job_id)["status"] == "cancelled"

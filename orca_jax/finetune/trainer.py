@@ -79,11 +79,14 @@ class LoRATrainer:
             (loss, count), g = grad(adapter, params, batch)
             return jax.tree_util.tree_map(jnp.add, acc, g), loss, count
 
-        def apply(adapter, opt_state, acc, num_tokens):
+        schedule = make_schedule(hp, total_steps)
+
+        def apply(adapter, opt_state, acc, num_tokens, step):
             grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(num_tokens, 1.0), acc)
             updates, opt_state = self._tx.update(grads, opt_state, adapter)
             zeros = jax.tree_util.tree_map(jnp.zeros_like, acc)
-            return optax.apply_updates(adapter, updates), opt_state, zeros, optax.global_norm(grads)
+            return (optax.apply_updates(adapter, updates), opt_state, zeros,
+                    jnp.stack([optax.global_norm(grads), schedule(step)]))
 
         self._micro_fn = jax.jit(micro, donate_argnums=(1,))
         self._apply_fn = jax.jit(apply, donate_argnums=(0, 1, 2))
@@ -116,7 +119,7 @@ class LoRATrainer:
 
         def compile_both() -> TrainerMemory:
             self._micro = self._micro_fn.lower(adapter, adapter, params, batch).compile()
-            self._apply = self._apply_fn.lower(adapter, opt, adapter, scalar).compile()
+            self._apply = self._apply_fn.lower(adapter, opt, adapter, scalar, self._spec((), jnp.int32)).compile()
             stats = self._micro.memory_analysis()
             temp = int(getattr(stats, "temp_size_in_bytes", 0) or 0)
             return TrainerMemory(2 * _nbytes(adapter) + _nbytes(opt), temp, _nbytes(batch))
@@ -162,13 +165,20 @@ class LoRATrainer:
         self._acc, loss, count = self._micro(self.adapter, self._acc, self._params, batch)
         return loss, count
 
-    def apply_step(self, num_tokens: float) -> jax.Array:
-        """The optimizer step over the micro-batches since the last one; returns the gradient norm."""
-        tokens = jax.device_put(np.float32(num_tokens), self._sharding)
-        self.adapter, self.opt_state, self._acc, norm = self._apply(self.adapter, self.opt_state, self._acc, tokens)
-        self.step += 1
-        return norm
+    def warm_up(self) -> None:
+        """Run the micro step once on a batch of padding (zero weights: the accumulator stays as it is)
+        and wait: a program's first run pays one-off costs that no iteration should be timed with."""
+        b, l = self.micro_batch_shape
+        zeros = np.zeros((b, l), np.int32)
+        jax.block_until_ready(self.micro_step(TrainBatch(zeros, zeros, zeros, zeros, np.zeros((b, l), np.float32))))
 
-    def learning_rate(self, step: int) -> float:
-        """The learning rate the optimizer used at `step` (0-based)."""
-        return float(make_schedule(self.hp, self.total_steps)(step))
+    def apply_step(self, num_tokens: float) -> tuple[float, float]:
+        """The optimizer step over the micro-batches since the last one (waited for); returns the
+        gradient's norm and the learning rate used."""
+        tokens = jax.device_put(np.float32(num_tokens), self._sharding)
+        step = jax.device_put(np.int32(self.step), self._sharding)
+        self.adapter, self.opt_state, self._acc, out = self._apply(self.adapter, self.opt_state, self._acc,
+                                                                   tokens, step)
+        self.step += 1
+        norm, rate = np.asarray(out).tolist()
+        return norm, rate

@@ -264,6 +264,7 @@ class FineTuner:
             start = read_peft(job.continue_from, job.model, self._model_config)[0] if job.continue_from \
                 else init_adapter(self._model_config, job.lora, hp.seed)
             run.trainer.init_state(start)
+        run.trainer.warm_up()  # a first run's one-off costs stay out of the iteration estimate
         run.ready = True
 
     def _iterate(self, run: _Run) -> int:
@@ -281,8 +282,7 @@ class FineTuner:
         run.step_tokens += tokens
         if run.batches:
             return tokens
-        rate = run.trainer.learning_rate(job.step)
-        norm = float(run.trainer.apply_step(run.step_learned))
+        norm, rate = run.trainer.apply_step(run.step_learned)
         train_loss = run.step_loss / max(run.step_learned, 1.0)
         with self._lock:
             job.step += 1

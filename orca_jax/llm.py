@@ -133,7 +133,7 @@ class LLM:
             self.engine.abort(request_id)  # a consumer that stops early frees the KV
 
     def fine_tune(self, dataset, *, lora_request: LoRARequest | None = None, n_epochs: int = 3,
-                  batch_size: int = 8, learning_rate_multiplier: float = 1.0, lora_rank: int = 16,
+                  batch_size: int = 8, learning_rate_multiplier: float = 1.0, lora_rank: int | None = None,
                   lora_alpha: float | None = None, target_modules: Sequence[str] | None = None,
                   suffix: str | None = None, hyperparameters: TrainingHyperparameters | None = None,
                   use_tqdm: bool = True) -> LoRARequest:
@@ -141,7 +141,8 @@ class LLM:
         "prompt"/"completion") and return it, served already: pass it to generate's lora_request.
 
         lora_request: an adapter to train further (its rank, alpha and targets apply); else a new one of
-        lora_rank (alpha 2 x rank unless given) on target_modules (default: every projection).
+        lora_rank (default 16, or max_lora_rank if lower; alpha 2 x rank unless given) on target_modules
+        (default: every projection).
         hyperparameters overrides n_epochs, batch_size and learning_rate_multiplier when given.
         DatasetError (a ValueError) names the first bad line; RuntimeError if the job fails.
         """

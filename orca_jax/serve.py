@@ -19,9 +19,10 @@ from types import FrameType
 
 import uvicorn
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
 from orca_jax.server.app import LOCAL_HOSTS
+from orca_jax.server.fine_tuning import add_fine_tuning_arguments, fine_tuning_config_from_args
 from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules, register_lora_modules
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, let in-flight requests run this long before aborting them")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_lora_arguments(p)
+    add_fine_tuning_arguments(p)
     return p
 
 
@@ -120,6 +122,10 @@ def allowed_hosts_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Raises ValueError (from the configs' own checks) on inconsistent flags."""
+    fine_tuning = fine_tuning_config_from_args(args)
+    lora = lora_config_from_args(args)
+    if fine_tuning is not None and lora is None:  # fine-tuned adapters are served from the LoRA slots
+        lora = LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
     return EngineConfig(
         model=args.model,
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages,
@@ -138,7 +144,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention=AttentionBackend(args.attention_backend),
         dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
-        lora=lora_config_from_args(args))
+        lora=lora, fine_tuning=fine_tuning)
 
 
 class _Server(uvicorn.Server):
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                      metrics_require_auth=args.metrics_require_auth,
                      default_max_tokens=args.default_max_tokens or None,
                      allow_special_tokens_in_text=args.allow_special_tokens_in_text,
-                     allowed_hosts=allowed_hosts_from_args(args))
+                     allowed_hosts=allowed_hosts_from_args(args), max_upload_bytes=args.max_upload_bytes)
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_graceful_shutdown=args.shutdown_grace_seconds + 10)
     # uvicorn re-raises the shutdown signal once it is done, with the handlers it found installed;

@@ -28,7 +28,7 @@ def dataset_bytes(dataset: str | os.PathLike | Iterable[dict]) -> tuple[bytes, s
 
 
 def run_fine_tune(engine: Engine, dataset, *, hyperparameters: TrainingHyperparameters,
-                  lora_request: LoRARequest | None, rank: int, alpha: float | None,
+                  lora_request: LoRARequest | None, rank: int | None, alpha: float | None,
                   target_modules: tuple[str, ...] | None, suffix: str | None, use_tqdm: bool) -> LoRARequest:
     """Create a job on `dataset` and step the engine until it ends; its adapter, served already."""
     tuner = engine.fine_tuning

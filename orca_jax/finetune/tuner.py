@@ -35,6 +35,7 @@ from orca_jax.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 GIB = 2**30
+DEFAULT_RANK = 16
 
 
 def default_directory() -> str:
@@ -114,14 +115,17 @@ class FineTuner:
 
     # ---- jobs (engine thread) -----------------------------------------------------------------------
     def create_job(self, training_file: str, hyperparameters: TrainingHyperparameters, *, model: str | None = None,
-                   rank: int = 16, alpha: float | None = None, target_modules: tuple[str, ...] | None = None,
-                   suffix: str | None = None) -> dict:
+                   rank: int | None = None, alpha: float | None = None,
+                   target_modules: tuple[str, ...] | None = None, suffix: str | None = None) -> dict:
         """Queue a job on an uploaded file; `model` the base (None) or a served adapter to continue
-        training (its rank, alpha and targets then apply). ValueError naming what is wrong."""
+        training (its rank, alpha and targets then apply). rank None: 16, or the server's maximum if
+        lower; alpha None: 2 x rank; target_modules None: every projection. ValueError naming what is
+        wrong."""
         if self.store.file_info(training_file) is None:
             raise ValueError(f"no file {training_file!r} (upload it with purpose 'fine-tune')")
         continue_from = None
         if model is None or model == self.base_model:
+            rank = min(DEFAULT_RANK, self._lora.config.max_lora_rank) if rank is None else rank
             spec = LoRASpec(rank, 2.0 * rank if alpha is None else alpha,
                             resolve_targets(target_modules, self._model_config.family))
         else:

@@ -134,7 +134,8 @@ class Engine:
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
-                                  lora=config.lora)
+                                  lora=config.lora,
+                                  reserve_bytes=0 if config.fine_tuning is None else int(config.fine_tuning.memory_gib * 2**30))
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
         # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
         self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,

@@ -26,9 +26,10 @@ def pages_for_budget(kv_bytes_per_token: int, page_size: int, budget_bytes: floa
 
 
 def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, device: jax.Device,
-                  num_devices: int = 1) -> int:
+                  num_devices: int = 1, reserve_bytes: int = 0) -> int:
     """The pool size: explicit, or the largest that fits the memory budget (per device x devices),
-    `params_bytes` per device still to be placed."""
+    `params_bytes` per device still to be placed and `reserve_bytes` per device held back (for a
+    fine-tuning job's state and activations, FineTuningConfig.memory_gib)."""
     if cache.num_pages is not None:
         return cache.num_pages
     if cache.kv_memory_gib is not None:
@@ -38,7 +39,7 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
         # its weights and pool: a second engine in one process would size its pool from what is left.
         gc.collect()
         stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0) - params_bytes
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0) - params_bytes - reserve_bytes
         budget = max(free, 0) * GPU_KV_FRACTION * num_devices
         # Rounded down: free memory differs by a few MiB from start to start, and the pool's size is
         # in every forward program's shapes (a different one would miss the executable cache).

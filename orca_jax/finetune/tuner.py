@@ -251,6 +251,11 @@ class FineTuner:
                        "lower micro_batch_tokens or the LoRA rank, or raise the reserve")
             return
         job, hp = run.job, run.job.hyperparameters
+        self.store.add_event(job.id, f"Compiled; the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
+                                     f"({memory.state_bytes / GIB:.2f} GiB state, {memory.temp_bytes / GIB:.2f} GiB "
+                                     f"activations) of the {self.config.memory_gib:.2f} GiB held back",
+                             data={"state_bytes": memory.state_bytes, "temp_bytes": memory.temp_bytes,
+                                   "batch_bytes": memory.batch_bytes})
         if job.checkpoints:
             newest = job.checkpoints[-1]
             adapter, _ = read_peft(newest["path"], job.id, self._model_config)

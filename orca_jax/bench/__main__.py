@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,http-cost,policies,lora}`:
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,http-cost,policies,lora,finetune}`:
 see each subcommand's --help."""
 
 from __future__ import annotations
@@ -111,6 +111,12 @@ def main(argv=None) -> None:
     from orca_jax.bench import lora as lora_bench
     lora_bench.add_arguments(lora)
 
+    finetune = sub.add_parser("finetune", help="inference and a LoRA fine-tuning job on one device (Deferred "
+                              "Continuous Batching): TTFT/TPOT at three Poisson rates with and without the job, "
+                              "fine-tuning tokens/s")
+    from orca_jax.bench import finetune as finetune_bench
+    finetune_bench.add_arguments(finetune)
+
     # Its own parser takes the rest of the line (see the dispatch below); listed here for --help.
     sub.add_parser("kernels", help="ragged attention kernel vs the jnp reference on a GPU")
 
@@ -202,6 +208,8 @@ def main(argv=None) -> None:
             print_profile(args.profile)
     elif args.command == "lora":
         lora_bench.main(args)
+    elif args.command == "finetune":
+        finetune_bench.main(args)
     elif args.command == "policies":
         from orca_jax.bench.policies import run_policies
         run_policies(args.out, num_requests=args.num_requests, seed=args.seed)

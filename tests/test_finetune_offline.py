@@ -40,13 +40,15 @@ def losses(tuner, job_id: str) -> list[float]:
     return [e["data"]["train_loss"] for e in tuner.store.events(job_id) if "train_loss" in e["data"]]
 
 
-@pytest.mark.slow  # ~25 s: the train step and the adapter's forward programs compile
+@pytest.mark.slow  # ~30 s: the engine's programs, the train step's, two jobs
 def test_fine_tune_learns_the_toy_task(loaded, tmp_path):
-    llm = LLM(engine_config=engine_config(str(tmp_path)), loaded=loaded)
+    llm = LLM("tiny", loaded=loaded, enable_fine_tuning=True, fine_tuning_dir=str(tmp_path), max_lora_rank=8,
+              attention_backend="jnp", num_kv_pages=64, page_size=8, max_num_seqs=4, max_num_batched_tokens=16)
     before, wanted = completions(llm, None)
     assert before != wanted
     lora = llm.fine_tune(RECORDS, hyperparameters=FAST, lora_rank=8, suffix="toy")
     tuner = llm.engine.fine_tuning
+    assert tuner.store.root == str(tmp_path)
     [job] = tuner.jobs()
     assert job["status"] == "succeeded" and job["fine_tuned_model"] == lora.lora_name
     assert lora.lora_name.startswith("ft:tiny:toy:")
@@ -58,6 +60,14 @@ def test_fine_tune_learns_the_toy_task(loaded, tmp_path):
     assert completions(llm, None)[0] == before
     stats = llm.stats()
     assert stats.fine_tuning_iterations == FAST.n_epochs and stats.fine_tuning_tokens_total > 0
+    # Trained further (its rank, alpha and targets kept), for one more epoch at a low rate: a new adapter
+    # that still answers the same.
+    again = llm.fine_tune(RECORDS, lora_request=lora, n_epochs=1, batch_size=4, learning_rate_multiplier=0.1,
+                          use_tqdm=False)
+    assert again.lora_name != lora.lora_name and again.lora_int_id != lora.lora_int_id
+    continued = next(j for j in tuner.jobs() if j["fine_tuned_model"] == again.lora_name)
+    assert continued["model"] == lora.lora_name and continued["lora"] == job["lora"]
+    assert completions(llm, again)[0] == wanted
 
 
 def test_bad_dataset_names_the_line(loaded, tmp_path):

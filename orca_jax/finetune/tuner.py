@@ -333,8 +333,8 @@ class FineTuner:
         run.saved_step = job.step
 
     def _model_name(self, job: FineTuningJob) -> str:
-        base = job.model if job.continue_from is None else self.base_model
-        return ":".join(["ft", base, *([job.suffix] if job.suffix else []), job.id.removeprefix("ftjob-")[:8]])
+        """OpenAI's shape, ft:<model>[:<suffix>]:<id>, where model is what the job started from."""
+        return ":".join(["ft", job.model, *([job.suffix] if job.suffix else []), job.id.removeprefix("ftjob-")[:8]])
 
     def _finish(self, run: _Run) -> None:
         """Save the peft directory and serve it under the job's fine_tuned_model at once."""

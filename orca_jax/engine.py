@@ -25,6 +25,7 @@ from orca_jax.finetune.tuner import FineTuner
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
+from orca_jax.logits_rules import LogitsRules, SamplingBatcher, TokenMaskSource
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
@@ -59,6 +60,9 @@ class EngineStats:
     peak_in_flight: int = 0
     in_flight_total: int = 0
     num_preemptions: int = 0  # requests whose KV was freed to make room (recomputed later)
+    kv_pages_evictable: int = 0  # cached pages no request holds (count as free)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
     deadline_hits: int = 0  # requests with a deadline that finished by it
     deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
     # Fine-tuning (finetune/deferral.py's counters): iterations, their seconds and tokens, and those
@@ -124,7 +128,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
                  scheduler_factory: SchedulerFactory | None = None,
-                 precompile_progress: ProgressFn | None = None):
+                 precompile_progress: ProgressFn | None = None, token_masks: TokenMaskSource | None = None):
         self.config = config
         executable_cache = executable_cache_for(config.compilation_cache_dir)  # before anything compiles
         loaded = loaded or load_model(config.model, dtype=config.dtype)
@@ -134,9 +138,13 @@ class Engine:
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
-                                  lora=config.lora,
+                                  lora=config.lora, sampling=config.sampling,
                                   reserve_bytes=0 if config.fine_tuning is None else int(config.fine_tuning.memory_gib * 2**30))
-        self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size)
+        # token_masks: per-step allowed tokens from outside the sampler (structured output), applied on device.
+        self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
+                                         config.sampling.logit_table_width, config.sampling.max_logprobs, token_masks)
+        self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching)
         # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
         self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,
                                                                  self.runner.load_lora)
@@ -194,6 +202,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        rules = self._logits_rules(sampling)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
         seed = sampling.seed if sampling.seed is not None else \
@@ -209,16 +218,28 @@ class Engine:
                           priority=priority, deadline=deadline,
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
-                                                             sampling.include_stop_str_in_output),
-                          lora_int_id=lora_int_id)
+                                                             sampling.include_stop_str_in_output,
+                                                             sampling.skip_special_tokens),
+                          logits_rules=rules, lora_int_id=lora_int_id)
         try:
             self.scheduler.add_request(request)
         except BaseException:
-            if self.lora is not None:
+            if lora_int_id:  # refused: its adapter need not stay in host memory for it
                 self.lora.request_done(request_id)
             raise
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
+
+    def _logits_rules(self, sampling: SamplingParams) -> LogitsRules | None:
+        """The request's logits processing in token ids; ValueError (naming the SamplingParams field)
+        for what this engine cannot honour."""
+        max_logprobs = self.config.sampling.max_logprobs
+        if sampling.logprobs is not None and sampling.logprobs > max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs must be between 0 and {max_logprobs} "
+                             f"(SamplingConfig.max_logprobs), got {sampling.logprobs}")
+        return LogitsRules.resolve(sampling, self.tokenizer, self.tokenizer.eos_token_ids,
+                                   self.model_config.vocab_size, self.runner.config.vocab_size,
+                                   self.config.sampling.logit_table_width)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
@@ -248,6 +269,10 @@ class Engine:
     def has_work(self) -> bool:
         """Unfinished requests, or a fine-tuning job with an iteration to run."""
         return self.has_unfinished() or (self.fine_tuning is not None and self.fine_tuning.has_work())
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the pages forgotten. Requests keep the pages they hold."""
+        return self.kv.reset_prefix_cache()
 
     # ---- seams for benchmarks and baselines ----
 
@@ -285,7 +310,7 @@ class Engine:
                 self.lora.upload_loads()
             if not output.scheduled:
                 break
-            batch = build_batch(output, self.buckets)
+            batch = build_batch(output, self.buckets, self._sampling)
             built_at = time.perf_counter()
             self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch)))
             phase_start = time.perf_counter()
@@ -321,6 +346,8 @@ class Engine:
         outputs = []
         for item in scheduled:
             request = item.request
+            if request.status.finished:
+                self._sampling.release(request)  # its penalty slot, if it had one
             if request.status is RequestStatus.FINISHED_ABORTED:
                 continue  # aborted while in flight
             num_new = len(request.output_token_ids) - item.step
@@ -356,7 +383,8 @@ class Engine:
             finished=request.status.finished,
             finish_reason=request.status.value if request.status.finished else None,
             new_logprobs=new_logprobs,
-            queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time)
+            queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
+            num_cached_tokens=request.num_cached_tokens)
         return output
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:
@@ -378,6 +406,9 @@ class Engine:
         stats.kv_pages_used = self.kv.num_used_pages
         stats.kv_pages_reserved = self.kv.num_reserved_pages
         stats.num_preemptions = self.scheduler.num_preemptions
+        stats.kv_pages_evictable = self.kv.num_evictable_pages
+        stats.prefix_cache_queries = self.kv.num_prefix_cache_queries
+        stats.prefix_cache_hits = self.kv.num_prefix_cache_hits
         stats.num_compiled_programs = self.runner.compilation.num_compiled_programs
         if self.fine_tuning is not None:
             counters = self.fine_tuning.policy.stats

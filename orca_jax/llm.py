@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation,
                              LoRAConfig, ParallelConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
+from orca_jax.engine_defaults import UsageContext, batch_defaults
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
@@ -41,6 +42,7 @@ class GenerationOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's name)
 
     @property
     def text(self) -> str:
@@ -59,20 +61,27 @@ class LLM:
     enable_lora serves peft adapters (generate's lora_request) from max_loras device slots of
     max_lora_rank, keeping up to max_cpu_loras more in host memory. enable_fine_tuning (LoRA implied)
     lets fine_tune train adapters on the served model, keeping its jobs under fine_tuning_dir.
+    max_num_seqs and max_num_batched_tokens default to the device's (engine_defaults.py).
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, page_size: int = 16, num_kv_pages: int | None = None,
+    def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, page_size: int = 16, num_kv_pages: int | None = None,
                  kv_cache_memory_gib: float | None = None, max_model_len: int | None = None,
                  dtype: str | None = None, attention_backend: str = "auto",
                  scheduling_policy: str = "fcfs", kv_allocation: str = "reserve", tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, seed: int = 0, enable_lora: bool = False, max_loras: int = 1,
-                 max_lora_rank: int = 16, max_cpu_loras: int | None = None, enable_fine_tuning: bool = False,
+                 pipeline_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None, enable_fine_tuning: bool = False,
                  fine_tuning_dir: str | None = None,
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
+            defaults = batch_defaults(UsageContext.OFFLINE)  # the device's (engine_defaults.py)
+            max_num_seqs = max_num_seqs or defaults.max_num_seqs
+            max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
         config = engine_config or EngineConfig(
             model=model,
-            cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib),
+            cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=SchedulingPolicy(scheduling_policy),
@@ -205,4 +214,5 @@ def _to_generation_output(out: RequestOutput, prompt: Prompt, engine: Engine) ->
     completion = CompletionOutput(index=0, text=out.text, token_ids=out.output_token_ids,
                                   finish_reason=out.finish_reason)
     return GenerationOutput(request_id=out.request_id, prompt=prompt if isinstance(prompt, str) else None,
-                            prompt_token_ids=prompt_ids, outputs=[completion])
+                            prompt_token_ids=prompt_ids, outputs=[completion],
+                            num_cached_tokens=out.num_cached_tokens)

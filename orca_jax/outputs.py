@@ -28,3 +28,4 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "deadline" once finished
     new_logprobs: list[TokenLogprob] | None = None  # when SamplingParams.logprobs is set
     queue_seconds: float | None = None  # arrival to first admission; None while never admitted
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache

@@ -63,8 +63,20 @@ def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
     view = view or own_view(request)
     start = view.start
     end = start + num_new_tokens
+    if view.in_initiation and view.token_source < 0 and start == request.num_computed_tokens:
+        # A prompt chunk starting where the request's pages end: take the cached pages that now
+        # follow (published since it was admitted, e.g. by a request with the same prompt planned
+        # earlier in this batch), keeping the chunk's end and at least its last token to compute.
+        gained = kv.extend_with_cached(request, start, min(end, view.num_prompt_tokens) - 1)
+        request.num_computed_tokens += gained
+        if request.num_preemptions == 0:
+            request.num_cached_tokens += gained
+        start += gained
     kv.allocate_up_to(request.request_id, end)
-    tokens = (0,) if view.token_source >= 0 else tuple(request.token_ids_at(start, num_new_tokens))
+    # Pages this batch completes are shareable from now on: a later request reading them runs in a
+    # later batch, or in this one, whose forward writes every new token's K/V before any layer attends.
+    kv.publish(request, end)
+    tokens = (0,) if view.token_source >= 0 else tuple(request.token_ids_at(start, end - start))
     return ScheduledRequest(
         request=request, start=start, token_ids=tokens,
         page_ids=tuple(kv.page_ids(request.request_id)[:kv.num_pages_for(end)]), seed=request.seed,
@@ -106,6 +118,7 @@ class SchedulerInterface(Protocol):
     def num_preemptions(self) -> int:
         """Requests sent back to the pool to free KV, since start."""
         ...
+
 
     @property
     def can_schedule(self) -> bool:

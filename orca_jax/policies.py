@@ -3,7 +3,7 @@
 A policy is one small class with the hooks the Scheduler calls every iteration:
 - order(requests, now): the pool (unfinished requests not in flight) in the order to consider them;
   the last running request in this order is also the first one preempted when KV runs dry;
-- may_admit(request, kv, num_tokens): whether a waiting request may take its KV reservation now;
+- may_admit(request, kv, num_pages): whether a waiting request may take its KV reservation now;
 - outranks(request, other, now): whether a waiting request may preempt a running one to get in
   (only policies with `preempts_for_admission`).
 After the first refused admission no later waiting request is admitted in that iteration when
@@ -33,8 +33,8 @@ class Policy(Protocol):
         """The requests in the order the scheduler should consider them this iteration."""
         ...
 
-    def may_admit(self, request: Request, kv: KVCacheManager, num_tokens: int | None = None) -> bool:
-        """Whether a waiting request may reserve KV for num_tokens (default prompt + max_tokens) now."""
+    def may_admit(self, request: Request, kv: KVCacheManager, num_pages: int) -> bool:
+        """Whether a waiting request may take num_pages of the unreserved KV pages now."""
         ...
 
     def outranks(self, request: Request, other: Request, now: float) -> bool:
@@ -58,8 +58,8 @@ class FCFS:
     def order(self, requests: Sequence[Request], now: float) -> list[Request]:
         return sorted(requests, key=self.sort_key)  # stable: ties keep insertion order
 
-    def may_admit(self, request: Request, kv: KVCacheManager, num_tokens: int | None = None) -> bool:
-        return kv.can_reserve(request.max_total_tokens if num_tokens is None else num_tokens)
+    def may_admit(self, request: Request, kv: KVCacheManager, num_pages: int) -> bool:
+        return num_pages <= kv.num_unreserved_pages
 
     def outranks(self, request: Request, other: Request, now: float) -> bool:
         return False
@@ -172,8 +172,8 @@ class DAS:
         dominant, deadline_set, remainder = self.split(waiting, max(self.max_num_seqs - len(running), 0))
         return running + dominant + deadline_set + remainder
 
-    def may_admit(self, request: Request, kv: KVCacheManager, num_tokens: int | None = None) -> bool:
-        return kv.can_reserve(request.max_total_tokens if num_tokens is None else num_tokens)
+    def may_admit(self, request: Request, kv: KVCacheManager, num_pages: int) -> bool:
+        return num_pages <= kv.num_unreserved_pages
 
     def outranks(self, request: Request, other: Request, now: float) -> bool:
         return False

@@ -138,7 +138,8 @@ class Scheduler:
         requests already holding KV still run, so no order can starve the requests that would free
         the pool. A policy that preempts for admission may first free lower-ranked running requests.
         Token budget: every increment-phase request gets its 1 token first; what remains of
-        max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order.
+        max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order (each
+        at most long_prefill_token_threshold, when set).
         With a token_target, the last chunks then shrink so a batch with increments feeds
         token_target(total) tokens (the runner's bucket: no padding), when the chunks hold that many.
         A request whose chunk comes out as 0 sits this iteration out but keeps its KV.
@@ -167,16 +168,18 @@ class Scheduler:
                 if not admitted:
                     can_admit = not self.policy.blocks_later_admissions
                     continue
+                views[request] = own_view(request)  # admitted past the pages it found cached
             batch.append(request)
 
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_num_seqs.
         budget = self.config.max_num_batched_tokens
         budget -= sum(1 for r in batch if not views[r].in_initiation)
+        chunk_cap = self.config.long_prefill_token_threshold or budget
         planned: list[tuple[Request, int]] = []
         for request in batch:
             view = views[request]
             if view.in_initiation:
-                num_new = min(view.num_prompt_tokens - view.start, budget)
+                num_new = min(view.num_prompt_tokens - view.start, budget, chunk_cap)
                 budget -= num_new
                 if num_new == 0:
                     continue
@@ -231,17 +234,23 @@ class Scheduler:
             return 0
         return int(self.config.kv_watermark * self.kv.num_usable_pages)
 
-    def _may_admit(self, request: Request) -> bool:
-        num_tokens = self._admission_tokens(request)
-        if not self.policy.may_admit(request, self.kv, num_tokens):
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Cached pages a waiting request can start from: full pages before its last initiation token
+        (that one is always computed, so sampling has its logits)."""
+        return self.kv.cached_prefix(request, request.num_initiation_tokens - 1)
+
+    def _may_admit(self, request: Request, hit: list[int]) -> bool:
+        cost = self.kv.admission_cost(self._admission_tokens(request), hit)
+        if not self.policy.may_admit(request, self.kv, cost):
             return False
-        left = self.kv.num_unreserved_pages - self.kv.num_pages_for(num_tokens)
-        return left >= self._watermark_pages()
+        return self.kv.num_unreserved_pages - cost >= self._watermark_pages()
 
     def _admit(self, request: Request, batch: list[Request], preempted: set[Request], now: float) -> bool | None:
-        """Give a waiting request its KV (preempting lower-ranked requests if the policy may) and its
-        LoRA adapter's slot; None: its KV would fit, but its adapter has no slot yet."""
-        fits = self._may_admit(request)
+        """Give a waiting request its KV (preempting lower-ranked requests if the policy may), starting
+        from the pages of its prefix already cached, and its LoRA adapter's slot; None: its KV would
+        fit, but its adapter has no slot yet."""
+        hit = self._cached_prefix(request)
+        fits = self._may_admit(request, hit)
         if not fits and not self.policy.preempts_for_admission:
             return False
         if self._adapters is not None and not self._adapters.admit(request):
@@ -249,17 +258,21 @@ class Scheduler:
         if not fits:
             victims = [r for r in self._ranked_running(now)
                        if r not in batch and self.policy.outranks(request, r, now)]
-            need = self.kv.num_pages_for(self._admission_tokens(request)) + self._watermark_pages()
+            need = self.kv.admission_cost(self._admission_tokens(request), hit) + self._watermark_pages()
             if self.kv.num_unreserved_pages + sum(self.kv.num_reserved_for(v.request_id)
                                                   for v in victims) < need:
                 return self._release_adapter(request)  # even all of them would not make room: take nothing
-            while victims and not self._may_admit(request):
+            while victims and not self._may_admit(request, hit):
                 victim = victims.pop()  # the lowest-ranked first
                 self.preempt(victim)
                 preempted.add(victim)
-            if not self._may_admit(request):
+            if not self._may_admit(request, hit):
                 return self._release_adapter(request)
-        self.kv.reserve(request.request_id, self._admission_tokens(request))
+        self.kv.reserve(request.request_id, self._admission_tokens(request), hit,
+                        num_queried=request.num_initiation_tokens)
+        request.num_computed_tokens = len(hit) * self.kv.page_size
+        if request.num_preemptions == 0:  # what its client hears of: its first life's hits
+            request.num_cached_tokens += request.num_computed_tokens
         request.status = RequestStatus.RUNNING
         if request.scheduled_time is None:
             request.scheduled_time = now
@@ -313,7 +326,7 @@ class Scheduler:
         """
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"only a running request can be preempted, not {request.status.value}")
-        self.kv.free(request.request_id)
+        self._release_kv(request)
         self._release_adapter(request)
         request.status = RequestStatus.WAITING
         request.recompute_len = request.num_tokens
@@ -424,7 +437,15 @@ class Scheduler:
             self._num_waiting -= 1
         request.status = status
         request.finish_time = now
-        self.kv.free(request.request_id)
+        self._release_kv(request)
         self._release_adapter(request)
         del self._requests[request.request_id]
+
+    def _release_kv(self, request: Request) -> None:
+        """Free the request's pages, first indexing those its returned batches finished writing (pages
+        whose last token came from the device were not known when planned), so a recompute after a
+        preemption, or the next turn of a chat, finds them."""
+        if self.kv.has_reservation(request.request_id):
+            self.kv.publish(request, request.num_computed_tokens)
+            self.kv.free(request.request_id)
 

@@ -1,17 +1,18 @@
 """`python -m orca_jax.serve`: flags -> EngineConfig -> Engine -> create_app -> uvicorn.
 
-Flag names follow vLLM's. On SIGTERM or Ctrl-C uvicorn stops accepting connections; we also tell the
-engine thread to stop, so in-flight requests end (finish_reason "abort" after the grace period),
-their streams close, and the process exits 0.
+Flag names follow vLLM's (server/cli_args.py). On SIGTERM or Ctrl-C uvicorn stops accepting
+connections; we also tell the engine thread to stop, so in-flight requests end (finish_reason
+"abort" after the grace period), their streams close, uploads still coming in get 503, and the
+process exits 0.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
 import os
+import resource
 import signal
 import socket
 import sys
@@ -19,132 +20,16 @@ from types import FrameType
 
 import uvicorn
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig, ParallelConfig,
-                             SchedulerConfig, SchedulingPolicy)
-from orca_jax.server.app import LOCAL_HOSTS
-from orca_jax.server.fine_tuning import add_fine_tuning_arguments, fine_tuning_config_from_args
-from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules, register_lora_modules
-from orca_jax.server.serving import DEFAULT_MAX_TOKENS
+from orca_jax.kv_pool import XLA_MEM_FRACTION_ENV
+from orca_jax.server.app import CORSPolicy
+from orca_jax.server.lora import parse_lora_modules, register_lora_modules
+from orca_jax.server.cli_args import (PROG, allowed_hosts_from_args, build_parser, engine_config_from_args,
+                                      http_limits_from_args, parse_args, read_chat_template)
 
+__all__ = ["allowed_hosts_from_args", "build_parser", "engine_config_from_args", "main"]
 log = logging.getLogger("orca_jax.serve")
-# The server's default, unlike the library's (RESERVE, ORCA as published): chats without max_tokens
-# then share the pool instead of running one at a time (measured: benchmarks/results/cpu/kv_modes.json, README).
-SERVE_KV_ALLOCATION = KVAllocation.ON_DEMAND
-
-
-def _default(config_class: type, field_name: str):
-    """A config field's default, so flags and library share one source of truth."""
-    return next(f.default for f in dataclasses.fields(config_class) if f.name == field_name)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m orca_jax.serve", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="preset name or Hugging Face GPT-2 directory")
-    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1; $ORCA_API_KEY also works and "
-                   "keeps the key out of the process list")
-    p.add_argument("--metrics-require-auth", action="store_true", help="put /metrics behind the key too")
-    p.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"),
-                   help="requests per iteration (ORCA's max batch size)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=_default(SchedulerConfig, "max_num_batched_tokens"),
-                   help="tokens per iteration; longer prompts are fed over several")
-    p.add_argument("--max-waiting", type=int, default=_default(SchedulerConfig, "max_waiting"),
-                   help="requests queued beyond the running batch; more get 503 + Retry-After")
-    p.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy] + ["deadline"],
-                   default=SchedulingPolicy.PRIORITY.value,
-                   help="priority lets interactive chat (high 'priority') overtake batch jobs; das is TCB's "
-                   "deadline-aware scheduler (requests' deadline_ms); sjf and edf for comparison")
-    p.add_argument("--kv-allocation", choices=[k.value for k in KVAllocation], default=SERVE_KV_ALLOCATION.value,
-                   help="on_demand: KV pages as requests grow, preempting (and later recomputing) the "
-                   "lowest-ranked request when the pool runs dry; reserve: ORCA's up-front reservation of "
-                   "prompt + max_tokens, which never preempts but runs requests with a large max_tokens "
-                   "few at a time")
-    p.add_argument("--priority-preemption", action=argparse.BooleanOptionalAction, default=True,
-                   help="under --scheduling-policy priority, a request that does not fit preempts running "
-                   "requests it outranks (recomputed later, nothing lost)")
-    p.add_argument("--priority-aging-s", type=float, default=_default(SchedulerConfig, "priority_aging_s"),
-                   help="seconds of waiting that raise a request's effective priority by 1 (no starvation)")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
-    p.add_argument("--page-size", type=int, default=_default(CacheConfig, "page_size"), help="tokens per KV page")
-    p.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=None, help="KV pool size in GiB")
-    p.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
-                   default=AttentionBackend.AUTO.value)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="override the preset's dtype")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="ORCA inter-layer stages")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ORCA intra-layer split")
-    p.add_argument("--coordinator-address", default=None,
-                   help="several processes (jax.distributed): process 0's host:port; see README")
-    p.add_argument("--num-processes", type=int, default=1, help="controller processes (one per host or GPU)")
-    p.add_argument("--process-id", type=int, default=0, help="0 serves HTTP and schedules; others mirror")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compilation-cache-dir", default="auto",
-                   help="JAX's persistent compilation cache, so a second start is fast: 'auto' (a per-user "
-                   "directory, $ORCA_JAX_CACHE_DIR or ~/.cache/orca_jax/xla), a path, or 'none' to turn it off")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="plan each iteration only after the previous one's tokens reach the host")
-    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="max_tokens of a chat request that names none, capped by the context left; 0: the "
-                   "rest of the context (each such request then reserves KV for all of it)")
-    p.add_argument("--allow-special-tokens-in-text", action="store_true",
-                   help="let control tokens typed in prompts and messages (e.g. <|im_end|>) act as control "
-                   "tokens; only for trusted callers, who can then forge conversation turns")
-    p.add_argument("--allowed-hosts", default=None,
-                   help="comma-separated Host header values to answer besides localhost's (checked when "
-                   "bound to a loopback address, or whenever this is given); '*' turns the check off")
-    p.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024)
-    p.add_argument("--shutdown-grace-seconds", type=float, default=0.0,
-                   help="on SIGTERM, let in-flight requests run this long before aborting them")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_lora_arguments(p)
-    add_fine_tuning_arguments(p)
-    return p
-
-
-def allowed_hosts_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
-    """The Host header values to answer, or None for any.
-
-    A loopback server answers only to local names (DNS rebinding); one bound elsewhere answers to
-    any unless --allowed-hosts names some.
-    """
-    extra = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
-    if "*" in extra:
-        return None
-    if args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127."):
-        return LOCAL_HOSTS + (args.host,) + extra
-    return extra or None
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError (from the configs' own checks) on inconsistent flags."""
-    fine_tuning = fine_tuning_config_from_args(args)
-    lora = lora_config_from_args(args)
-    if fine_tuning is not None and lora is None:  # fine-tuned adapters are served from the LoRA slots
-        lora = LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
-    return EngineConfig(
-        model=args.model,
-        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages,
-                          kv_memory_gib=args.kv_cache_memory_gib),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  policy=SchedulingPolicy(args.scheduling_policy),
-                                  max_waiting=args.max_waiting, async_scheduling=args.async_scheduling,
-                                  kv_allocation=KVAllocation(args.kv_allocation),
-                                  priority_preemption=args.priority_preemption,
-                                  priority_aging_s=args.priority_aging_s),
-        parallel=ParallelConfig(num_stages=args.pipeline_parallel_size,
-                                tensor_parallel=args.tensor_parallel_size,
-                                coordinator_address=args.coordinator_address,
-                                num_processes=args.num_processes, process_id=args.process_id),
-        attention=AttentionBackend(args.attention_backend),
-        dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
-        lora=lora, fine_tuning=fine_tuning)
+# File descriptors beyond the connection cap: the model's files, jax's, the compilation cache's.
+SPARE_FILE_DESCRIPTORS = 512
 
 
 class _Server(uvicorn.Server):
@@ -171,30 +56,35 @@ class _Server(uvicorn.Server):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.default_max_tokens < 0:
-        parser.error("--default-max-tokens must be 0 (the rest of the context) or more")
-    try:
-        config = engine_config_from_args(args)
-        lora_modules = parse_lora_modules(args.lora_modules)
-    except ValueError as error:
-        parser.error(str(error))
+    args = parse_args(argv)
+    config = engine_config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.gpu_memory_utilization is not None:
+        # XLA allocates from its own share of the GPU, fixed when jax starts: make it the budget.
+        os.environ.setdefault(XLA_MEM_FRACTION_ENV, str(args.gpu_memory_utilization))
+    limits = http_limits_from_args(args)
+    raise_open_file_limit(limits.max_connections + SPARE_FILE_DESCRIPTORS)
 
     # Imported here so `--help` and flag errors come back without loading jax.
     from orca_jax import multihost
     multihost.initialize(config.parallel)  # before anything else touches jax
+    from orca_jax.engine_defaults import UsageContext, batch_defaults
+    config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER))  # the device's batch
     from orca_jax.engine import Engine
+    from orca_jax.models.weights import WeightsError
     from orca_jax.server import AsyncEngine, create_app, gc_and_gil
 
     log.info("loading %s", args.model)
     # The engine thread compiles every program once the server is up, so /health can say how far
     # it got; it reports ready only after that, and nothing compiles while serving. Other processes
     # compile as process 0's runner tells them (multihost.Mirror).
-    engine = Engine(dataclasses.replace(config, precompile=False))
     try:
-        register_lora_modules(engine, lora_modules)
+        engine = Engine(dataclasses.replace(config, precompile=False))
+    except WeightsError as error:  # a model that cannot be read: one line, not a traceback
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        register_lora_modules(engine, parse_lora_modules(args.lora_modules))
     except ValueError as error:  # a LoRAError names the adapter and the problem
         log.error("%s", error)
         return 2
@@ -204,17 +94,32 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for line in startup_report(engine):
         log.info("%s", line)
+    url = f"{'https' if args.ssl_certfile else 'http'}://{_url_host(args.host)}:{args.port}"
+
+    def on_ready() -> None:
+        gc_and_gil.freeze_startup_heap()
+        log.info("ready at %s", url)
+
     gc_and_gil.shorten_gil_switch_interval()
     async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True,
-                               on_ready=gc_and_gil.freeze_startup_heap)
+                               on_ready=on_ready)
+    cors = None if args.allowed_origins is None else CORSPolicy(
+        args.allowed_origins, args.allowed_methods, args.allowed_headers)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
                      served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                      metrics_require_auth=args.metrics_require_auth,
                      default_max_tokens=args.default_max_tokens or None,
                      allow_special_tokens_in_text=args.allow_special_tokens_in_text,
-                     allowed_hosts=allowed_hosts_from_args(args), max_upload_bytes=args.max_upload_bytes)
-    uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.shutdown_grace_seconds + 10)
+                     allowed_hosts=allowed_hosts_from_args(args), chat_template=read_chat_template(args.chat_template),
+                     max_upload_bytes=args.max_upload_bytes,
+                     log_requests=not args.disable_log_requests, cors=cors)
+    uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port,
+                                    log_level=args.uvicorn_log_level or args.log_level,
+                                    access_log=not args.disable_uvicorn_access_log,
+                                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                    root_path=args.root_path or "",
+                                    timeout_graceful_shutdown=args.shutdown_grace_seconds + 10,
+                                    **limits.uvicorn_options())
     # uvicorn re-raises the shutdown signal once it is done, with the handlers it found installed;
     # these make that a no-op, so a graceful SIGTERM (or Ctrl-C) exits 0 instead of dying by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -222,6 +127,21 @@ def main(argv: list[str] | None = None) -> int:
     _Server(uvicorn_config, on_exit=async_engine.begin_shutdown).run()
     engine.runner.stop_workers()
     return 0
+
+
+def raise_open_file_limit(wanted: int) -> None:
+    """One descriptor per connection: lift the soft limit (often 1024) toward `wanted`, as far as the
+    hard limit allows (vLLM does the same)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        log.warning("at most %d open files (hard limit): fewer than --max-connections needs", hard)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def startup_report(engine) -> list[str]:
@@ -244,8 +164,10 @@ def startup_report(engine) -> list[str]:
     pages, page_size = engine.stats().kv_pages_total, engine.runner.page_size
     kv_bytes = engine.runner.kv_bytes
     size = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
-    return [line, f"KV pool: {pages} pages x {page_size} tokens = {pages * page_size} tokens for requests "
-                  f"(+1 scratch page), {size}"]
+    return [line, f"model: {engine.config.model} in {engine.model_config.dtype}, context {engine.max_model_len} "
+                  "tokens",
+            f"KV pool: {pages} pages x {page_size} tokens = {pages * page_size} tokens for requests "
+            f"(+1 scratch page), {size}"]
 
 
 def _already_handled(sig: int, frame: FrameType | None) -> None:

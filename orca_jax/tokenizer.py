@@ -11,6 +11,7 @@ Both expose `token_bytes(id)`, so a stream can be detokenized without cutting UT
 
 from __future__ import annotations
 
+import copy
 import datetime
 import functools
 import json
@@ -338,6 +339,13 @@ class ByteTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         # A random model's vocabulary is larger than 256: show those ids as U+FFFD, not silence.
         return bytes([token_id]) if 0 <= token_id < 256 else "\ufffd".encode("utf-8")
+
+
+def with_chat_template(tokenizer: BaseTokenizer, template: str) -> BaseTokenizer:
+    """A copy of `tokenizer` that renders chats with `template` instead (serve's --chat-template)."""
+    clone = copy.copy(tokenizer)
+    clone.chat_template = template
+    return clone
 
 
 class StreamDecoder:

@@ -10,11 +10,11 @@ from orca_jax.engine import Engine
 
 def tiny_engine(model: str = "tiny-llama", *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
                 page_size: int = 4, num_pages: int = 256, seed: int = 0, async_scheduling: bool = True,
-                scheduler_factory=None, scheduler_options: dict | None = None,
+                scheduler_factory=None, scheduler_options: dict | None = None, prefix_caching: bool = True,
                 **overrides) -> Engine:
     config = EngineConfig(
         model=model,
-        cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+        cache=CacheConfig(page_size=page_size, num_pages=num_pages, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   async_scheduling=async_scheduling, **(scheduler_options or {})),
         seed=seed, precompile=False)  # most tests meet few buckets: compile those on first use

@@ -34,6 +34,12 @@ MODELS = {
 CASES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4)]  # (tensor parallel, stages)
 PROMPTS = [[5, 6, 7], list(range(10, 22)), [99] * 9, list(range(50, 61)), [3] * 5, [7, 8], [200] * 12, [1]]
 MAX_TOKENS = 4
+SHARED = list(range(30, 39))
+# Some requests process their logits (greedy still): penalties counted on the last stage's devices
+# (slots filled from the prompt), a logit bias and an allowed-token mask; every mesh must agree.
+LOGITS_PROCESSING = {2: dict(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.5),
+                     4: dict(repetition_penalty=0.5, logit_bias={7: 0.5}),
+                     6: dict(allowed_token_ids=list(range(100, 160)))}
 
 
 @functools.cache
@@ -49,12 +55,13 @@ def host_params(model: str):
 
 
 def engine_for(model: str, tp: int, pp: int, batches_in_flight: int | None = None,
-               random_init: bool = False, **processes) -> Engine:
+               random_init: bool = False, prefix_caching: bool = True, **processes) -> Engine:
     """Weights placed from the host (one random init per model keeps the suite fast), or with
     random_init made on each stage's devices, which must give the same values."""
     # max_num_seqs 2 with 8 requests: enough disjoint batches to keep every stage busy. A budget of
     # 8 tokens and at most 16 per request keep every batch in one bucket: one program per stage.
-    config = EngineConfig(model=model, cache=CacheConfig(page_size=4, num_pages=64),
+    config = EngineConfig(model=model, cache=CacheConfig(page_size=4, num_pages=64,
+                                                         enable_prefix_caching=prefix_caching),
                           scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8,
                                                     async_scheduling=False),  # Algorithm 1: pp disjoint batches
                           parallel=ParallelConfig(num_stages=pp, tensor_parallel=tp, **processes),
@@ -65,12 +72,25 @@ def engine_for(model: str, tp: int, pp: int, batches_in_flight: int | None = Non
 
 def run(engine: Engine) -> dict:
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), request_id=str(i))
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **LOGITS_PROCESSING.get(i, {}))
+        engine.add_request(prompt, sampling, request_id=str(i))
     tokens = drain(engine)
     stats = engine.stats()
     return {"tokens": tokens, "max_in_flight": stats.peak_in_flight,
             "mean_in_flight": stats.mean_in_flight, "pages_used": stats.kv_pages_used,
             "iterations": stats.iterations}
+
+
+def run_shared(engine: Engine) -> dict:
+    """Two waves of requests sharing a 9-token prefix (two full pages): the second finds it cached."""
+    tokens = {}
+    for wave in range(2):
+        for i, suffix in enumerate(([5], [6, 7], [8, 9, 10])):
+            engine.add_request(SHARED + suffix + [wave], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                               request_id=f"{wave}/{i}")
+        tokens.update(drain(engine))
+    stats = engine.stats()
+    return {"tokens": tokens, "hits": stats.prefix_cache_hits, "fed": stats.scheduled_tokens_total}
 
 
 def devices_of(tree) -> list[list[int]]:
@@ -115,6 +135,10 @@ def main() -> None:
     # Random weights made stage by stage on the stages' devices: the same model as made whole.
     results["gpt/1/1/random-init"] = run(engine_for("gpt", 1, 1, random_init=True))
     results["gpt/2/2/random-init"] = run(engine_for("gpt", 2, 2, random_init=True))
+    # Prefix caching on a mesh: the tokens of one device without caching.
+    for tp, pp, caching in ((1, 1, False), (2, 2, False), (2, 2, True)):
+        results[f"llama/{tp}/{pp}/prefix-{'on' if caching else 'off'}"] = run_shared(
+            engine_for("llama", tp, pp, prefix_caching=caching))
     print(json.dumps(results))
 
 

@@ -27,6 +27,7 @@ from orca_jax.engine import EngineStats
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
 from orca_jax.scheduler import QueueFullError
+from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.in_thread import ServedApp, served_in_thread
 from orca_jax.tokenizer import ByteTokenizer, Tokenizer, byte_to_unicode
 
@@ -133,6 +134,10 @@ class FakeEngine:
         before = len(self.waiting)
         self.waiting = [r for r in self.waiting if r.request_id != request_id]
         return len(self.waiting) < before
+
+    def reset_prefix_cache(self) -> int:
+        self._enter()
+        return 0  # nothing is cached here
 
     def has_unfinished(self) -> bool:
         self._enter()
@@ -260,10 +265,12 @@ async def asgi_client(app, **client_kwargs) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-def live_server(app, *, graceful_seconds: float = 5.0) -> contextlib.AbstractContextManager[ServedApp]:
-    """Serve `app` with uvicorn on a free loopback port, in a background thread (.url, .server, .thread)."""
-    return served_in_thread(app, timeout_graceful_shutdown=graceful_seconds, limit_concurrency=None,
-                            backlog=2048)
+def live_server(app, *, graceful_seconds: float = 5.0, limits: HTTPLimits = HTTPLimits(),
+                **uvicorn_config) -> contextlib.AbstractContextManager[ServedApp]:
+    """Serve `app` with uvicorn on a free loopback port, in a background thread (.url, .server, .thread),
+    with serve's HTTP limits; `uvicorn_config`: more uvicorn.Config options (root_path, ...)."""
+    return served_in_thread(app, timeout_graceful_shutdown=graceful_seconds, backlog=2048,
+                            **limits.uvicorn_options(), **uvicorn_config)
 
 
 def parse_sse(text: str) -> list[dict | str]:

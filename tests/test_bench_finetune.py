@@ -11,10 +11,11 @@ from orca_jax.bench import __main__ as bench_cli
 @pytest.mark.slow  # ~45 s: the engine's programs, the job's, and seven short runs
 def test_bench_finetune_runs_end_to_end(tmp_path):
     bench_cli.main(["finetune", "--model", "tiny-llama", "--dtype", "float32", "--max-num-seqs", "4",
-                    "--max-num-batched-tokens", "32", "--duration-s", "1", "--capacity-requests", "8",
+                    "--max-num-batched-tokens", "32", "--duration-s", "1", "--num-prompts", "8",
                     "--ft-alone-s", "1", "--rank", "4", "--micro-batch-tokens", "128", "--example-tokens", "16,16",
-                    "--prompt-range", "8,16", "--gen-range", "1,8", "--memory-gib", "1", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "tiny-llama_finetune.json").read_text())
+                    "--uniform-input-range", "8:16", "--uniform-output-range", "1:8", "--memory-gib", "1",
+                    "--result-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "tiny-llama_finetune.json").read_text())["finetune"]
     assert result["capacity_rps"] > 0 and result["job_alone"]["tokens_per_s"] > 0
     assert result["job_memory"]["temp_bytes"] > 0
     for runs in (result["alone"], result["with_job"]):

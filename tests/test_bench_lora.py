@@ -7,9 +7,10 @@ from orca_jax.bench import __main__ as bench_cli
 
 
 def test_bench_lora_runs_end_to_end(tmp_path):
-    bench_cli.main(["lora", "--model", "tiny-llama", "--num-adapters", "3", "--rank", "4", "--num-requests", "6",
+    bench_cli.main(["lora", "--model", "tiny-llama", "--num-adapters", "3", "--rank", "4", "--num-prompts", "6",
                     "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--dtype", "float32", "--tokens", "8",
-                    "--prompt-range", "8,40", "--gen-range", "1,16", "--out", str(tmp_path)])
+                    "--num-kv-pages", "256", "--compilation-cache-dir", "none",
+                    "--uniform-input-range", "8:40", "--uniform-output-range", "1:16", "--result-dir", str(tmp_path)])
     result = json.loads((tmp_path / "tiny-llama_lora.json").read_text())
     assert [row["tokens"] for row in result["ops"]] == [8]
     for row in result["ops"]:

@@ -32,12 +32,12 @@ def add_random_adapters(engine, count: int, rank: int = 4) -> list[LoRARequest]:
 
 def test_program_count_and_loading_an_adapter_compiles_nothing():
     """With LoRA every bucket has a second forward (with the adapter term) and each stage one
-    slot-update program: buckets 8, 16, 32 -> 3 stage-in + 6 forward + 1 update + 8 sampling (S 8 or
-    16, top-K or not, greedy or not) = 18. Then adapters are loaded, swapped and mixed with base
-    requests, and nothing more compiles."""
+    slot-update program: buckets 8, 16, 32 -> 3 stage-in + 6 forward + 1 update + 17 sampling (the
+    family of 8 per S, S 8 or 16, and the penalty-table fill; sampler.py) = 27. Then adapters are
+    loaded, swapped and mixed with base requests, and nothing more compiles."""
     engine = lora_engine(max_num_seqs=16, max_num_batched_tokens=32, num_pages=400, precompile=True)
     compilation = engine.runner.compilation
-    assert compilation.num_compiled_programs == 3 + 6 + 1 + 8
+    assert compilation.num_compiled_programs == 3 + 6 + 1 + 2 * 8 + 1
     assert sum(isinstance(k, ForwardKey) and k.lora for k in compilation.compiled_keys) == 3
     assert LoRAUpdateKey(0) in compilation.compiled_keys
     loras = add_random_adapters(engine, 3)
@@ -49,7 +49,7 @@ def test_program_count_and_loading_an_adapter_compiles_nothing():
                            lora_request=rng.choice([None, *loras]))
     drain(engine)
     assert engine.lora.num_loads >= 3  # three adapters through two slots
-    assert compilation.num_compiled_programs == 18
+    assert compilation.num_compiled_programs == 27
 
 
 def test_a_batch_without_adapters_runs_the_plain_program():
@@ -140,3 +140,23 @@ def test_the_three_candidate_forms_equal_a_per_token_reference():
     np.testing.assert_allclose(ragged_dot_delta(x, a, b, sizes), expected, rtol=1e-5, atol=1e-4)
     mask = np.asarray(LoRATokens.of(slots, m, np.float32).mask)
     assert (mask.sum(1) == (slots > 0)).all()
+
+
+def test_prefix_caching_never_shares_pages_across_adapters():
+    """The adapter is in every page's key: the same prompt under two adapters (or none) computes its
+    pages once each; under the same adapter again it hits. Tokens equal a run without caching."""
+    prompt = list(range(20, 20 + 4 * 4 + 1))  # four full pages of 4 tokens
+
+    def run(prefix_caching):
+        engine = lora_engine(prefix_caching=prefix_caching, async_scheduling=False)
+        first, second = add_random_adapters(engine, 2)
+        outputs = []
+        for lora in (None, first, second, first, None):
+            engine.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True), lora_request=lora)
+            while engine.has_unfinished():
+                outputs += [(o.output_token_ids, o.num_cached_tokens) for o in engine.step() if o.finished]
+        return outputs
+
+    cached, plain = run(True), run(False)
+    assert [tokens for tokens, _ in cached] == [tokens for tokens, _ in plain]
+    assert [hits for _, hits in cached] == [0, 0, 0, 16, 16]  # only the repeats of an adapter (or of none) hit

@@ -46,8 +46,8 @@ SCRIPT = textwrap.dedent("""
         params = decoder.stack_layers(decoder.init_params(config, seed=3))
         loaded = LoadedModel(config, params, ByteTokenizer())
         adapters = [random_adapter(config, 4, seed=i, name=f"a{i}", b_std=0.3) for i in range(2)]
-        for tp, pp in ((1, 1), (2, 1), (4, 1), (2, 2)):
-            if name == "gpt" and (tp, pp) != (2, 1) and tp > 1:  # its 4 KV heads: one tensor-parallel case
+        for tp, pp in ((1, 1), (2, 1), (4, 1), (1, 2)):
+            if name == "gpt" and (tp, pp) not in ((1, 1), (2, 1)):  # one tensor-parallel case for GPT
                 continue
             engine = Engine(EngineConfig(cache=CacheConfig(page_size=4, num_pages=128),
                                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
@@ -82,7 +82,7 @@ def results():
     return run_on_fake_devices(4, "-c", SCRIPT)
 
 
-@pytest.mark.parametrize("mesh", ["2x1", "4x1", "2x2"])
+@pytest.mark.parametrize("mesh", ["2x1", "4x1", "1x2"])
 @pytest.mark.parametrize("model", ["llama-gqa", "gpt"])
 def test_parallel_adapters_match_one_device(results, model, mesh):
     if f"{model}/{mesh}" not in results:
@@ -98,7 +98,7 @@ def test_adapter_term_adds_no_all_reduce(results):
         plain, with_lora = facts["all_reduces"]
         # The row-parallel A's [T, M, R] partial sums travel in the base's all-reduce (XLA combines them).
         assert with_lora == plain, key
-        assert (plain > 0) == (not key.endswith("/1x1")), key
+        assert (plain > 0) == (not key.split("/")[1].startswith("1x")), key  # tensor parallel only
 
 
 def test_table_is_split_like_the_base(results):

@@ -53,6 +53,14 @@ def test_one_batch_in_flight_on_a_pipeline_gives_the_same_tokens(results):
     assert one["tokens"] == results["llama/2/2"]["tokens"]
 
 
+def test_prefix_caching_on_a_mesh_gives_one_devices_tokens(results):
+    reference = results["llama/1/1/prefix-off"]
+    off, on = results["llama/2/2/prefix-off"], results["llama/2/2/prefix-on"]
+    assert on["tokens"] == off["tokens"] == reference["tokens"]
+    assert on["hits"] >= 3 * 2 * 4 and off["hits"] == 0  # at least wave 2: two cached pages of 4 tokens each
+    assert off["fed"] - on["fed"] == on["hits"]
+
+
 def test_random_weights_made_by_stage_equal_the_whole_model(results):
     assert results["gpt/2/2/random-init"]["tokens"] == results["gpt/1/1/random-init"]["tokens"]
 

@@ -7,8 +7,9 @@ from orca_jax.serve import startup_report
 
 def test_startup_report_names_devices_and_kv_pool():
     engine = Engine(EngineConfig(model="tiny-llama", cache=CacheConfig(page_size=8, num_pages=40), precompile=False))
-    devices, pool = startup_report(engine)
+    devices, model, pool = startup_report(engine)
     assert devices.startswith("devices: 1 x cpu (cpu)")  # CPU: memory_stats() gives nothing
+    assert model == "model: tiny-llama in float32, context 512 tokens"
     # tiny-llama: 2 layers x 2 KV heads x 16 dims x K and V x 4 bytes = 512 bytes per token.
     # 40 pages, the scratch page included: 40 x 8 x 512 bytes = 0.16 MiB.
     assert pool == "KV pool: 39 pages x 8 tokens = 312 tokens for requests (+1 scratch page), 0.2 MiB"

@@ -69,6 +69,7 @@ def test_batch_mode_writes_jsonl_and_a_summary(served, tmp_path, capsys):
     assert code == 1  # one request failed
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["index"] for r in results] == [0, 1, 2, 3]  # the file's order, whatever finished first
+    assert [r["prompt"] for r in results] == ["one", "two", "abc", "x"]  # failed ones too
     assert results[2]["text"] == "def" and "top_p" in results[3]["error"]
     # Every request named its max_tokens: the client's default unless the line set one.
     assert [s.max_tokens for s in engine.samplings] == [client.DEFAULT_MAX_TOKENS] * 2 + [3]

@@ -120,7 +120,7 @@ def test_the_start_up_log_and_metrics_agree_on_the_kv_pool(engine):
     from orca_jax.serve import startup_report
 
     usable = engine.runner.num_pages - 1  # page 0 is the scratch page
-    assert f"KV pool: {usable} pages x 16 tokens" in startup_report(engine)[1]
+    assert f"KV pool: {usable} pages x 16 tokens" in startup_report(engine)[-1]
     app = create_app(engine, served_model_name="m")
     with driven(app) as call:
         text = call("GET", "/metrics").text

@@ -57,8 +57,17 @@ def test_random_presets_have_no_params_and_byte_tokenizer():
     assert loaded.params is None and loaded.config == presets.PRESETS["gpt3-13b"]
     assert loaded.tokenizer.eos_token_ids == (50256,)
     assert load_model("tiny-llama", dtype="bfloat16").config.dtype == "bfloat16"
-    with pytest.raises(ValueError, match="unknown model preset"):
+    with pytest.raises(ValueError, match="unknown model 'no-such-model': give a preset"):
         load_model("no-such-model")
+
+
+def test_a_hub_id_is_told_to_download_first(tmp_path):
+    with pytest.raises(WeightsError) as error:
+        load_model("meta-llama/Llama-3.2-1B")
+    message = str(error.value)
+    assert "\n" not in message and "hf download meta-llama/Llama-3.2-1B --local-dir DIR" in message
+    assert presets.model_source_error(str(tmp_path / "nothing.gguf")).endswith("no such file or directory")
+    assert presets.model_source_error("tiny-llama") is None and presets.model_source_error(str(tmp_path)) is None
 
 
 def test_unpermute_inverts_llama_cpp_permutation():

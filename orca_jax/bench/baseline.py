@@ -46,7 +46,7 @@ class RequestLevelScheduler:
                  clock: Callable[[], float] = time.monotonic, num_microbatches: int = 1):
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or num_microbatches <= 0:
             raise ValueError("max_num_seqs, max_num_batched_tokens and num_microbatches must be positive")
-        self.num_stages = num_microbatches  # microbatches in flight at once, one per stage
+        self.num_microbatches = num_microbatches  # in flight at once, one per stage
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
@@ -65,7 +65,7 @@ class RequestLevelScheduler:
 
     @property
     def can_schedule(self) -> bool:
-        return len(self._in_flight) < self.num_stages
+        return len(self._in_flight) < self.num_microbatches
 
     @property
     def num_in_flight(self) -> int:
@@ -138,7 +138,7 @@ class RequestLevelScheduler:
     def _microbatch(self, index: int) -> tuple[Request, ...]:
         """Contiguous slices of the batch, as FasterTransformer splits it."""
         requests = self._batch.requests
-        size = -(-len(requests) // self.num_stages)
+        size = -(-len(requests) // self.num_microbatches)
         return requests[index * size:(index + 1) * size]
 
     def _pending_members(self, index: int) -> list[Request]:
@@ -147,8 +147,8 @@ class RequestLevelScheduler:
                 if not r.status.finished and len(r.output_token_ids) < self._batch.max_tokens]
 
     def _next_ready_microbatch(self) -> int | None:
-        for k in range(self.num_stages):
-            index = (self._next_microbatch + k) % self.num_stages
+        for k in range(self.num_microbatches):
+            index = (self._next_microbatch + k) % self.num_microbatches
             if index not in self._in_flight and self._pending_members(index):
                 self._next_microbatch = index + 1
                 return index
@@ -170,6 +170,9 @@ class RequestLevelScheduler:
         del self._waiting[:len(chosen)]
         for r in chosen:
             r.prompt_token_ids = [PAD_TOKEN_ID] * (prompt_len - r.num_prompt_tokens) + r.prompt_token_ids
+            # The pads are really computed (FasterTransformer's cost): no request may take another's
+            # pages of pads from the prefix cache.
+            r.cache_salt = f"request-level:{r.request_id}"
             r.sampling = dataclasses.replace(r.sampling, max_tokens=max_tokens, ignore_eos=True,
                                              stop_token_ids=())
             self.kv.reserve(r.request_id, prompt_len + max_tokens)

@@ -8,7 +8,7 @@ Deferred Continuous Batching), in one run, in process.
    fine-tuning tokens/s;
 4. inference with the job: the same three traces while the job runs: TTFT and TPOT p50/p99 and the
    job's tokens/s.
-Writes DIR/<model>_finetune.json and prints the issue's targets: at the medium rate inference p99 TPOT
+Saves <model>_finetune.json (--result-dir) and prints the issue's targets: at the medium rate inference p99 TPOT
 within 1.2x of inference alone; at the light rate fine-tuning keeps >= 50% of its alone throughput.
 """
 
@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 import tempfile
 import time
 
-import jax
 import numpy as np
 
-from orca_jax.bench.core import CoreSetup, engine_config, random_model
-from orca_jax.bench.traces import LengthSpec, Trace, TraceKind, make_trace
+from orca_jax.bench.datasets import DatasetName, Trace, add_dataset_arguments, lengths_from_args, make_trace
+from orca_jax.bench.harness import Results, add_engine_arguments, add_result_arguments, build_engine
 from orca_jax.config import FineTuningConfig, LoRAConfig
 from orca_jax.engine import Engine
 from orca_jax.finetune.data import TrainingPlan, examples_from_records
@@ -39,13 +36,11 @@ FT_TARGET = 0.5  # light rate: fine-tuning tokens/s with inference over alone, a
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-8b")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--rate-fractions", default="0.2,0.5,0.9", help="light, medium, near saturation")
+    add_engine_arguments(parser)
+    add_dataset_arguments(parser, num_prompts=256, lists=False, names=(DatasetName.UNIFORM,))
+    parser.add_argument("--rate-fractions", default="0.2,0.5,0.9",
+                        help="light, medium, near saturation: fractions of the capacity (--num-prompts at once)")
     parser.add_argument("--duration-s", type=float, default=30.0, help="each Poisson run's arrivals")
-    parser.add_argument("--capacity-requests", type=int, default=256)
     parser.add_argument("--ft-alone-s", type=float, default=15.0)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--micro-batch-tokens", type=int, default=2048)
@@ -53,11 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt,completion tokens of each example (with the end token: 512, one row)")
     parser.add_argument("--deferral-bound-s", type=float, default=FineTuningConfig().deferral_bound_s)
     parser.add_argument("--memory-gib", type=float, default=8.0, help="held back from the KV pool for the job")
-    paper = LengthSpec()
-    parser.add_argument("--prompt-range", default=",".join(map(str, paper.prompt_range)))
-    parser.add_argument("--gen-range", default=",".join(map(str, paper.gen_range)))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True, help="directory for <model>_finetune.json")
+    add_result_arguments(parser)
 
 
 def percentiles(values: list[float]) -> dict:
@@ -131,28 +122,15 @@ def drive_until(engine: Engine, until, timeout_s: float = 600.0) -> None:
             time.sleep(0.005)
 
 
-def main(args: argparse.Namespace) -> dict:
-    lengths = LengthSpec(prompt_range=tuple(int(x) for x in args.prompt_range.split(",")),
-                         gen_range=tuple(int(x) for x in args.gen_range.split(",")))
-    setup = CoreSetup(args.model, args.max_num_seqs, args.max_num_batched_tokens, args.capacity_requests,
-                      dtype=args.dtype, lengths=lengths)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.model}_finetune.json")
+def run(args: argparse.Namespace) -> Results:
+    lengths = lengths_from_args(args)
+    results = Results("finetune", args, args.model)
     jobs_dir = tempfile.mkdtemp(prefix="orca_jax_bench_finetune_")
     fine_tuning = FineTuningConfig(directory=jobs_dir, deferral_bound_s=args.deferral_bound_s, memory_gib=args.memory_gib)
-    config = dataclasses.replace(engine_config(setup), lora=LoRAConfig(max_loras=1, max_lora_rank=args.rank),
-                                 fine_tuning=fine_tuning)
-    result = {"setup": dataclasses.asdict(setup) | {"lengths": str(lengths)}, "fine_tuning": dataclasses.asdict(fine_tuning),
-              "device": jax.devices()[0].device_kind, "command": " ".join(sys.argv)}
-
-    def save():
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-
     start = time.monotonic()
-    engine = Engine(config, random_model(args.model, args.dtype))
-    result["start_s"] = time.monotonic() - start
-    result["kv_pages"] = engine.stats().kv_pages_total
+    engine = build_engine(args, lora=LoRAConfig(max_loras=1, max_lora_rank=args.rank), fine_tuning=fine_tuning)
+    result = {"fine_tuning": dataclasses.asdict(fine_tuning), "start_s": time.monotonic() - start,
+              "kv_pages": engine.stats().kv_pages_total}
     # The job's programs compile (into jax's persistent cache) while inference runs alone, so the job
     # later starts from the cache instead of a compile of minutes.
     prompt_tokens, completion_tokens = map(int, args.example_tokens.split(","))
@@ -167,12 +145,12 @@ def main(args: argparse.Namespace) -> dict:
     early = LoRATrainer(stage.model, stage.params, spec, hp, (plan.rows, plan.length), plan.total_steps,
                         stage.replicated, fine_tuning.remat).start_compiling(engine.model_config)
     early.add_done_callback(lambda _: result.__setitem__("job_compile_s", time.monotonic() - compile_start))
-    result["capacity_rps"] = capacity(engine, make_trace(TraceKind.UNIFORM, args.capacity_requests, None, args.seed, lengths))
+    result["capacity_rps"] = capacity(engine, make_trace(DatasetName.UNIFORM, args.num_prompts, None, args.seed, lengths))
     rates = [f * result["capacity_rps"] for f in map(float, args.rate_fractions.split(","))]
-    traces = [make_trace(TraceKind.UNIFORM, max(2, round(rate * args.duration_s)), rate, args.seed, lengths)
+    traces = [make_trace(DatasetName.UNIFORM, max(2, round(rate * args.duration_s)), rate, args.seed, lengths)
               for rate in rates]
     result["alone"] = [run_poisson(engine, trace) for trace in traces]
-    save()
+    results.section("finetune", result)
 
     tuner = engine.fine_tuning
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
@@ -184,7 +162,7 @@ def main(args: argparse.Namespace) -> dict:
     job = tuner.job(job_id)
     if job["status"] == "failed":
         result["job_error"] = job["error"]
-        save()
+        results.section("finetune", result)
         raise RuntimeError(f"the fine-tuning job failed: {job['error']}")
     events = tuner.store.events(job_id)
     result["job_start_s"] = time.monotonic() - started
@@ -199,9 +177,9 @@ def main(args: argparse.Namespace) -> dict:
     result["with_job"] = [run_poisson(engine, trace) for trace in traces]
     tuner.cancel(job_id)
     result["summary"] = summary(result)
-    save()
+    results.section("finetune", result)
     print(json.dumps(result["summary"], indent=1))
-    return result
+    return results
 
 
 def summary(result: dict) -> dict:

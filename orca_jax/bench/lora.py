@@ -8,27 +8,24 @@
   many slots) on the ORCA trace (all requests at once, EOS ignored): the base model alone, requests
   spread over every adapter, all on one adapter; then batch-1 decode (context ~512) on the base and
   on an adapter. Each trace runs twice; the second (warm) run is the one compared.
-Writes DIR/<model>_lora.json and prints the ratios against the issue's targets (throughput >= 0.8x
+Writes --result-dir/<model>_lora.json and prints the ratios against the issue's targets (throughput >= 0.8x
 the base's, batch-1 decode <= 1.2x).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.bench.core import CoreSetup, engine_config, random_model
-from orca_jax.bench.timing import time_call
-from orca_jax.bench.traces import LengthSpec, Trace, TraceKind, make_trace
+from orca_jax.bench.datasets import DatasetName, Trace, add_dataset_arguments, lengths_from_args, make_trace
+from orca_jax.bench.harness import Results, add_engine_arguments, add_result_arguments, build_engine, random_model
+from orca_jax.bench.roofline import time_call
 from orca_jax.config import LoRAConfig, ModelConfig, ModelFamily
 from orca_jax.engine import Engine
 from orca_jax.lora import LoRARequest, ops
@@ -41,49 +38,31 @@ DECODE_TARGET = 1.2  # batch-1 decode time with an adapter over the base's, at m
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-8b")
+    add_engine_arguments(parser)
+    add_dataset_arguments(parser, lists=False, names=(DatasetName.UNIFORM,))
     parser.add_argument("--num-adapters", type=int, default=16, help="random adapters, one device slot each")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--num-requests", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--tokens", default="1,8,32,128,512,2048", help="token counts of the ops section")
-    paper = LengthSpec()
-    parser.add_argument("--prompt-range", default=",".join(map(str, paper.prompt_range)),
-                        help="the trace's prompt lengths, LO,HI (the paper's by default)")
-    parser.add_argument("--gen-range", default=",".join(map(str, paper.gen_range)), help="its output lengths, LO,HI")
     parser.add_argument("--sections", default="ops,engine")
-    parser.add_argument("--out", required=True, help="directory for <model>_lora.json")
+    add_result_arguments(parser)
 
 
-def main(args: argparse.Namespace) -> dict:
-    lengths = LengthSpec(prompt_range=tuple(int(x) for x in args.prompt_range.split(",")),
-                         gen_range=tuple(int(x) for x in args.gen_range.split(",")))
-    setup = CoreSetup(args.model, args.max_num_seqs, args.max_num_batched_tokens, args.num_requests, dtype=args.dtype,
-                      lengths=lengths)
+def run(args: argparse.Namespace) -> Results:
+    results = Results("lora", args, args.model)
+    results.section("setup", {"num_adapters": args.num_adapters, "rank": args.rank})
     sections = set(args.sections.split(","))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{args.model}_lora.json")
-    result = {"setup": dataclasses.asdict(setup) | {"lengths": str(setup.lengths)}, "num_adapters": args.num_adapters,
-              "rank": args.rank, "device": jax.devices()[0].device_kind, "command": " ".join(sys.argv)}
-
-    def save():
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-
-    config = random_model(args.model, args.dtype).config
+    config = random_model(args.model, args.dtype or "bfloat16").config
     if "ops" in sections:
-        result["ops"] = time_layer_terms(config, args.num_adapters, args.rank,
-                                         [int(x) for x in args.tokens.split(",")])
-        save()
-        for row in result["ops"]:
-            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+        rows = time_layer_terms(config, args.num_adapters, args.rank, [int(x) for x in args.tokens.split(",")])
+        results.section("ops", rows)
+        for row in rows:
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     if "engine" in sections:
-        result["engine"] = run_engine(setup, args.num_adapters, args.rank)
-        save()
-        print(json.dumps(result["engine"]["summary"], indent=1))
-    return result
+        engine = build_engine(args, lora=LoRAConfig(max_loras=args.num_adapters, max_lora_rank=args.rank))
+        trace = make_trace(DatasetName.UNIFORM, args.num_prompts, None, args.seed, lengths_from_args(args))
+        results.section("engine", run_engine(engine, trace, args.num_adapters, args.rank))
+        print(json.dumps(results["engine"]["summary"], indent=1), flush=True)
+    return results
 
 
 # ---- ops ------------------------------------------------------------------------------------------
@@ -151,20 +130,16 @@ def time_layer_terms(config: ModelConfig, num_slots: int, rank: int, token_count
 
 # ---- engine ---------------------------------------------------------------------------------------
 
-def run_engine(setup: CoreSetup, num_adapters: int, rank: int) -> dict:
-    start = time.perf_counter()
-    engine = Engine(dataclasses.replace(engine_config(setup), lora=LoRAConfig(max_loras=num_adapters, max_lora_rank=rank)),
-                    random_model(setup.model, setup.dtype))
+def run_engine(engine: Engine, trace: Trace, num_adapters: int, rank: int) -> dict:
     started = time.perf_counter()
     loras = []
     for i in range(num_adapters):
         lora = LoRARequest(f"random-{i}", i + 1, "(random)")
         engine.add_lora(lora, random_adapter(engine.model_config, rank, seed=i, name=lora.lora_name))
         loras.append(lora)
-    section: dict = {"start_s": started - start, "adapters_made_s": time.perf_counter() - started,
+    section: dict = {"adapters_made_s": time.perf_counter() - started,
                      "num_programs": engine.runner.compilation.num_compiled_programs,
                      "lora_table_bytes": sum(stage.lora.nbytes for stage in engine.runner.stages)}
-    trace = make_trace(TraceKind.UNIFORM, setup.num_requests, None, 0, setup.lengths)
     spreads = {"base": lambda i: None, "adapters": lambda i: loras[i % len(loras)], "one_adapter": lambda i: loras[0]}
     for label, pick in spreads.items():
         section[label] = [run_trace(engine, trace, pick) for _ in range(2)]

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 
-from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
+from orca_jax.config import DTYPES, ModelConfig, ModelFamily, RopeScaling
 from orca_jax.models.safetensors_io import Layouts, fill_params
 from orca_jax.models.weights import Params, WeightsError
 
@@ -117,12 +117,10 @@ def config_from_llama_json(path: str, dtype: str | None = None) -> ModelConfig:
 
 
 def checkpoint_dtype(hf: dict) -> str:
-    """The dtype to serve in when none is asked for: bf16 checkpoints stay bf16, everything else fp32.
-
-    float16 weights go to float32 (exact) rather than bfloat16 (3 mantissa bits fewer).
-    """
+    """The dtype to serve in when none is asked for (--dtype auto): the checkpoint's, or fp32 when it
+    names none we know."""
     stored = hf.get("dtype") or hf.get("torch_dtype")  # transformers 5 / 4.x
-    return "bfloat16" if stored == "bfloat16" else "float32"
+    return stored if stored in DTYPES else "float32"
 
 
 def _eos_ids(value) -> tuple[int, ...]:

@@ -62,11 +62,8 @@ def load_model(name_or_path: str, dtype: str | None = None) -> LoadedModel:
     elif name_or_path in presets.PRESETS:
         config = presets.PRESETS[name_or_path]
         loaded = LoadedModel(config, None, ByteTokenizer(config.eos_token_ids, config.bos_token_id))
-    elif os.sep in name_or_path or name_or_path.endswith(".gguf"):
-        raise WeightsError(f"{name_or_path}: no such file or directory")
     else:
-        presets.get_preset(name_or_path)  # raises with the list of known names
-        raise AssertionError("unreachable")
+        raise WeightsError(presets.model_source_error(name_or_path) or f"{name_or_path}: cannot load")
     if dtype is not None and dtype != loaded.config.dtype:
         config = dataclasses.replace(loaded.config, dtype=dtype)
         params = None if loaded.params is None else weights.cast_params(loaded.params, dtype)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 from orca_jax.config import ModelConfig, ModelFamily
 
 
@@ -50,10 +53,34 @@ PRESETS: dict[str, ModelConfig] = {
 REAL_WEIGHT_PRESETS = frozenset({"smollm2-135m"})
 
 
+# What --model takes besides a preset name, for help texts and errors.
+MODEL_FORMATS = ("a Hugging Face model directory (Llama 2/3, Mistral, Qwen2, GPT-2: config.json, safetensors, "
+                 "tokenizer.json), a Llama .gguf file, or an orca_jax checkpoint directory")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def describe_presets() -> str:
+    """The preset names, the real-weight ones marked, for help texts."""
+    return ", ".join(name + (" (real weights)" if name in REAL_WEIGHT_PRESETS else "") for name in PRESETS)
+
+
+def model_source_error(name: str) -> str | None:
+    """Why `name` names no model we can load (one line), or None when it is a preset or an existing
+    path. A Hugging Face Hub id is told how to get the files: nothing here downloads."""
+    if name in PRESETS or os.path.exists(name):
+        return None
+    if _HUB_ID.fullmatch(name):
+        return (f"{name!r} looks like a Hugging Face Hub id, and orca_jax does not download models: run "
+                f"`hf download {name} --local-dir DIR` (or `huggingface-cli download`), then pass --model DIR")
+    if os.sep in name or name.endswith(".gguf"):
+        return f"{name}: no such file or directory"
+    return (f"unknown model {name!r}: give a preset ({describe_presets()}) or a path to "
+            f"{MODEL_FORMATS}")
+
+
 def get_preset(name: str) -> ModelConfig:
     """The ModelConfig of a named preset; a clear error lists the known names."""
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}, "
-                         "or a path to a Hugging Face directory (GPT-2, Llama, Mistral, Qwen2) or a .gguf file") from None
+        raise ValueError(model_source_error(name) or f"{name!r} is a path, not a preset") from None

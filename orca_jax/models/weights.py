@@ -51,7 +51,7 @@ def check_params(params: Params, config: ModelConfig, source: str) -> None:
 
 
 def cast_params(params: Params, dtype: str) -> Params:
-    """Every leaf as a numpy array of `dtype` ("float32" or "bfloat16")."""
+    """Every leaf as a numpy array of `dtype` (one of config.DTYPES)."""
     target = np.dtype(jax.numpy.dtype(dtype))
     return jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=target), params)
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.errors import install_error_handlers
@@ -33,18 +36,56 @@ _DOC_PATHS = ("/docs", "/redoc", "/openapi.json")  # the schema tells an intrude
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 
+# What a well-formed body (per the schema) can still be refused for: limits of the model and server
+# that JSON Schema cannot state. Each 400 carries the `code` (or `param`) named here.
+_RUNTIME_RULES = (
+    "A body the schema accepts can still get a 400 for limits of the served model: prompt tokens "
+    "plus max_tokens beyond the context (code context_length_exceeded); a token id outside the "
+    "vocabulary (code token_id_out_of_range); more prompts x n than the server runs at once (code "
+    "too_many_choices); best_of other than n (param best_of: candidates are not ranked).")
+_CHAT_RULES = (" The model's chat template may refuse a conversation, e.g. roles out of order "
+               "(param messages).")
+
+# With "stream": true the 200 is server-sent events (the schema describes one event): each `data:` a
+# chunk object as JSON (or an error object), the last one [DONE].
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}},
+                   "description": "JSON, or with stream: true server-sent events"}}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CORSPolicy:
+    """Which web pages of other origins may call the API (Starlette's CORSMiddleware)."""
+
+    allowed_origins: tuple[str, ...]  # "*" for any
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+
+
+class HealthStatus(BaseModel):
+    """/health's body: "ok" (200); "starting" with compile progress, or "unhealthy" with a reason (503)."""
+
+    status: str
+    reason: str | None = None
+    waiting_for: str | None = None
+    compiled: int | None = None
+    total: int | None = None
+
 
 def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                metrics_require_auth: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                allow_special_tokens_in_text: bool = False,
-               allowed_hosts: tuple[str, ...] | None = None,
+               allowed_hosts: tuple[str, ...] | None = None, chat_template: str | None = None,
+               log_requests: bool = False, cors: CORSPolicy | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
     A bare Engine is wrapped in an AsyncEngine. Only one app at a time may drive one engine.
     `default_max_tokens` caps chats that name no max_tokens (None: the rest of the context);
-    `allowed_hosts` (None: any) are the Host header values answered, e.g. LOCAL_HOSTS. With the
+    `allowed_hosts` (None: any) are the Host header values answered, e.g. LOCAL_HOSTS;
+    `chat_template` replaces the model's own; `log_requests` logs one line per generation request;
+    `cors` (None: no cross-origin access) lets web pages of other origins call the API. With the
     engine's fine-tuning on, OpenAI's files and fine-tuning routes too (uploads up to max_upload_bytes).
     """
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
@@ -56,7 +97,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     models = ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
     serving = OpenAIServing(async_engine, metrics, served_model_name=served_model_name,
                             default_max_tokens=default_max_tokens,
-                            allow_special_tokens_in_text=allow_special_tokens_in_text, models=models)
+                            allow_special_tokens_in_text=allow_special_tokens_in_text,
+                            chat_template=chat_template, log_requests=log_requests, models=models)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -74,11 +116,13 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
 
     v1 = APIRouter(prefix="/v1", responses=_ERROR_RESPONSES)
 
-    @v1.post("/completions", response_model=CompletionResponse)
+    @v1.post("/completions", response_model=CompletionResponse, description=_RUNTIME_RULES,
+             responses=_STREAMED)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @v1.post("/chat/completions", response_model=ChatCompletionResponse)
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse,
+             description=_RUNTIME_RULES + _CHAT_RULES, responses=_STREAMED)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
@@ -97,7 +141,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, response_model_exclude_none=True,
+             responses={503: {"model": HealthStatus, "description": "starting or unhealthy"}})
     async def health() -> JSONResponse:
         """200 once every program is compiled and the engine loop is alive and accepting; else 503."""
         if async_engine.is_healthy:
@@ -110,16 +155,28 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                   else "shutting down or not started")
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    # Added last = outermost: the Host and the key are checked before the body is even read.
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        """Forget every cached prefix (vLLM's route); running requests keep their pages."""
+        forgotten = await async_engine.run_in_engine(lambda engine: engine.reset_prefix_cache())
+        return JSONResponse({"status": "ok", "pages_forgotten": forgotten})
+
+    # Added last = outermost: the Host and the key are checked before the body is even read. CORS
+    # sits outside the key: a browser's preflight carries no key, and a 401 needs CORS headers too.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes,
                        limits_by_prefix={FILES_PATH: max(max_upload_bytes, max_body_bytes)})
     if api_key:
-        protected = ("/v1", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
+        protected = ("/v1", "/reset_prefix_cache", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers)
     if allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed_hosts=allowed_hosts)
     return app

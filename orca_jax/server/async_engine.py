@@ -456,6 +456,7 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(error)
 
 
+
 def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
     for stream, item in items:
         stream.put(item)

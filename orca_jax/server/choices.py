@@ -45,10 +45,15 @@ def derive_seed(seed: int | None, number: int) -> int | None:
 
 
 def usage_of(choices: list[Choice], finals: list[RequestOutput | None]) -> Usage:
-    """OpenAI's count: each prompt's tokens once, however many choices it has; every choice's output."""
+    """OpenAI's count: each prompt's tokens once, however many choices it has; every choice's output.
+    A prompt's cached tokens are its first choice's (the others share what that one computed)."""
     prompt_tokens = {choice.prompt_index: len(choice.prompt_ids) for choice in choices}
     completion_tokens = sum(len(final.output_token_ids) for final in finals if final is not None)
-    return Usage.of(sum(prompt_tokens.values()), completion_tokens)
+    cached = {}
+    for choice, final in zip(choices, finals):
+        if final is not None:
+            cached.setdefault(choice.prompt_index, final.num_cached_tokens)
+    return Usage.of(sum(prompt_tokens.values()), completion_tokens, sum(cached.values()))
 
 
 async def submit_all(async_engine: AsyncEngine, choices: list[Choice], *, request_id: str, priority: int,

@@ -19,7 +19,8 @@ _TYPE_BY_STATUS = {
     429: "rate_limit_error", 503: "service_unavailable_error",
 }
 # Union member tags pydantic puts in an error's location; they are not field names.
-_PLAIN_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"})
+_PLAIN_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "TextPart", "StreamOptions",
+                               "ResponseFormat"})
 
 
 def _is_union_tag(part: str) -> bool:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
+from orca_jax.server.http_limits import HTTPLimits
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServedApp:
@@ -21,12 +23,14 @@ class ServedApp:
 
 @contextlib.contextmanager
 def served_in_thread(app, *, wrap_run: Callable | None = None, **config) -> Iterator[ServedApp]:
-    """Serve `app` until the block ends. `config`: uvicorn.Config's options (log level warning unless
-    given); `wrap_run(server.run, sockets=...)` runs the server instead, e.g. a profiler's runcall."""
+    """Serve `app` until the block ends. `config`: uvicorn.Config's options (log level warning and
+    serve's default HTTP limits unless given); `wrap_run(server.run, sockets=...)` runs the server
+    instead, e.g. a profiler's runcall."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", **config}))
+    server = uvicorn.Server(uvicorn.Config(app, **{"log_level": "warning", **HTTPLimits().uvicorn_options(),
+                                                   **config}))
     run = server.run if wrap_run is None else (lambda **kwargs: wrap_run(server.run, **kwargs))
     thread = threading.Thread(target=run, kwargs={"sockets": [sock]}, name="event-loop", daemon=True)
     thread.start()

@@ -33,7 +33,7 @@ class APIKeyMiddleware:
         self._protected_prefixes = protected_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self._protected_prefixes):
+        if scope["type"] == "http" and route_path(scope).startswith(self._protected_prefixes):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
             # The scheme is case-insensitive (RFC 9110 section 11.1); the key is not. compare_digest
             # takes time independent of where the keys differ.
@@ -63,6 +63,13 @@ class HostCheckMiddleware:
                               "start it with --allowed-hosts to add one", code="invalid_host")
             return
         await self.app(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes by: behind a proxy (--root-path /llm) uvicorn gives "/llm/v1/...";
+    the routes, and so the protected prefixes, are "/v1/..."."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 def host_name(header: bytes) -> str:

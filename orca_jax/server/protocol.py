@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 from orca_jax.request import SamplingParams
 
@@ -20,6 +21,13 @@ MAX_TOP_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
 MAX_SEED = 2**32 - 1  # the engine keeps seeds as uint32
 MAX_INT32 = 2**31 - 1
 MAX_N = 128  # OpenAI's own bound on choices per request
+# Fields accepted only at their "off" value, as OpenAI clients send them: the schema says exactly that
+# (JSON Schema's own words), the field validators below give the friendlier message.
+_ONLY_ZERO = {"minimum": 0, "maximum": 0}
+_ONLY_EMPTY_OBJECT = {"maxProperties": 0}
+_ONLY_EMPTY_LIST = {"maxItems": 0}
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 def _check_encodable(value: object) -> None:
@@ -40,8 +48,25 @@ def _check_encodable(value: object) -> None:
             _check_encodable(item)
 
 
+def _integral_floats_to_int(value: object) -> object:
+    """1.0 -> 1, in lists and objects too: JSON does not tell 1.0 from 1 (nor does JSON Schema's
+    "integer"), but a strict int field would refuse the float. Float fields take ints as they are."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_floats_to_int(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _integral_floats_to_int(item) for key, item in value.items()}
+    return value
+
+
 class _StrictBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_numbers(cls, data: object) -> object:
+        return _integral_floats_to_int(data)
 
     @field_validator("*")
     @classmethod
@@ -55,8 +80,15 @@ class StreamOptions(_StrictBody):
     include_usage: bool = False
 
 
+# The two deadline fields exclude each other (the model validator below); in the schema's own terms.
+_ONE_DEADLINE = {"not": {"required": ["deadline", "deadline_ms"],
+                         "properties": {"deadline": {"type": "number"}, "deadline_ms": {"type": "integer"}}}}
+
+
 class _GenerationRequest(_StrictBody):
     """Fields both endpoints share: sampling, stopping, streaming and our extensions."""
+
+    model_config = ConfigDict(json_schema_extra=_ONE_DEADLINE)
 
     model: str | None = None  # None: the one served model
     max_tokens: int | None = Field(None, ge=1)
@@ -64,14 +96,14 @@ class _GenerationRequest(_StrictBody):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=MAX_INT32)  # extension; 0 or -1 disables
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: str | list[str] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)  # choices; each is its own engine request
     user: str | None = None  # accepted and ignored
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
+    frequency_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_ONLY_EMPTY_OBJECT)
     ignore_eos: bool = False  # extension
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)  # extension; higher runs first
     # Extension: milliseconds from arrival. A request still waiting when it passes is dropped (504,
@@ -104,14 +136,6 @@ class _GenerationRequest(_StrictBody):
             raise ValueError("logit_bias is not supported")
         return value
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings_non_empty(cls, value: str | list[str] | None) -> str | list[str] | None:
-        strings = [value] if isinstance(value, str) else value or []
-        if any(not s for s in strings):
-            raise ValueError("stop strings must be non-empty")
-        return value
-
     @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -127,11 +151,13 @@ class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
     # One prompt (text or token ids) or a list of them; each prompt gets n choices.
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1)] \
+        | Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n when given: the server "
+                                "does not rank candidates")
 
     @field_validator("echo")
     @classmethod
@@ -175,11 +201,11 @@ class ChatMessage(_StrictBody):
     name: str | None = None
     # OpenAI's other message fields, as clients echo an earlier reply back: accepted while empty.
     refusal: str | None = None
-    tool_calls: list[dict] | None = None
+    tool_calls: list[dict] | None = Field(None, json_schema_extra=_ONLY_EMPTY_LIST)
     tool_call_id: str | None = None
-    function_call: dict | None = None
-    audio: dict | None = None
-    annotations: list[dict] | None = None
+    function_call: dict | None = Field(None, json_schema_extra=_ONLY_EMPTY_OBJECT)
+    audio: dict | None = Field(None, json_schema_extra=_ONLY_EMPTY_OBJECT)
+    annotations: list[dict] | None = Field(None, json_schema_extra=_ONLY_EMPTY_LIST)
 
     @field_validator("tool_calls", "function_call", "audio", "annotations")
     @classmethod
@@ -196,30 +222,34 @@ class ChatMessage(_StrictBody):
         return "".join(part.text for part in self.content)
 
 
+class ResponseFormat(_StrictBody):
+    """Only plain text so far."""
+
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
+
+    # top_logprobs > 0 needs logprobs true (the model validator below); in the schema's own terms.
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_DEADLINE, {"not": {
+        "required": ["top_logprobs"],
+        "properties": {"top_logprobs": {"type": "integer", "minimum": 1}, "logprobs": {"enum": [False]}}}}]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict] | None = None
+    tools: list[dict] | None = Field(None, json_schema_extra=_ONLY_EMPTY_LIST)
     tool_choice: Literal["none", "auto"] | None = None  # with no tools, both mean plain text
     parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, value: list[dict] | None) -> list[dict] | None:
         if value:
             raise ValueError("tools are not supported")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict | None) -> dict | None:
-        if value is not None and value != {"type": "text"}:
-            raise ValueError('only {"type": "text"} is supported')
         return value
 
     @model_validator(mode="after")
@@ -251,15 +281,29 @@ def unix_now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's field; present when some prompt tokens were cached (vLLM's counting).
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
+        details = PromptTokensDetails(cached_tokens=num_cached_tokens) if num_cached_tokens else None
         return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens)
+                   total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_details(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class CompletionLogprobs(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orca_jax.lora.request import LoRARequest
 from orca_jax.request import SamplingParams
+from orca_jax.tokenizer import with_chat_template
 from orca_jax.server.async_engine import (
     AsyncEngine, EngineOverloadedError, EngineUnavailableError, QueueFullError, RequestStream,
 )
@@ -31,6 +33,7 @@ DEFAULT_MAX_TOKENS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
 DEADLINE = "deadline"  # RequestStatus.FINISHED_DEADLINE's finish reason
 DEADLINE_MESSAGE = "the deadline ({:g} s after arrival) passed before the request could start; it was dropped"
+request_log = logging.getLogger("orca_jax.requests")
 # SamplingParams names the failing field in its ValueError ("SamplingParams.top_p must be ...");
 # its fields share the request's names, so that name is the param to report.
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
@@ -46,7 +49,8 @@ class OpenAIServing:
 
     def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, *, served_model_name: str,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                 allow_special_tokens_in_text: bool = False, models: ServedModels | None = None):
+                 allow_special_tokens_in_text: bool = False, chat_template: str | None = None,
+                 log_requests: bool = False, models: ServedModels | None = None):
         self.async_engine = async_engine
         self.metrics = metrics
         self.served_model_name = served_model_name
@@ -54,8 +58,10 @@ class OpenAIServing:
         self.models = models or ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
         self.default_max_tokens = default_max_tokens
         self.split_special_tokens = not allow_special_tokens_in_text
+        self.log_requests = log_requests
         engine = async_engine.engine
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = (engine.tokenizer if chat_template is None
+                          else with_chat_template(engine.tokenizer, chat_template))
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.page_size = engine.config.cache.page_size
@@ -100,7 +106,7 @@ class OpenAIServing:
         if len(prompts) * body.n > self.async_engine.max_in_flight:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is more than the "
                            f"{self.async_engine.max_in_flight} requests this server runs at once",
-                           param="n")
+                           param="n", code="too_many_choices")
         choices = []
         for prompt_index, prompt_ids in enumerate(prompts):
             self._check_prompt_ids(prompt_ids, param=param)
@@ -116,7 +122,7 @@ class OpenAIServing:
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                           param=param)
+                           param=param, code="token_id_out_of_range")
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int | None, *,
                     param: str) -> int:
@@ -152,6 +158,8 @@ class OpenAIServing:
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
                         request_id: str, choices: list[Choice],
                         formatter: CompletionFormatter | ChatFormatter, lora: LoRARequest | None = None) -> Response:
+        if self.log_requests:
+            _log_request(request_id, body, choices)
         deadline = None if body.deadline_seconds is None else time.monotonic() + body.deadline_seconds
         timers = [self.metrics.request_timer(len(c.prompt_ids), c.sampling.max_tokens, body.priority)
                   for c in choices]
@@ -217,3 +225,14 @@ class OpenAIServing:
         finally:
             streams.abort_all()
         yield "data: [DONE]\n\n"
+
+
+def _log_request(request_id: str, body: CompletionRequest | ChatCompletionRequest, choices: list[Choice]) -> None:
+    """One line per request, as vLLM logs them: its id, size and sampling settings (not its text)."""
+    sampling = choices[0].sampling
+    request_log.info(
+        "%s: %d prompt(s) of %s tokens, n=%d, max_tokens=%d, temperature=%g, top_p=%g, top_k=%d, seed=%s, "
+        "stop=%d, logprobs=%s, priority=%d, stream=%s", request_id, len({c.prompt_index for c in choices}),
+        "/".join(str(n) for n in sorted({len(c.prompt_ids) for c in choices})), body.n, sampling.max_tokens,
+        sampling.temperature, sampling.top_p, sampling.top_k, body.seed, len(sampling.stop), sampling.logprobs,
+        body.priority, body.stream)

@@ -1,0 +1,370 @@
+"""Tool calls out of a model's text, in the formats vLLM's `--tool-call-parser` names.
+
+- hermes (Qwen2.5, Hermes, many fine-tunes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  any number of them, with text around;
+- llama3_json (Llama 3.1-3.3): a text that starts with `{` or holds `<|python_tag|>`, then JSON objects
+  `{"name": ..., "parameters": {...}}` separated by `;`;
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after optional text.
+
+Markers that are special tokens (`<|python_tag|>`, `[TOOL_CALLS]`) are only in the text when it was
+detokenized with skip_special_tokens=False; the server does that for requests with tools.
+
+`parse` is the streaming parser fed the whole text at once, and the streaming parser only emits what
+no later text can change, so the deltas of any split of a text add up to `parse` of it. A call is
+emitted when its JSON is complete: first its index, id and name, then its arguments (one
+fragment). A call whose JSON does not parse, or does not name a function, stays in the content as
+the text it was. Whitespace next to calls is layout and dropped; other content is kept verbatim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import string
+import types
+import uuid
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call, as OpenAI's `message.tool_calls[i]` carries it."""
+
+    id: str
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of `delta.tool_calls`: index, id and name in a call's first piece, then arguments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParsedDelta:
+    """What one text delta adds: content text and tool-call pieces (either may be empty)."""
+
+    content: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+def openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def mistral_call_id() -> str:
+    """Mistral's chat template requires ids of exactly 9 letters and digits."""
+    alphabet = string.ascii_letters + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(9))
+
+
+class StreamingToolParser:
+    """Feed text deltas in order, then call finish(); each returns what is now certain."""
+
+    def __init__(self, id_factory: Callable[[], str]):
+        self._id_factory = id_factory
+        self._buf = ""  # text received and not yet decided
+        self._content: list[str] = []  # output of the current feed
+        self._calls: list[ToolCallDelta] = []
+        self._num_calls = 0
+        self._held_space = ""  # whitespace-only content kept back until we know what follows it
+        self._after_call = False  # the content since the last call is all whitespace so far
+        self._value_end = _ValueEnd()  # scans the JSON at the start of the undecided text
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._buf += text
+        self._advance(final=False)
+        return self._flush()
+
+    def finish(self) -> ParsedDelta:
+        self._advance(final=True)
+        if self._num_calls == 0:
+            self._content.append(self._held_space)
+        self._held_space = ""
+        return self._flush()
+
+    # --- for the formats ----------------------------------------------------------------------
+    def _advance(self, final: bool) -> None:
+        raise NotImplementedError
+
+    def _emit_content(self, text: str) -> None:
+        if self._after_call:  # whitespace after a call is layout too
+            text = text.lstrip()
+            self._after_call = not text
+        if not text:
+            return
+        body = text.rstrip()
+        if not body:
+            self._held_space += text
+            return
+        self._content.append(self._held_space + body)
+        self._held_space = text[len(body):]
+
+    def _emit_call(self, name: str, arguments: str) -> None:
+        self._held_space = ""  # whitespace before a call is layout, not content
+        self._after_call = True
+        index = self._num_calls
+        self._num_calls += 1
+        self._calls += [ToolCallDelta(index, self._id_factory(), name), ToolCallDelta(index, arguments=arguments)]
+
+    def _take(self, count: int) -> str:
+        taken, self._buf = self._buf[:count], self._buf[count:]
+        self._value_end.reset()  # what it scanned has moved
+        return taken
+
+    def _content_until(self, marker: str, final: bool) -> bool:
+        """Emit content up to `marker` and drop the marker: True when it was found. Otherwise emit
+        all but a tail that could still begin the marker (all of it when final)."""
+        at = self._buf.find(marker)
+        if at >= 0:
+            self._emit_content(self._take(at))
+            self._take(len(marker))
+            return True
+        keep = 0 if final else _partial_suffix(self._buf, marker)
+        self._emit_content(self._take(len(self._buf) - keep))
+        return False
+
+    def _flush(self) -> ParsedDelta:
+        delta = ParsedDelta("".join(self._content), tuple(self._calls))
+        self._content, self._calls = [], []
+        return delta
+
+
+class HermesParser(StreamingToolParser):
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self, id_factory: Callable[[], str] = openai_call_id):
+        super().__init__(id_factory)
+        self._in_call = False
+
+    def _advance(self, final: bool) -> None:
+        while True:
+            if not self._in_call:
+                if not self._content_until(self.START, final):
+                    return
+                self._in_call = True
+            at = self._buf.find(self.END)
+            if at < 0 and not final:
+                return
+            body = self._take(at if at >= 0 else len(self._buf))
+            closing = self._take(len(self.END)) if at >= 0 else ""
+            call = _as_call(body, "arguments")
+            if call is None:
+                self._emit_content(self.START + body + closing)
+            else:
+                self._emit_call(*call)
+            self._in_call = False
+            if not self._buf:
+                return
+
+
+class Llama3JsonParser(StreamingToolParser):
+    TAG = "<|python_tag|>"
+
+    def __init__(self, id_factory: Callable[[], str] = openai_call_id):
+        super().__init__(id_factory)
+        self._state = "start"  # start -> calls <-> separator; or text; failed: all the rest is content
+        self._raw_tag = ""  # the tag or `;` before a call, put back into the content if the call fails
+
+    def _advance(self, final: bool) -> None:
+        while True:
+            if self._state == "start":
+                stripped = self._buf.lstrip()
+                if stripped.startswith("{"):
+                    # The leading whitespace goes back into the content if the first call fails.
+                    self._raw_tag = self._take(len(self._buf) - len(stripped))
+                    self._state = "calls"
+                elif not final and (not stripped or self.TAG.startswith(stripped)):
+                    return
+                else:
+                    self._state = "text"
+            if self._state == "text":
+                if not self._content_until(self.TAG, final):
+                    return
+                self._raw_tag, self._state = self.TAG, "calls"
+            if self._state == "failed":
+                self._emit_content(self._take(len(self._buf)))
+                return
+            if self._state == "calls":
+                stripped = self._buf.lstrip()
+                end = self._value_end(stripped) if stripped.startswith("{") else None
+                if end is None and not final and (not stripped or stripped.startswith("{")):
+                    return
+                skip = len(self._buf) - len(stripped)
+                call = None if end is None else _as_call(stripped[:end], "parameters", "arguments")
+                if call is None:
+                    self._emit_content(self._raw_tag + self._take(len(self._buf)))
+                    self._state = "failed"
+                    continue
+                self._take(skip + end)
+                self._emit_call(*call)
+                self._raw_tag, self._state = "", "separator"
+            if self._state == "separator":
+                stripped = self._buf.lstrip()
+                if not stripped:
+                    if final:
+                        self._take(len(self._buf))
+                    return
+                if stripped.startswith(";"):
+                    # Kept, like the tag, for the content if what follows is not a call.
+                    self._raw_tag = self._take(len(self._buf) - len(stripped) + 1)
+                    self._state = "calls"
+                else:
+                    self._state = "failed"
+
+
+class MistralParser(StreamingToolParser):
+    MARKER = "[TOOL_CALLS]"
+
+    def __init__(self, id_factory: Callable[[], str] = mistral_call_id):
+        super().__init__(id_factory)
+        self._in_calls = False
+        self._failed = False  # calls that did not parse: all the rest is content
+
+    def _advance(self, final: bool) -> None:
+        while True:
+            if self._failed:
+                self._emit_content(self._take(len(self._buf)))
+                return
+            if not self._in_calls:
+                if not self._content_until(self.MARKER, final):
+                    return
+                self._in_calls = True
+            stripped = self._buf.lstrip()
+            opens = stripped[:1] in ("[", "{")
+            end = self._value_end(stripped) if opens else None
+            if end is None and not final and (not stripped or opens):
+                return
+            calls = None
+            if end is not None:
+                value = _loads(stripped[:end])
+                items = value if isinstance(value, list) else [value]
+                calls = [_call_of(item, "arguments") for item in items] if items else None
+            if calls is None or None in calls:
+                self._emit_content(self.MARKER)
+                self._failed = True
+                continue
+            self._take(len(self._buf) - len(stripped) + end)
+            for call in calls:
+                self._emit_call(*call)
+            self._in_calls = False
+
+
+class ToolParser:
+    """One format's parser: `parse` a whole text, or `streaming()` for deltas."""
+
+    def __init__(self, name: str, streaming_class: type[StreamingToolParser]):
+        self.name = name
+        self._streaming_class = streaming_class
+
+    def streaming(self, id_factory: Callable[[], str] | None = None) -> StreamingToolParser:
+        return self._streaming_class() if id_factory is None else self._streaming_class(id_factory)
+
+    def parse(self, text: str, id_factory: Callable[[], str] | None = None) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole text; content is None when it would be empty."""
+        parser = self.streaming(id_factory)
+        return assemble([parser.feed(text), parser.finish()])
+
+
+TOOL_PARSERS = types.MappingProxyType({
+    "hermes": ToolParser("hermes", HermesParser),
+    "llama3_json": ToolParser("llama3_json", Llama3JsonParser),
+    "mistral": ToolParser("mistral", MistralParser),
+})
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser of `--tool-call-parser NAME`; ValueError listing the known names."""
+    try:
+        return TOOL_PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(TOOL_PARSERS)}") from None
+
+
+def assemble(deltas) -> tuple[str | None, list[ToolCall]]:
+    """Put streamed deltas back together: (content or None, calls), as a client would."""
+    content = "".join(delta.content for delta in deltas)
+    calls: dict[int, list] = {}
+    for delta in deltas:
+        for piece in delta.tool_calls:
+            if piece.index not in calls:
+                calls[piece.index] = [piece.id, piece.name, ""]
+            calls[piece.index][2] += piece.arguments
+    return content or None, [ToolCall(*calls[index]) for index in sorted(calls)]
+
+
+def _as_call(text: str, *argument_keys: str) -> tuple[str, str] | None:
+    return _call_of(_loads(text.strip()), *argument_keys)
+
+
+def _call_of(value, *argument_keys: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a parsed call object, or None when it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    # The arguments key is required (as vLLM's parsers do): `{"name": "Ada", "age": 36}` is an answer.
+    key = next((key for key in argument_keys if key in value), None)
+    if key is None:
+        return None
+    arguments = value[key]
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        arguments = _loads(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
+class _ValueEnd:
+    """Where the object or array at the start of a growing text ends; each call scans only the
+    text added since the last (arguments can be long: a file's content), until reset()."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._scanned, self._depth, self._in_string, self._escaped = 0, 0, False, False
+
+    def __call__(self, text: str) -> int | None:
+        """Index after the closing bracket, or None when the text ends first. Brackets inside
+        strings do not count. `text` must extend the text of the previous call."""
+        depth, in_string, escaped = self._depth, self._in_string, self._escaped
+        for index in range(self._scanned, len(text)):
+            char = text[index]
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif char == "\\":
+                    escaped = True
+                elif char == '"':
+                    in_string = False
+            elif char == '"':
+                in_string = True
+            elif char in "{[":
+                depth += 1
+            elif char in "}]":
+                depth -= 1
+                if depth == 0:
+                    self.reset()
+                    return index + 1
+        self._scanned, self._depth, self._in_string, self._escaped = len(text), depth, in_string, escaped
+        return None
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `marker`."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0

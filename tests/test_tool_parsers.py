@@ -1,0 +1,152 @@
+"""Tool-call parsers on hand-written model outputs; streamed deltas add up to the whole-text parse."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+
+import numpy as np
+import pytest
+
+from orca_jax.structured.tool_parsers import (TOOL_PARSERS, ParsedDelta, ToolCall, ToolCallDelta, assemble,
+                                              get_tool_parser, mistral_call_id, openai_call_id)
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+ADD = '{"name": "add", "arguments": {"a": 1, "b": [2, "]}"]}}'
+
+
+def counter_ids():
+    numbers = itertools.count()
+    return lambda: f"id{next(numbers)}"
+
+
+def calls(*pairs):
+    return [ToolCall(f"id{i}", name, json.dumps(args, ensure_ascii=False)) for i, (name, args) in enumerate(pairs)]
+
+
+W_CALL = ("get_weather", {"city": "Paris", "unit": "celsius"})
+A_CALL = ("add", {"a": 1, "b": [2, "]}"]})
+
+CASES = {
+    "hermes": [
+        (f"<tool_call>\n{WEATHER}\n</tool_call>", None, [W_CALL]),
+        (f"Let me check both.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>\n",
+         "Let me check both.", [W_CALL, A_CALL]),
+        ("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"\n</tool_call>",
+         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"\n</tool_call>", []),
+        (f"<tool_call>{ADD}</tool_call> then <tool_call>{{oops}}</tool_call>",
+         "then <tool_call>{oops}</tool_call>", [A_CALL]),
+        ("The answer is 4.\n", "The answer is 4.\n", []),
+        (f"<tool_call>\n{WEATHER}", None, [W_CALL]),  # stopped before the closing tag
+        ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": [2, \\"]}\\"]}"}</tool_call>', None,
+         [A_CALL]),  # arguments written as a JSON string
+        ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+        ("Use <tool to go, a < b and x</tool_call>", "Use <tool to go, a < b and x</tool_call>", []),
+        ("<tool_call>\n{\"name\": \"add\", \"arg", "<tool_call>\n{\"name\": \"add\", \"arg", []),
+        ("", None, []),
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None, [W_CALL]),
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+         '{"name": "add", "parameters": {"a": 1, "b": [2, "]}"]}}', None, [W_CALL, A_CALL]),
+        (' \n{"name": "add", "arguments": {"a": 1, "b": [2, "]}"]}}', None, [A_CALL]),
+        ("Paris is sunny today.", "Paris is sunny today.", []),
+        ('{"answer": 42}', '{"answer": 42}', []),
+        ('{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36}', []),  # an answer, not a call
+        ('{"name": "add", "parameters": {"a": 1, "b": [2, "]}"]}}; {"name": broken',
+         '; {"name": broken', [A_CALL]),
+        ('{"name": "add", "parameters": {"a": 1, "b": [2, "]}"]}} and some words', "and some words", [A_CALL]),
+        ('I will call it. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
+         '"celsius"}}', "I will call it.", [W_CALL]),
+        ('<|python_tag|>{"name": ', '<|python_tag|>{"name": ', []),
+        ("<|python", "<|python", []),
+    ],
+    "mistral": [
+        (f"[TOOL_CALLS][{WEATHER}, {ADD}]", None, [W_CALL, A_CALL]),
+        (f"Sure.[TOOL_CALLS] [{ADD}]", "Sure.", [A_CALL]),
+        (f"[TOOL_CALLS]{WEATHER}", None, [W_CALL]),
+        ("[TOOL_CALLS][{\"name\": \"add\", \"arguments\": {]", "[TOOL_CALLS][{\"name\": \"add\", \"arguments\": {]", []),
+        ("[TOOL_CALLS] not json [TOOL_CALLS][]", "[TOOL_CALLS] not json [TOOL_CALLS][]", []),
+        ("No tools needed [TOOL", "No tools needed [TOOL", []),
+    ],
+}
+
+
+@pytest.mark.parametrize("parser, text, content, expected",
+                         [(p, *case) for p, cases in CASES.items() for case in cases])
+def test_parse(parser, text, content, expected):
+    got_content, got_calls = get_tool_parser(parser).parse(text, counter_ids())
+    assert got_content == content
+    assert got_calls == calls(*expected)
+    for call, (_, args) in zip(got_calls, expected):
+        assert json.loads(call.arguments) == args
+
+
+@pytest.mark.parametrize("parser, text", [(p, case[0]) for p, cases in CASES.items() for case in cases])
+def test_streaming_adds_up_to_parse(parser, text):
+    whole = get_tool_parser(parser).parse(text, counter_ids())
+    rng = np.random.default_rng(len(text))
+    splits = [[1] * len(text), [len(text)]] + [rng.integers(1, 8, size=len(text)).tolist() for _ in range(6)]
+    for sizes in splits:
+        stream = get_tool_parser(parser).streaming(counter_ids())
+        deltas, at = [], 0
+        for size in sizes:
+            if at >= len(text):
+                break
+            deltas.append(stream.feed(text[at:at + size]))
+            at += size
+        deltas.append(stream.finish())
+        assert assemble(deltas) == whole, sizes
+        _check_openai_shape(deltas)
+
+
+def _check_openai_shape(deltas: list[ParsedDelta]):
+    """A call's first piece carries index, id and name; later pieces only argument text."""
+    seen = set()
+    for piece in (p for d in deltas for p in d.tool_calls):
+        assert isinstance(piece, ToolCallDelta)
+        if piece.index in seen:
+            assert piece.id is None and piece.name is None
+        else:
+            assert piece.index == len(seen) and piece.id and piece.name
+            seen.add(piece.index)
+
+
+def test_streaming_emits_as_soon_as_certain():
+    stream = get_tool_parser("hermes").streaming(counter_ids())
+    assert stream.feed("Let me check") == ParsedDelta("Let me check")
+    assert stream.feed(" the weather.\n<tool") == ParsedDelta(" the weather.")  # "<tool" may begin a tag
+    assert stream.feed("_call>\n" + WEATHER[:20]) == ParsedDelta()
+    delta = stream.feed(WEATHER[20:] + "\n</tool_call>")
+    assert delta.tool_calls == (ToolCallDelta(0, "id0", "get_weather"),
+                                ToolCallDelta(0, arguments='{"city": "Paris", "unit": "celsius"}'))
+    assert stream.finish() == ParsedDelta()
+
+
+def test_registry_and_ids():
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    with pytest.raises(ValueError, match="hermes"):
+        get_tool_parser("pythonic")
+    assert re.fullmatch(r"call_[0-9a-f]{24}", openai_call_id())
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", mistral_call_id())
+    _, (call,) = get_tool_parser("mistral").parse(f"[TOOL_CALLS][{ADD}]")
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call.id)
+    _, (call,) = get_tool_parser("hermes").parse(f"<tool_call>{ADD}</tool_call>")
+    assert call.id.startswith("call_")
+
+
+@pytest.mark.parametrize("parser, template", [
+    ("llama3_json", '{{"name": "write", "parameters": {{"text": "{}"}}}}'),
+    ("mistral", '[TOOL_CALLS][{{"name": "write", "arguments": {{"text": "{}"}}}}]'),
+    ("hermes", '<tool_call>{{"name": "write", "arguments": {{"text": "{}"}}}}</tool_call>'),
+])
+def test_long_arguments_stream_in_linear_time(parser, template):
+    body = "x{[\\\"]}" * 4000  # 28,000 characters of brackets, quotes and escapes inside one string
+    text = template.format(body)
+    stream = get_tool_parser(parser).streaming(counter_ids())
+    start = time.perf_counter()
+    deltas = [stream.feed(char) for char in text] + [stream.finish()]
+    assert time.perf_counter() - start < 5.0  # a rescan per character would take minutes
+    assert assemble(deltas) == (None, [ToolCall("id0", "write", json.dumps({"text": json.loads(f'"{body}"')}))])

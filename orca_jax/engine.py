@@ -21,6 +21,7 @@ from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.finetune.tuner import FineTuner
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
@@ -64,6 +65,13 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
     deadline_hits: int = 0  # requests with a deadline that finished by it
     deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
+    # Fine-tuning (finetune/deferral.py's counters): iterations, their seconds and tokens, and those
+    # that ran while inference requests waited (deferred), with their seconds.
+    fine_tuning_iterations: int = 0
+    fine_tuning_seconds_total: float = 0.0
+    fine_tuning_tokens_total: int = 0
+    inference_deferrals_total: int = 0
+    inference_deferral_seconds_total: float = 0.0
 
     @property
     def mean_batch_size(self) -> float:
@@ -130,7 +138,8 @@ class Engine:
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
-                                  lora=config.lora, sampling=config.sampling)
+                                  lora=config.lora, sampling=config.sampling,
+                                  reserve_bytes=0 if config.fine_tuning is None else int(config.fine_tuning.memory_gib * 2**30))
         # token_masks: per-step allowed tokens from outside the sampler (structured output), applied on device.
         self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
                                          config.sampling.logit_table_width, config.sampling.max_logprobs, token_masks)
@@ -139,6 +148,10 @@ class Engine:
         # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
         self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,
                                                                  self.runner.load_lora)
+        # Fine-tuning jobs (None: off): run between inference iterations, served through self.lora.
+        self.fine_tuning = None if config.fine_tuning is None else FineTuner(
+            config.fine_tuning, self.runner.stages[0], self.model_config, self.tokenizer, self.lora, config.model,
+            self.max_model_len)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
@@ -253,6 +266,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or a fine-tuning job with an iteration to run."""
+        return self.has_unfinished() or (self.fine_tuning is not None and self.fine_tuning.has_work())
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the pages forgotten. Requests keep the pages they hold."""
         return self.kv.reset_prefix_cache()
@@ -276,7 +293,12 @@ class Engine:
     # ---- one iteration ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: fill the pipeline, then take the oldest batch's tokens."""
+        """Run one iteration: fill the pipeline, then take the oldest batch's tokens; or, while no
+        request runs, a fine-tuning iteration if Deferred Continuous Batching allows (finetune/deferral.py)."""
+        if self.fine_tuning is not None and not self._in_flight and not self.scheduler.num_running \
+                and self.fine_tuning.has_work() \
+                and self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
+            return []
         start = phase_start = time.perf_counter()
         dropped: list[RequestOutput] = []
         while self.scheduler.can_schedule:
@@ -388,4 +410,11 @@ class Engine:
         stats.prefix_cache_queries = self.kv.num_prefix_cache_queries
         stats.prefix_cache_hits = self.kv.num_prefix_cache_hits
         stats.num_compiled_programs = self.runner.compilation.num_compiled_programs
+        if self.fine_tuning is not None:
+            counters = self.fine_tuning.policy.stats
+            stats.fine_tuning_iterations = counters.iterations
+            stats.fine_tuning_seconds_total = counters.seconds
+            stats.fine_tuning_tokens_total = counters.tokens
+            stats.inference_deferrals_total = counters.deferrals
+            stats.inference_deferral_seconds_total = counters.deferral_seconds
         return stats

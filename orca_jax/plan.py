@@ -135,6 +135,11 @@ class SchedulerInterface(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
+    @property
+    def oldest_waiting_arrival(self) -> float | None:
+        """The arrival time of the longest-waiting request holding no KV; None if none waits."""
+        ...
+
     def add_request(self, request: Request) -> None:
         """Put a request in the pool; ValueError if it can never run, QueueFullError if full."""
         ...

@@ -77,6 +77,13 @@ class Scheduler:
         return len(self._in_flight_iterations)
 
     @property
+    def oldest_waiting_arrival(self) -> float | None:
+        """The arrival time of the longest-waiting request holding no KV (never run, or preempted);
+        None if none waits. Fine-tuning's deferral bound is counted from it."""
+        return min((r.arrival_time for r in self._requests.values() if r.status is RequestStatus.WAITING),
+                   default=None)
+
+    @property
     def can_schedule(self) -> bool:
         """Whether another batch may be put in flight."""
         return self.num_in_flight < self.max_in_flight

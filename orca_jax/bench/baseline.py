@@ -86,6 +86,10 @@ class RequestLevelScheduler:
     def has_unfinished(self) -> bool:
         return bool(self._waiting) or self._batch is not None
 
+    @property
+    def oldest_waiting_arrival(self) -> float | None:
+        return min((r.arrival_time for r in self._waiting), default=None)
+
     def get(self, request_id: str) -> Request | None:
         pool = self._waiting + list(self._batch.requests if self._batch else ())
         return next((r for r in pool if r.request_id == request_id), None)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 
 from finetune_helpers import FAST, RECORDS, drive, engine_config, upload
 from hf_dirs import write_hf_dir

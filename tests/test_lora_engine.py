@@ -160,3 +160,26 @@ def test_prefix_caching_never_shares_pages_across_adapters():
     cached, plain = run(True), run(False)
     assert [tokens for tokens, _ in cached] == [tokens for tokens, _ in plain]
     assert [hits for _, hits in cached] == [0, 0, 0, 16, 16]  # only the repeats of an adapter (or of none) hit
+
+
+def test_small_buckets_gather_each_tokens_slot_and_match_the_masked_form():
+    """Buckets of at most GATHER_MAX_TOKENS gather each token's slot: every fused projection's term
+    equals the masked dense form's, tokens without an adapter included."""
+    import jax.numpy as jnp
+
+    from orca_jax.lora import ops
+    from orca_jax.lora.layout import layer_shapes, nest
+    from orca_jax.models.presets import get_preset
+
+    config = get_preset("tiny-llama")
+    rng = np.random.default_rng(0)
+    table = nest({p: jnp.asarray(rng.standard_normal(s), jnp.float32) for p, s in layer_shapes(config, 3, 4).items()})
+    slots = jnp.asarray([0, 2, 1, 3, 3, 0, 1, 2], jnp.int32)
+    gathered = ops.LoRATokens.of(slots, 3, jnp.float32)
+    assert gathered.rows is not None and slots.shape[0] <= ops.GATHER_MAX_TOKENS
+    dense = gathered._replace(rows=None)
+    h, n, d, f = config.hidden_size, config.num_heads, config.head_dim, config.ffn_size
+    x, attn, act = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((8, h), (8, n, d), (8, f)))
+    for fn, inputs, weights in ((ops.qkv_delta, x, table["attn"]["qkv"]), (ops.o_delta, attn, table["attn"]["o"]),
+                                (ops.gate_up_delta, x, table["mlp"]["gate_up"]), (ops.in_delta, act, table["mlp"]["down"])):
+        np.testing.assert_allclose(fn(inputs, weights, gathered), fn(inputs, weights, dense), rtol=1e-5, atol=1e-5)

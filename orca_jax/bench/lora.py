@@ -161,8 +161,10 @@ def run_engine(engine: Engine, trace: Trace, num_adapters: int, rank: int) -> di
 
 
 def run_trace(engine: Engine, trace: Trace, pick) -> dict:
-    """All of the trace's requests at once (request i with adapter pick(i)); generated tokens/s."""
+    """All of the trace's requests at once (request i with adapter pick(i)); generated tokens/s. The
+    prefix cache starts empty: the same prompts ran before (under another adapter, or none)."""
     vocab = engine.model_config.vocab_size
+    engine.reset_prefix_cache()
     start = time.perf_counter()
     for i, r in enumerate(trace.requests):
         engine.add_request(trace.prompt_ids(i, vocab), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
@@ -180,6 +182,7 @@ def decode_ms(engine: Engine, lora: LoRARequest | None, context: int = 512, step
     """Median wall time of an iteration where one request (with `lora`) feeds one token."""
     context = min(context, engine.max_model_len - steps - 8)
     prompt = np.random.default_rng(1).integers(3, engine.model_config.vocab_size, context).tolist()
+    engine.reset_prefix_cache()
     request_id = engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True), lora_request=lora)
     while not any(out.request_id == request_id for out in engine.step()):
         pass  # the prompt is in and the first token out

@@ -30,16 +30,32 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# Buckets of at most this many tokens gather each token's own slot instead of the masked dense form:
+# at batch-1 decode (T = 8, the smallest bucket) the dense form reads every slot's A and B (16 slots
+# of rank 16 on llama-8b: ~10% more bytes per layer than the base) for one adapter's worth of work.
+GATHER_MAX_TOKENS = 8
+
+
 class LoRATokens(NamedTuple):
-    """Which slot's adapter each token of the batch uses, in the form the masked matmuls take."""
+    """Which slot's adapter each token of the batch uses, in the form the adapter terms take."""
 
     mask: jax.Array  # [T, M] in the compute dtype: 1 where token t uses slot m (table row m), else 0
+    # i32[T]: each token's table row (0 for a token without an adapter, whose mask row is all 0); set
+    # for buckets of at most GATHER_MAX_TOKENS, which then gather their slots' weights.
+    rows: jax.Array | None = None
 
     @classmethod
     def of(cls, lora_slots: jax.Array, num_slots: int, dtype) -> "LoRATokens":
         """lora_slots: i32[T], 0 for no adapter, s for table row s - 1."""
         rows = jnp.arange(1, num_slots + 1, dtype=jnp.int32)
-        return cls((lora_slots[:, None] == rows[None, :]).astype(dtype))
+        mask = (lora_slots[:, None] == rows[None, :]).astype(dtype)
+        gather = lora_slots.shape[0] <= GATHER_MAX_TOKENS
+        return cls(mask, jnp.maximum(lora_slots - 1, 0) if gather else None)
+
+    @property
+    def used(self) -> jax.Array:
+        """f32[T]: 1 for a token with an adapter."""
+        return self.mask.sum(axis=1).astype(jnp.float32)
 
 
 def _shrink(equation: str, x: jax.Array, a: jax.Array, mask: jax.Array, mask_shape) -> jax.Array:
@@ -52,11 +68,28 @@ def _expand(equation: str, s: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum(equation, s, b, preferred_element_type=jnp.float32).astype(s.dtype)
 
 
+def _gathered_shrink(equation: str, x: jax.Array, a: jax.Array, slot_axis: int, tokens: LoRATokens,
+                     used_shape) -> jax.Array:
+    """x @ (each token's own A), in f32, zero for tokens without an adapter (compute dtype)."""
+    s = jnp.einsum(equation, x, jnp.take(a, tokens.rows, axis=slot_axis), preferred_element_type=jnp.float32)
+    return (s * tokens.used.reshape(used_shape)).astype(x.dtype)
+
+
+def _gathered_expand(equation: str, s: jax.Array, b: jax.Array, slot_axis: int, rows: jax.Array) -> jax.Array:
+    return jnp.einsum(equation, s, jnp.take(b, rows, axis=slot_axis),
+                      preferred_element_type=jnp.float32).astype(s.dtype)
+
+
 def qkv_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
     """x [T, H] -> the fused q|k|v term [T, K, G + 2, D].
 
     lora: a [H, 3, M, R] (q, k, v), b_q [M, R, K, G, D], b_kv [2, M, R, K, D]."""
     t = x.shape[0]
+    if tokens.rows is not None:
+        s = _gathered_shrink("TH,HPTR->TPR", x, lora["a"], 2, tokens, (t, 1, 1))  # [T, 3, R]
+        q = _gathered_expand("TR,TRKGD->TKGD", s[:, 0], lora["b_q"], 0, tokens.rows)
+        kv = _gathered_expand("TPR,PTRKD->TKPD", s[:, 1:], lora["b_kv"], 1, tokens.rows)
+        return jnp.concatenate([q, kv], axis=2)
     s = _shrink("TH,HPMR->TPMR", x, lora["a"], tokens.mask, (t, 1, -1, 1))  # [T, 3, M, R]
     q = _expand("TMR,MRKGD->TKGD", s[:, 0], lora["b_q"])  # [T, K, G, D]
     kv = _expand("TPMR,PMRKD->TKPD", s[:, 1:], lora["b_kv"])  # [T, K, 2, D]
@@ -65,12 +98,18 @@ def qkv_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
 
 def o_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
     """x [T, N, D] -> [T, H]. lora: a [N, D, M, R] (row-parallel: split like x), b [M, R, H]."""
+    if tokens.rows is not None:
+        s = _gathered_shrink("TND,NDTR->TR", x, lora["a"], 2, tokens, (-1, 1))
+        return _gathered_expand("TR,TRH->TH", s, lora["b"], 0, tokens.rows)
     s = _shrink("TND,NDMR->TMR", x, lora["a"], tokens.mask, (x.shape[0], -1, 1))
     return _expand("TMR,MRH->TH", s, lora["b"])
 
 
 def gate_up_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
     """x [T, H] -> [T, 2, F]. lora: a [H, 2, M, R], b [2, M, R, F]."""
+    if tokens.rows is not None:
+        s = _gathered_shrink("TH,HPTR->TPR", x, lora["a"], 2, tokens, (-1, 1, 1))
+        return _gathered_expand("TPR,PTRF->TPF", s, lora["b"], 1, tokens.rows)
     s = _shrink("TH,HPMR->TPMR", x, lora["a"], tokens.mask, (x.shape[0], 1, -1, 1))
     return _expand("TPMR,PMRF->TPF", s, lora["b"])
 
@@ -78,6 +117,9 @@ def gate_up_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
 def in_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
     """One input, one output axis: GPT's up (x [T, H] -> [T, F]) and down (x [T, F] -> [T, H]).
     lora: a [in, M, R], b [M, R, out]."""
+    if tokens.rows is not None:
+        s = _gathered_shrink("TI,ITR->TR", x, lora["a"], 1, tokens, (-1, 1))
+        return _gathered_expand("TR,TRO->TO", s, lora["b"], 0, tokens.rows)
     s = _shrink("TI,IMR->TMR", x, lora["a"], tokens.mask, (x.shape[0], -1, 1))
     return _expand("TMR,MRO->TO", s, lora["b"])
 

@@ -300,7 +300,8 @@ class Engine:
             finish_reason=request.status.value if request.status.finished else None,
             new_logprobs=new_logprobs,
             queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
-            num_cached_tokens=request.num_cached_tokens)
+            num_cached_tokens=request.num_cached_tokens,
+            stop_reason=request.stop_reason if request.status.finished else None)
         return output
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:

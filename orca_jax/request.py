@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from orca_jax.detokenizer import IncrementalDetokenizer
+    from orca_jax.structured.constraint import Constraint
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -25,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the top N
     include_stop_str_in_output: bool = False
+    # What the output must match (a JSON schema, a regex, a choice, a grammar; vLLM's name); every
+    # token is sampled from those the grammar allows next. None: anything.
+    structured_outputs: Constraint | None = None
 
     MAX_TOP_LOGPROBS = 20
 
@@ -49,6 +53,12 @@ class SamplingParams:
         for field, ok, must in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{field} must be {must}, got {getattr(self, field)!r}")
+        if self.structured_outputs is not None:
+            from orca_jax.structured.constraint import Constraint  # llguidance only for those who use it
+
+            if not isinstance(self.structured_outputs, Constraint):
+                raise ValueError("SamplingParams.structured_outputs must be a Constraint, got "
+                                 f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -102,6 +112,7 @@ class Request:
     page_keys: list[int] = dataclasses.field(default_factory=list)
     page_tokens: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it (vLLM's)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -166,9 +177,13 @@ def stop_status(request: Request) -> RequestStatus | None:
     if request.detokenizer is not None:
         hit_stop_string = request.detokenizer.add(ids[:-1] if hit_stop_token else ids)
     if hit_stop_token:
+        # EOS comes first, as in vLLM: a stop token is named only when it is not the model's own EOS.
+        if sampling.ignore_eos or token not in request.eos_token_ids:
+            request.stop_reason = token
         return RequestStatus.FINISHED_STOPPED
     if len(ids) >= sampling.max_tokens:
         return RequestStatus.FINISHED_LENGTH
     if hit_stop_string:
+        request.stop_reason = request.detokenizer.stop_string
         return RequestStatus.FINISHED_STOPPED
     return None

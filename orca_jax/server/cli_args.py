@@ -20,6 +20,8 @@ from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
+from orca_jax.server.structured import DEFAULT_TOOL_CALL_FORMAT, ToolCallSettings
+from orca_jax.structured.tool_parsers import TOOL_PARSERS
 
 PROG = "python -m orca_jax.serve"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -161,6 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--shutdown-grace-seconds", type=float, default=0.0,
                      help="on SIGTERM, let in-flight requests run this long before aborting them")
 
+    tools = p.add_argument_group("tool calls")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default with tools): the model decides, and its '
+                       "calls are read out of its text by --tool-call-parser; without it such requests get 400")
+    tools.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model family's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama "
+                       "3.1-3.3), mistral; also the format tool_choice \"required\" or a named function forces "
+                       f"({DEFAULT_TOOL_CALL_FORMAT} when not given)")
+
     limits, defaults = p.add_argument_group("HTTP limits (each refusal closes the connection)"), HTTPLimits()
     limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="request body size; larger get 413")
@@ -250,6 +261,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)  # syntax only
         engine_config_from_args(args)
         http_limits_from_args(args)
+        tool_call_settings_from_args(args)
     except (ValueError, jinja2.TemplateSyntaxError) as error:
         parser.error(str(error))
 
@@ -278,6 +290,10 @@ def allowed_hosts_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
     if args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127."):
         return LOCAL_HOSTS + (args.host,) + extra
     return extra or None
+
+
+def tool_call_settings_from_args(args: argparse.Namespace) -> ToolCallSettings:
+    return ToolCallSettings(parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:

@@ -27,6 +27,7 @@ from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
 from orca_jax.runner import ModelRunner, StepResult
 from orca_jax.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
+from orca_jax.structured.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,11 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
     deadline_hits: int = 0  # requests with a deadline that finished by it
     deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
+    # Structured outputs: host seconds filling allowed-token masks, over the batches that needed one
+    # (the mean is the host mask time per such step), and their constrained rows.
+    structured_mask_seconds_total: float = 0.0
+    structured_masked_batches: int = 0
+    structured_masked_rows: int = 0
 
     @property
     def mean_batch_size(self) -> float:
@@ -73,6 +79,11 @@ class EngineStats:
     @property
     def mean_in_flight(self) -> float:
         return self.in_flight_total / max(self.iterations, 1)
+
+    @property
+    def mean_structured_mask_seconds(self) -> float:
+        """Host seconds to fill one batch's masks, over the batches with a constrained row."""
+        return self.structured_mask_seconds_total / max(self.structured_masked_batches, 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,6 +147,8 @@ class Engine:
         factory = scheduler_factory or functools.partial(Scheduler, scheduler_config,
                                                          token_target=self.buckets.token_target)
         self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.effective_max_in_flight)
+        # Masks as wide as the logits (the vocabulary padded for tensor parallelism).
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size)
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._observers: list[EngineObserver] = []
         self._schedule_s = 0.0  # schedule() time not yet reported with a dispatch
@@ -167,7 +180,8 @@ class Engine:
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *,
                     request_id: str | None = None, priority: int = 0,
                     deadline: float | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request; raises ValueError if it can never run, QueueFullError if the pool is full.
+        """Queue a request; raises ValueError if it can never run (or its structured_outputs do not
+        compile), QueueFullError if the pool is full.
 
         deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
         scheduler counts iterations); arrival_time None: now.
@@ -186,6 +200,7 @@ class Engine:
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
                                                              sampling.include_stop_str_in_output))
+        self.structured.attach(request)
         self.scheduler.add_request(request)
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
@@ -327,4 +342,7 @@ class Engine:
         stats.prefix_cache_queries = self.kv.num_prefix_cache_queries
         stats.prefix_cache_hits = self.kv.num_prefix_cache_hits
         stats.num_compiled_programs = self.runner.compilation.num_compiled_programs
+        stats.structured_mask_seconds_total = self.structured.mask_seconds_total
+        stats.structured_masked_batches = self.structured.num_masked_batches
+        stats.structured_masked_rows = self.structured.num_masked_rows
         return stats

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from orca_jax.detokenizer import IncrementalDetokenizer
     from orca_jax.structured.constraint import Constraint
+    from orca_jax.structured.matcher import GrammarMatcher
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,6 +117,9 @@ class Request:
     page_tokens: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it (vLLM's)
+    # SamplingParams.structured_outputs' matcher (the engine's StructuredOutputManager attaches it),
+    # advanced by stop_status over every output token; None: unconstrained.
+    grammar: GrammarMatcher | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -164,9 +171,10 @@ class Request:
 def stop_status(request: Request) -> RequestStatus | None:
     """The one stop check, run once per newly appended output token; the finished status, or None.
 
-    EOS and stop tokens stop (the stop token's text is never emitted), then max_tokens, then a stop
-    string the detokenizer finds in the new text. The detokenizer is fed here, so stop strings are
-    decided in the same iteration as every other stop condition.
+    EOS and stop tokens stop (the stop token's text is never emitted), then a grammar that is
+    complete (its output can only end here), then max_tokens, then a stop string the detokenizer
+    finds in the new text. The detokenizer and the grammar are fed here, so stop strings and
+    grammars are decided in the same iteration as every other stop condition.
     """
     ids = request.output_token_ids
     sampling = request.sampling
@@ -176,10 +184,19 @@ def stop_status(request: Request) -> RequestStatus | None:
     hit_stop_string = False
     if request.detokenizer is not None:
         hit_stop_string = request.detokenizer.add(ids[:-1] if hit_stop_token else ids)
+    grammar_complete = False
+    if request.grammar is not None and not hit_stop_token:
+        if not request.grammar.accept(token):  # the mask allowed it, so this is a bug: end loudly
+            log.error("request %s: output token %d is not allowed by its %s; aborted", request.request_id,
+                      token, request.grammar.constraint.kind.value)
+            return RequestStatus.FINISHED_ABORTED
+        grammar_complete = request.grammar.is_terminated()
     if hit_stop_token:
         # EOS comes first, as in vLLM: a stop token is named only when it is not the model's own EOS.
         if sampling.ignore_eos or token not in request.eos_token_ids:
             request.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED
+    if grammar_complete:
         return RequestStatus.FINISHED_STOPPED
     if len(ids) >= sampling.max_tokens:
         return RequestStatus.FINISHED_LENGTH

@@ -323,7 +323,9 @@ class Scheduler:
         A request in no unreturned batch plans from its own state. With async scheduling, one in the
         batch planned last (and in no other) plans as if that batch had run: past its tokens, and when
         that batch samples its next token, feeding that token from the device; unless that token
-        may be its last (max_tokens), which would waste a row on a finished request.
+        may be its last (max_tokens), which would waste a row on a finished request, or the request
+        has a grammar: its next mask needs that token (as in vLLM, such a request sits out one
+        iteration while the others run on).
         """
         rows = self._in_flight_rows.get(request)
         if not rows:
@@ -334,7 +336,7 @@ class Scheduler:
         start = request.num_computed_tokens + num_fed
         samples = start >= request.num_tokens  # that batch feeds the last known token
         step = len(request.output_token_ids) + samples
-        if samples and step >= request.sampling.max_tokens:
+        if samples and (step >= request.sampling.max_tokens or request.grammar is not None):
             return None
         return PlanningView(start, step, row if samples else -1, request.num_initiation_tokens)
 

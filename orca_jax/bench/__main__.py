@@ -1,4 +1,4 @@
-"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,http-cost,policies}`:
+"""`python -m orca_jax.bench {suite,hf,cpu,padding,memory-plan,parallel,core,core-report,report,kernels,iteration,serve,http-cost,policies,structured}`:
 see each subcommand's --help."""
 
 from __future__ import annotations
@@ -101,6 +101,17 @@ def main(argv=None) -> None:
                       help="iterations run before the profiled ones (the first are prefill-heavy)")
     core_start.add_argument("--cache-dir", required=True)
 
+    structured = sub.add_parser("structured", help="the uniform trace greedy and with a JSON schema on every request: "
+                                "tokens/s ratio and host mask time per step")
+    structured.add_argument("--model", required=True)
+    structured.add_argument("--max-num-seqs", type=int, default=128)
+    structured.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    structured.add_argument("--num-requests", type=int, default=512)
+    structured.add_argument("--dtype", default="bfloat16")
+    structured.add_argument("--variants", default="greedy,json_schema", help="comma list; the first is the baseline")
+    structured.add_argument("--out", required=True, help="directory for <model>_structured.json")
+    structured.add_argument("--cache-dir", default=None, help="compilation cache (default: a fresh one)")
+
     policies = sub.add_parser("policies", help="fcfs/sjf/edf/das on TCB's workload (utility, deadline hits)")
     policies.add_argument("--out", default="benchmarks/results/cpu")
     policies.add_argument("--num-requests", type=int, default=160, help="per run at batch 16 (x4 at 64)")
@@ -157,6 +168,15 @@ def main(argv=None) -> None:
             sections = set(args.sections.split(",")) - ({"hf"} if args.no_hf else set())
             run_core(setup, args.out, sections=sections, cache_dir=args.cache_dir, profile=args.profile,
                      profile_skip=args.profile_skip)
+    elif args.command == "structured":
+        from orca_jax.bench.core import CoreSetup
+        from orca_jax.bench.structured import run_structured
+        setup = CoreSetup(args.model, args.max_num_seqs, args.max_num_batched_tokens, args.num_requests,
+                          dtype=args.dtype)
+        result = run_structured(setup, args.out, tuple(args.variants.split(",")), args.cache_dir)
+        print(json.dumps({name: {k: v["runs"][-1][k] for k in v["runs"][-1] if k.startswith(("over_", "tokens_per_s",
+                                                                                              "mask_ms"))}
+                          for name, v in result["variants"].items()}, indent=1))
     elif args.command == "iteration":
         from orca_jax.bench.iteration import main as iteration_main
         iteration_main(args.out_file)

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import jax
 import numpy as np
@@ -74,15 +75,21 @@ def engine_config(setup: CoreSetup, async_scheduling: bool = True, **overrides) 
                         **overrides)
 
 
-def _run_trace(engine: Engine, trace: Trace) -> dict:
-    """All requests at t=0 (offline), EOS ignored; generated tokens per second over the drain, and
-    the host's time split into scheduling, batch building, dispatch, update and the rest (outputs)."""
+def greedy(max_tokens: int) -> SamplingParams:
+    """The paper's requests: greedy, exactly max_tokens (EOS ignored)."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_trace(engine: Engine, trace: Trace, sampling: Callable[[int], SamplingParams] = greedy) -> dict:
+    """All requests at t=0 (offline), each with sampling(its max_tokens); generated tokens per second
+    over the drain, and the host's time split into scheduling, batch building, dispatch, update and
+    the rest (outputs)."""
     vocab = engine.model_config.vocab_size
     before = engine.stats()
     with Probe(engine) as probe:
         start = time.perf_counter()
         for i, r in enumerate(trace.requests):
-            engine.add_request(trace.prompt_ids(i, vocab), SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+            engine.add_request(trace.prompt_ids(i, vocab), sampling(r.max_tokens))
         generated = 0
         while engine.has_unfinished():
             generated += sum(len(out.new_token_ids) for out in engine.step())
@@ -315,7 +322,7 @@ def run_core(setup: CoreSetup, out_dir: str, sections=("cold_start", "engine", "
         busy_ms = device_busy_ms(engine, last.batch)
         for kind in (TraceKind.UNIFORM, TraceKind.HOMOGENEOUS):
             trace = make_trace(kind, setup.num_requests, None, 0, setup.lengths)
-            runs = [_run_trace(engine, trace) for _ in range(2)]  # the second is the warm one
+            runs = [run_trace(engine, trace) for _ in range(2)]  # the second is the warm one
             bound = trace_bound(setup, engine, trace, peaks)
             warm = runs[-1]
             section[kind.value] = {"runs": runs, **bound,

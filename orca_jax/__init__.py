@@ -1,7 +1,8 @@
 """orca_jax: ORCA-style iteration-level scheduling and selective batching for LLM serving in JAX."""
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SchedulingPolicy)
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, SchedulingPolicy)
+from orca_jax.lora.request import LoRARequest
 from orca_jax.request import SamplingParams
 
 
@@ -14,4 +15,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "ModelConfig", "CacheConfig", "SchedulerConfig",
-           "ParallelConfig", "AttentionBackend", "SchedulingPolicy"]
+           "ParallelConfig", "AttentionBackend", "SchedulingPolicy", "LoRAConfig", "LoRARequest"]

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
 from orca_jax.compilation import Bucket
-from orca_jax.request import SamplingParams
+from orca_jax.logits_rules import FILL_ENTRIES, FILL_RESETS, SampleMode, SamplingBatcher
 from orca_jax.scheduler import SchedulerOutput
 
 
@@ -110,18 +111,49 @@ class RaggedBatch:
     page_table: np.ndarray  # i32[S, P]
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S]: row of each request's last new token
-    temperature: np.ndarray  # f32[S]
+    temperature: np.ndarray  # f32[S]; 0 for a row whose sample is discarded (a mid-prompt chunk)
     top_k: np.ndarray  # i32[S]
     top_p: np.ndarray  # f32[S]
+    min_p: np.ndarray  # f32[S]
     seed: np.ndarray  # u32[S]
     step: np.ndarray  # i32[S]: tokens generated so far, so each draw gets a fresh key
-    num_top_logprobs: int  # static: 0, or SamplingParams.MAX_TOP_LOGPROBS when any request asks
-    all_greedy: bool  # static: no request in the batch samples
+    num_top_logprobs: int  # static: 0, or SamplingConfig.max_logprobs when any request asks
+    sample_mode: SampleMode  # static: which sampling program (logits_rules.SampleMode)
     num_real_tokens: int
     num_real_seqs: int
     # i32[T]: -1 where token_ids holds the token, else the row of the previous iteration's samples
     # (still on device) to take it from; None: every token is in token_ids.
     token_sources: np.ndarray | None = None
+    # Logits processing (logits_rules.SamplingBatcher; the sampling program's LogitsArrays): static
+    # whether the batch runs it; the arrays below are None unless it does.
+    logits_processed: bool = False
+    presence_penalty: np.ndarray | None = None  # f32[S]
+    frequency_penalty: np.ndarray | None = None  # f32[S]
+    repetition_penalty: np.ndarray | None = None  # f32[S]
+    penalty_slot: np.ndarray | None = None  # i32[S]: the row's slot in the device's count tables; -1: none
+    sampled_source: np.ndarray | None = None  # i32[S]: row of the previous samples holding the last output; -1
+    bias_token_ids: np.ndarray | None = None  # i32[S, W]: the logit table (V: no entry)
+    bias_values: np.ndarray | None = None  # f32[S, W]
+    bias_conditions: np.ndarray | None = None  # i32[S, W]: the previous token an entry needs; -1: none
+    allowed_mask: np.ndarray | None = None  # i32[S, ceil(V / 32)]; None (processed): every token allowed
+    penalty_resets: np.ndarray | None = None  # i32[F, FILL_RESETS]: slots to zero before sampling
+    penalty_fill: np.ndarray | None = None  # i32[F, FILL_ENTRIES, 3]: (slot, token, count) after them
+
+    @property
+    def dims(self) -> "BatchDims":
+        """The sizes BATCH_ARRAYS' shapes are made of."""
+        t, s, p = self.bucket
+        return BatchDims(t, s, p, 0 if self.bias_token_ids is None else self.bias_token_ids.shape[1],
+                         0 if self.allowed_mask is None else self.allowed_mask.shape[1],
+                         0 if self.penalty_fill is None else self.penalty_fill.shape[0])
+    # i32[T]: each token's LoRA adapter slot (0: none); None: no token has one, and the forward
+    # program without the adapter term runs (a static choice, like the sampling mode).
+    lora_slots: np.ndarray | None = None
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether any token uses an adapter (picks the forward program with the adapter term)."""
+        return self.lora_slots is not None
 
     @property
     def bucket(self) -> Bucket:
@@ -129,42 +161,67 @@ class RaggedBatch:
         return Bucket(self.token_ids.shape[0], self.kv_lens.shape[0], self.page_table.shape[1])
 
 
-# RaggedBatch's arrays, each with its shape in bucket (T, S, P) and its dtype: the one list that
-# packs a batch into flat vectors (the forward's inputs below; multihost's messages).
+class BatchDims(NamedTuple):
+    """The sizes of a batch's arrays: its bucket and, for logits processing, the table widths."""
+
+    tokens: int  # T
+    seqs: int  # S
+    pages: int  # P
+    logit_width: int = 0  # W of the logit table
+    mask_words: int = 0  # ceil(V / 32) of the allowed-token bitmask
+    fill_calls: int = 0  # penalty-table fill programs before sampling
+
+
+# RaggedBatch's arrays, each with its shape in BatchDims and its dtype: the one list that packs a
+# batch into flat vectors (the forward's inputs below; multihost's messages). Those that may be None
+# are sent only when present.
 BATCH_ARRAYS = (
-    ("token_ids", lambda t, s, p: (t,), np.int32),
-    ("positions", lambda t, s, p: (t,), np.int32),
-    ("slot_mapping", lambda t, s, p: (t,), np.int32),
-    ("cu_q_lens", lambda t, s, p: (s + 1,), np.int32),
-    ("kv_lens", lambda t, s, p: (s,), np.int32),
-    ("page_table", lambda t, s, p: (s, p), np.int32),
-    ("num_seqs", lambda t, s, p: (1,), np.int32),
-    ("logits_indices", lambda t, s, p: (s,), np.int32),
-    ("temperature", lambda t, s, p: (s,), np.float32),
-    ("top_k", lambda t, s, p: (s,), np.int32),
-    ("top_p", lambda t, s, p: (s,), np.float32),
-    ("seed", lambda t, s, p: (s,), np.uint32),
-    ("step", lambda t, s, p: (s,), np.int32),
-    ("token_sources", lambda t, s, p: (t,), np.int32),  # None on a batch that feeds every token itself
+    ("token_ids", lambda d: (d.tokens,), np.int32),
+    ("positions", lambda d: (d.tokens,), np.int32),
+    ("slot_mapping", lambda d: (d.tokens,), np.int32),
+    ("cu_q_lens", lambda d: (d.seqs + 1,), np.int32),
+    ("kv_lens", lambda d: (d.seqs,), np.int32),
+    ("page_table", lambda d: (d.seqs, d.pages), np.int32),
+    ("num_seqs", lambda d: (1,), np.int32),
+    ("logits_indices", lambda d: (d.seqs,), np.int32),
+    ("temperature", lambda d: (d.seqs,), np.float32),
+    ("top_k", lambda d: (d.seqs,), np.int32),
+    ("top_p", lambda d: (d.seqs,), np.float32),
+    ("min_p", lambda d: (d.seqs,), np.float32),
+    ("seed", lambda d: (d.seqs,), np.uint32),
+    ("step", lambda d: (d.seqs,), np.int32),
+    ("token_sources", lambda d: (d.tokens,), np.int32),  # None on a batch that feeds every token itself
+    ("presence_penalty", lambda d: (d.seqs,), np.float32),
+    ("frequency_penalty", lambda d: (d.seqs,), np.float32),
+    ("repetition_penalty", lambda d: (d.seqs,), np.float32),
+    ("penalty_slot", lambda d: (d.seqs,), np.int32),
+    ("sampled_source", lambda d: (d.seqs,), np.int32),
+    ("bias_token_ids", lambda d: (d.seqs, d.logit_width), np.int32),
+    ("bias_values", lambda d: (d.seqs, d.logit_width), np.float32),
+    ("bias_conditions", lambda d: (d.seqs, d.logit_width), np.int32),
+    ("allowed_mask", lambda d: (d.seqs, d.mask_words), np.int32),
+    ("penalty_resets", lambda d: (d.fill_calls, FILL_RESETS), np.int32),
+    ("penalty_fill", lambda d: (d.fill_calls, FILL_ENTRIES, 3), np.int32),
+    ("lora_slots", lambda d: (d.tokens,), np.int32),  # None on a batch without adapters
 )
 # What the forward program reads (sampling takes the rest), packed into one i32 vector so a batch
 # reaches the device in one copy.
 _FORWARD_INPUTS = tuple(entry for entry in BATCH_ARRAYS if entry[0] in (
     "token_ids", "token_sources", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
-    "num_seqs", "logits_indices"))
+    "num_seqs", "logits_indices", "lora_slots"))
 
 
 def forward_inputs_size(t: int, s: int, p: int) -> int:
     """Length of the packed forward inputs of bucket (T, S, P)."""
-    return sum(int(np.prod(shape_of(t, s, p))) for _, shape_of, _ in _FORWARD_INPUTS)
+    return sum(int(np.prod(shape_of(BatchDims(t, s, p)))) for _, shape_of, _ in _FORWARD_INPUTS)
 
 
 def pack_forward_inputs(batch: RaggedBatch) -> np.ndarray:
-    """i32[forward_inputs_size]: the forward's inputs in one vector; token_sources -1 (none) when the
-    batch has none."""
+    """i32[forward_inputs_size]: the forward's inputs in one vector; token_sources -1 (none) and
+    lora_slots 0 (none) when the batch has none."""
     t = batch.token_ids.shape[0]
-    sources = batch.token_sources if batch.token_sources is not None else np.full(t, -1, np.int32)
-    return np.concatenate([np.asarray(sources if name == "token_sources" else getattr(batch, name),
+    absent = {"token_sources": np.full(t, -1, np.int32), "lora_slots": np.zeros(t, np.int32)}
+    return np.concatenate([np.asarray(value if (value := getattr(batch, name)) is not None else absent[name],
                                       np.int32).ravel() for name, _, _ in _FORWARD_INPUTS])
 
 
@@ -172,18 +229,20 @@ def unpack_forward_inputs(vector, t: int, s: int, p: int) -> dict:
     """The inverse of pack_forward_inputs, on numpy or (inside a program) jax arrays: name -> array."""
     out, offset = {}, 0
     for name, shape_of, _ in _FORWARD_INPUTS:
-        shape = shape_of(t, s, p)
+        shape = shape_of(BatchDims(t, s, p))
         size = int(np.prod(shape))
         out[name] = vector[offset:offset + size].reshape(shape)
         offset += size
     return out
 
 
-def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:
-    """Flatten the plan's new tokens into one ragged batch padded to a bucket (a pure function).
+def build_batch(plan: SchedulerOutput, buckets: BucketPolicy, sampling: SamplingBatcher | None = None) -> RaggedBatch:
+    """Flatten the plan's new tokens into one ragged batch padded to a bucket.
 
     This runs on the host every iteration, so the per-request loop only gathers Python scalars
-    and page-table rows; per-token arrays are then computed in a few vectorised numpy ops.
+    and page-table rows; per-token arrays are then computed in a few vectorised numpy ops. The
+    sampling inputs come from `sampling` (the engine's, which assigns penalty slots; None: a batcher
+    for rows that process no logits).
     """
     scheduled = plan.scheduled
     page_size = plan.page_size
@@ -196,14 +255,9 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:
 
     page_table = np.zeros((s_pad, p_pad), np.int32)
     tokens: list[int] = []
-    sampling_rows = []
-    wants_top_logprobs = False
     for i, item in enumerate(scheduled):
         tokens += item.token_ids
         page_table[i, :len(item.page_ids)] = item.page_ids
-        sp = item.sampling
-        sampling_rows.append((sp.temperature, sp.top_k, sp.top_p, item.seed, item.step))
-        wants_top_logprobs |= bool(sp.logprobs)
 
     q_lens_np = np.asarray(q_lens, np.int32)  # [num_seqs]
     ends = np.asarray(starts, np.int32) + q_lens_np  # kv length of each request after this step
@@ -232,29 +286,25 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy) -> RaggedBatch:
         for i, source in sources:
             token_sources[cu_q_lens[i]] = source
 
-    temperature = np.zeros(s_pad, np.float32)
-    top_k = np.zeros(s_pad, np.int32)
-    top_p = np.ones(s_pad, np.float32)
-    seed = np.zeros(s_pad, np.uint32)
-    step = np.zeros(s_pad, np.int32)
-    columns = list(zip(*sampling_rows))
-    for array, column in zip((temperature, top_k, top_p, seed, step), columns):
-        array[:num_seqs] = column
-
+    lora_slots = None
+    if any(item.lora_slot for item in scheduled):
+        lora_slots = np.zeros(t_pad, np.int32)
+        lora_slots[:num_tokens] = np.repeat(np.asarray([item.lora_slot for item in scheduled], np.int32), q_lens_np)
+    sampling = sampling or SamplingBatcher(num_penalty_slots=0, logits_width=0, table_width=0)
     return RaggedBatch(
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, cu_q_lens=cu_q_lens,
         kv_lens=kv_lens, page_table=page_table, num_seqs=np.array([num_seqs], np.int32),
-        logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        step=step, num_top_logprobs=SamplingParams.MAX_TOP_LOGPROBS if wants_top_logprobs else 0,
-        all_greedy=not temperature.any(), num_real_tokens=num_tokens, num_real_seqs=num_seqs,
-        token_sources=token_sources)
+        logits_indices=logits_indices, num_real_tokens=num_tokens, num_real_seqs=num_seqs,
+        token_sources=token_sources, lora_slots=lora_slots, **sampling.rows(scheduled, s_pad))
 
 
-def empty_batch(t: int, s: int, p: int) -> RaggedBatch:
-    """An all-padding batch of one bucket: no live sequence, every token writes to scratch page 0."""
+def empty_batch(t: int, s: int, p: int, lora: bool = False) -> RaggedBatch:
+    """An all-padding batch of one bucket: no live sequence, every token writes to scratch page 0;
+    `lora`: laid out for the forward with the adapter term (every token's slot 0, none)."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return RaggedBatch(token_ids=z(t), positions=z(t), slot_mapping=z(t), cu_q_lens=z(s + 1), kv_lens=z(s),
                        page_table=z(s, p), num_seqs=z(1), logits_indices=z(s),
                        temperature=z(s, dtype=np.float32), top_k=z(s), top_p=np.ones(s, np.float32),
-                       seed=z(s, dtype=np.uint32), step=z(s), num_top_logprobs=0, all_greedy=True,
-                       num_real_tokens=0, num_real_seqs=0)
+                       min_p=z(s, dtype=np.float32), seed=z(s, dtype=np.uint32), step=z(s), num_top_logprobs=0,
+                       sample_mode=SampleMode.GREEDY,
+                       num_real_tokens=0, num_real_seqs=0, lora_slots=z(t) if lora else None)

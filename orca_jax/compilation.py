@@ -2,7 +2,9 @@
 
 An iteration dispatches compiled programs back to back: per token bucket and pipeline stage a
 stage-in (the batch's packed inputs into a buffer that stays put, stage.py) and a forward; then one
-sampling program. Their keys are typed (ForwardKey, StageInKey, SampleKey). `precompile` compiles
+sampling program (after penalty-table fills when a batch brings some); with LoRA adapters, a
+slot-update program per stage. Their keys are typed (ForwardKey, StageInKey, SampleKey,
+PenaltyFillKey, LoRAUpdateKey). `precompile` compiles
 them on a thread pool (XLA compiles outside the GIL), each one first looked up in the executable
 cache (executable_cache.py: serialized executables, loaded without tracing) and in jax's persistent
 compilation cache, so nothing compiles while serving. A key that was not precompiled still runs,
@@ -25,6 +27,7 @@ from typing import Callable, Iterable, NamedTuple
 import jax
 
 from orca_jax.executable_cache import ExecutableCache
+from orca_jax.logits_rules import SampleMode
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +44,12 @@ class Bucket(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
 class ForwardKey:
-    """A stage's ragged forward pass over one bucket."""
+    """A stage's ragged forward pass over one bucket; with the LoRA adapter term or without (static:
+    a batch without adapted tokens skips that work)."""
 
     bucket: Bucket
     stage: int
+    lora: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -57,21 +62,41 @@ class StageInKey:
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
 class SampleKey:
-    """Sampling S rows of logits, with K top logprobs, all rows greedy or not (static)."""
+    """Sampling S rows of logits with K top logprobs, in a sampling mode, with or without logits
+    processing (all static)."""
 
     seqs: int
     num_top_logprobs: int
-    all_greedy: bool
+    mode: SampleMode
+    logits_processed: bool
 
 
-ProgramKey = ForwardKey | StageInKey | SampleKey
-_KEY_TYPES = {cls.__name__: cls for cls in (ForwardKey, StageInKey, SampleKey)}
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class LoRAUpdateKey:
+    """A stage's write of one adapter into one slot of its LoRA table (lora/table.py)."""
+
+    stage: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class PenaltyFillKey:
+    """Filling penalty slots of the token-count tables from the host's tokens (one shape)."""
+
+
+ProgramKey = ForwardKey | StageInKey | SampleKey | PenaltyFillKey | LoRAUpdateKey
+_KEY_TYPES = {cls.__name__: cls for cls in (ForwardKey, StageInKey, SampleKey, PenaltyFillKey, LoRAUpdateKey)}
 
 
 def key_to_json(key: ProgramKey) -> list:
     """A key as plain JSON data (several processes send keys to each other)."""
     if isinstance(key, SampleKey):
-        return [type(key).__name__, key.seqs, key.num_top_logprobs, key.all_greedy]
+        return [type(key).__name__, key.seqs, key.num_top_logprobs, int(key.mode), key.logits_processed]
+    if isinstance(key, PenaltyFillKey):
+        return [type(key).__name__]
+    if isinstance(key, LoRAUpdateKey):
+        return [type(key).__name__, key.stage]
+    if isinstance(key, ForwardKey):
+        return [type(key).__name__, list(key.bucket), key.stage, key.lora]
     return [type(key).__name__, list(key.bucket), key.stage]
 
 
@@ -79,7 +104,13 @@ def key_from_json(data: list) -> ProgramKey:
     """The inverse of key_to_json."""
     cls = _KEY_TYPES[data[0]]
     if cls is SampleKey:
-        return SampleKey(int(data[1]), int(data[2]), bool(data[3]))
+        return SampleKey(int(data[1]), int(data[2]), SampleMode(int(data[3])), bool(data[4]))
+    if cls is PenaltyFillKey:
+        return PenaltyFillKey()
+    if cls is LoRAUpdateKey:
+        return LoRAUpdateKey(int(data[1]))
+    if cls is ForwardKey:
+        return ForwardKey(Bucket(*(int(x) for x in data[1])), int(data[2]), bool(data[3]))
     return cls(Bucket(*(int(x) for x in data[1])), int(data[2]))
 
 

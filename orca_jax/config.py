@@ -155,6 +155,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # requests per iteration (ORCA's max batch size)
     max_num_batched_tokens: int = 512  # token budget per iteration; longer prompts take several
+    # The most prompt tokens one request feeds per iteration (vLLM's long_prefill_token_threshold), so
+    # a long prompt shares its iterations with decodes; None: no cap but the budget.
+    long_prefill_token_threshold: int | None = None
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this
     # Plan iteration k+1 while iteration k runs: a request of k that will sample a token feeds it in
@@ -191,6 +194,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("SchedulerConfig.max_num_batched_tokens must be at least max_num_seqs "
                              "so every running request can get its one increment token")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold <= 0:
+            raise ValueError("SchedulerConfig.long_prefill_token_threshold must be positive, got "
+                             f"{self.long_prefill_token_threshold}")
         if self.max_waiting <= 0:
             raise ValueError(f"SchedulerConfig.max_waiting must be positive, got {self.max_waiting}")
 
@@ -217,6 +223,52 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's names): a device table of max_loras adapter slots of max_lora_rank.
+
+    Every program is compiled for the table's shape, so which adapters are loaded never changes a
+    program; an adapter of a smaller rank is zero-padded. Adapters beyond the slots wait in host
+    memory (up to max_cpu_loras that no request needs; None: max_loras) and are swapped in, least
+    recently used first, when a request needs them.
+    """
+
+    max_loras: int = 1  # adapter slots on the device
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self):
+        if self.max_loras <= 0 or self.max_lora_rank <= 0:
+            raise ValueError(f"LoRAConfig.max_loras and max_lora_rank must be positive, got "
+                             f"{self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"LoRAConfig.max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                             f"max_loras ({self.max_loras})")
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters kept in host memory while no request needs them."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """Caps on what one request may ask of the sampler (each sizes the sampling programs' inputs)."""
+
+    # The most top logprobs a request may ask for (vLLM's --max-logprobs); the top-K width of the
+    # sampling programs that return them.
+    max_logprobs: int = 20
+    # Entries of the per-row logit table one request may use in one iteration: its logit_bias, its
+    # bad words (one entry per tokenized word) and, below min_tokens, its stop and EOS tokens.
+    logit_table_width: int = 64
+
+    def __post_init__(self):
+        if self.max_logprobs < 0:
+            raise ValueError(f"SamplingConfig.max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.logit_table_width <= 0:
+            raise ValueError(f"SamplingConfig.logit_table_width must be positive, got {self.logit_table_width}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once by the entry point."""
 
@@ -224,6 +276,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    sampling: SamplingConfig = SamplingConfig()
     attention: AttentionBackend = AttentionBackend.AUTO
     dtype: str | None = None  # one of DTYPES; None ("auto"): the checkpoint's (a preset's own)
     max_model_len: int | None = None  # caps the preset's max_seq_len when set
@@ -235,6 +288,8 @@ class EngineConfig:
     # JAX's persistent compilation cache: "auto" keeps jax's own setting if one is made, else a
     # per-user directory (compilation.default_cache_dir()); a path uses it; None turns it off.
     compilation_cache_dir: str | None = "auto"
+    # Multi-LoRA serving (vLLM's enable_lora); None: off, and no program reads an adapter table.
+    lora: LoRAConfig | None = None
 
     @property
     def async_scheduling(self) -> bool:
@@ -257,3 +312,5 @@ class EngineConfig:
                              f"got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
+        if self.lora is not None and self.parallel.num_processes > 1:
+            raise ValueError("LoRA adapters are not supported with several controller processes yet")

@@ -12,8 +12,9 @@ class IncrementalDetokenizer:
     not grow with the output's length.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str: bool = False):
-        self._stream = StreamDecoder(tokenizer)
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), include_stop_str: bool = False,
+                 skip_special_tokens: bool = True):
+        self._stream = StreamDecoder(tokenizer, skip_special_tokens)
         self.stop = stop
         self.include_stop_str = include_stop_str
         self.text = ""  # all decoded text so far (cut at a stop string once one is seen)
@@ -24,12 +25,13 @@ class IncrementalDetokenizer:
         # Hold back what could be the start of a stop string until it is known not to be one.
         self._hold_back = max((len(s) for s in stop), default=1) - 1
 
-    def add(self, token_ids: list[int]) -> bool:
-        """Account for token_ids (the whole output so far); True when a stop string was found."""
+    def add(self, token_ids: list[int], find_stop: bool = True) -> bool:
+        """Account for token_ids (the whole output so far); True when a stop string was found (looked
+        for only with find_stop: min_tokens defers them)."""
         for token_id in token_ids[self._num_decoded_tokens:]:
             self.text += self._stream.push(token_id)
         self._num_decoded_tokens = len(token_ids)
-        stopped = self._cut_at_stop_string()
+        stopped = find_stop and self._cut_at_stop_string()
         self._new_text += self._emit(final=stopped)
         return stopped
 

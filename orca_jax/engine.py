@@ -22,6 +22,9 @@ from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, execu
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.kv_cache import KVCacheManager
+from orca_jax.lora.manager import LoRAManager
+from orca_jax.lora.request import LoRARequest
+from orca_jax.logits_rules import LogitsRules, SamplingBatcher, TokenMaskSource
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
@@ -67,6 +70,8 @@ class EngineStats:
     structured_mask_seconds_total: float = 0.0
     structured_masked_batches: int = 0
     structured_masked_rows: int = 0
+    # ... of which the batches whose sampling waited for the previous batch's tokens (async scheduling)
+    structured_deferred_batches: int = 0
 
     @property
     def mean_batch_size(self) -> float:
@@ -90,7 +95,11 @@ class EngineStats:
 class _InFlight:
     output: SchedulerOutput
     batch: RaggedBatch
-    packed: object  # the device array the runner returned
+    packed: object  # the device array the runner returned; None while its sampling waits (below)
+    # Constrained rows whose masks wait for the previous batch's tokens: the forward pass's logits
+    # on the device (None: nothing dispatched yet, with several processes), and the rows to fill.
+    logits: object = None
+    mask_rows: list[int] = dataclasses.field(default_factory=list)
 
 
 # (kv, max_model_len, max_in_flight) -> the scheduler an engine drives; Scheduler's own signature after
@@ -128,7 +137,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
                  scheduler_factory: SchedulerFactory | None = None,
-                 precompile_progress: ProgressFn | None = None):
+                 precompile_progress: ProgressFn | None = None, token_masks: TokenMaskSource | None = None):
         self.config = config
         executable_cache = executable_cache_for(config.compilation_cache_dir)  # before anything compiles
         loaded = loaded or load_model(config.model, dtype=config.dtype)
@@ -137,18 +146,27 @@ class Engine:
         self.max_model_len = self.model_config.max_seq_len
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
-                                  max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache)
+                                  max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
+                                  lora=config.lora, sampling=config.sampling)
+        # Structured outputs' masks as wide as the logits (the vocabulary padded for tensor parallelism);
+        # token_masks: more per-step allowed tokens from outside the sampler, applied on device too.
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks)
+        self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
+                                         config.sampling.logit_table_width, config.sampling.max_logprobs,
+                                         self.structured)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
+        # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
+        self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,
+                                                                 self.runner.load_lora)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
         scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
-        factory = scheduler_factory or functools.partial(Scheduler, scheduler_config,
-                                                         token_target=self.buckets.token_target)
+        factory = scheduler_factory or functools.partial(
+            Scheduler, scheduler_config, token_target=self.buckets.token_target,
+            adapters=None if self.lora is None else self.lora.slots)
         self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.effective_max_in_flight)
-        # Masks as wide as the logits (the vocabulary padded for tensor parallelism).
-        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size)
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._observers: list[EngineObserver] = []
         self._schedule_s = 0.0  # schedule() time not yet reported with a dispatch
@@ -179,35 +197,80 @@ class Engine:
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *,
                     request_id: str | None = None, priority: int = 0,
-                    deadline: float | None = None, arrival_time: float | None = None) -> str:
+                    deadline: float | None = None, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue a request; raises ValueError if it can never run (or its structured_outputs do not
         compile), QueueFullError if the pool is full.
 
         deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
-        scheduler counts iterations); arrival_time None: now.
+        scheduler counts iterations); arrival_time None: now. lora_request: the adapter to run with
+        (registered now if new; a LoRAError, a ValueError, if it cannot be served).
         """
         token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        rules = self._logits_rules(sampling)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
         seed = sampling.seed if sampling.seed is not None else \
             zlib.crc32(f"{self.config.seed}:{request_id}".encode())
+        lora_int_id = 0
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, "
+                                 "but LoRA is not enabled (EngineConfig.lora, --enable-lora)")
+            lora_int_id = self.lora.request_added(request_id, lora_request)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
                           arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                           priority=priority, deadline=deadline,
                           eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
                           detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
-                                                             sampling.include_stop_str_in_output))
-        self.structured.attach(request)
-        self.scheduler.add_request(request)
+                                                             sampling.include_stop_str_in_output,
+                                                             sampling.skip_special_tokens),
+                          logits_rules=rules, lora_int_id=lora_int_id)
+        try:
+            self.structured.attach(request)
+            self.scheduler.add_request(request)
+        except BaseException:
+            if lora_int_id:  # refused: its adapter need not stay in host memory for it
+                self.lora.request_done(request_id)
+            raise
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
 
+    def _logits_rules(self, sampling: SamplingParams) -> LogitsRules | None:
+        """The request's logits processing in token ids; ValueError (naming the SamplingParams field)
+        for what this engine cannot honour."""
+        max_logprobs = self.config.sampling.max_logprobs
+        if sampling.logprobs is not None and sampling.logprobs > max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs must be between 0 and {max_logprobs} "
+                             f"(SamplingConfig.max_logprobs), got {sampling.logprobs}")
+        return LogitsRules.resolve(sampling, self.tokenizer, self.tokenizer.eos_token_ids,
+                                   self.model_config.vocab_size, self.runner.config.vocab_size,
+                                   self.config.sampling.logit_table_width)
+
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
+        if self.lora is not None:
+            self.lora.request_done(request_id)
         return self.scheduler.abort(request_id)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----
+
+    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
+        """Register an adapter for later requests (read from its path unless `adapter`, a
+        lora.adapter.LoRAAdapter, is given); LoRAError (a ValueError) if it cannot be served."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (EngineConfig.lora, --enable-lora)")
+        self.lora.add(lora_request, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter (requests using it finish with it); False if unknown."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
@@ -235,19 +298,27 @@ class Engine:
     # ---- one iteration ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: fill the pipeline, then take the oldest batch's tokens."""
+        """Run one iteration: fill the pipeline, then take the oldest batch's tokens.
+
+        A batch whose constrained rows' masks need a token still on the device (async scheduling)
+        dispatches its forward pass now and its sampling once the previous batch's tokens are in and
+        its masks filled (_dispatch_waiting); no later batch is planned before that, so the device's
+        last samples stay in order.
+        """
         start = phase_start = time.perf_counter()
         dropped: list[RequestOutput] = []
-        while self.scheduler.can_schedule:
+        while self.scheduler.can_schedule and not (self._in_flight and self._in_flight[-1].packed is None):
             output = self.scheduler.schedule()
             scheduled_at = time.perf_counter()
             self._schedule_s += scheduled_at - phase_start
             dropped += [self._output_for(request, 0) for request in output.dropped]
+            if self.lora is not None:  # adapters the plan placed in new slots, written before its dispatch
+                self.lora.upload_loads()
             if not output.scheduled:
                 break
-            batch = build_batch(output, self.buckets)
+            batch = build_batch(output, self.buckets, self._sampling)
             built_at = time.perf_counter()
-            self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch)))
+            self._in_flight.append(self._dispatch(output, batch))
             phase_start = time.perf_counter()
             timing = DispatchTiming(self._schedule_s, built_at - scheduled_at, phase_start - built_at)
             self._schedule_s = 0.0
@@ -257,15 +328,40 @@ class Engine:
             return dropped
         in_flight = len(self._in_flight)
         flight = self._in_flight.popleft()
+        if flight.packed is None:  # its sampling waits for a batch planned before it, which returned first
+            raise RuntimeError("the oldest batch in flight was never sampled")
         wait_start = time.perf_counter()
         result = self.runner.fetch(flight.packed, flight.batch)
         wait_end = time.perf_counter()
         outputs = self._process(flight, result)
+        self._dispatch_waiting()
         end = time.perf_counter()
         self._record(flight.output, end - start, wait_end - wait_start)
         self._stats.peak_in_flight = max(self._stats.peak_in_flight, in_flight)
         self._stats.in_flight_total += in_flight
         return dropped + outputs
+
+    def _dispatch(self, output: SchedulerOutput, batch: RaggedBatch) -> _InFlight:
+        rows = self.structured.rows(output.scheduled)
+        if rows and not self.structured.ready(output.scheduled, rows):
+            # Single process: the forward pass runs while the previous batch's tokens come back.
+            logits = self.runner.forward(batch) if self.runner.can_forward_alone else None
+            self._stats.structured_deferred_batches += 1
+            return _InFlight(output, batch, None, logits, rows)
+        if rows:
+            self.structured.fill(batch.allowed_mask, output.scheduled, rows)
+        return _InFlight(output, batch, self.runner.execute(batch))
+
+    def _dispatch_waiting(self) -> None:
+        """Fill the masks of the batch whose sampling waits, once they can be, and dispatch it."""
+        flight = self._in_flight[-1] if self._in_flight else None
+        if flight is None or flight.packed is not None \
+                or not self.structured.ready(flight.output.scheduled, flight.mask_rows):
+            return
+        self.structured.fill(flight.batch.allowed_mask, flight.output.scheduled, flight.mask_rows)
+        flight.packed = self.runner.execute(flight.batch) if flight.logits is None else \
+            self.runner.sample(flight.logits, flight.batch)
+        flight.logits = None
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
         scheduled = flight.output.scheduled
@@ -281,6 +377,8 @@ class Engine:
         outputs = []
         for item in scheduled:
             request = item.request
+            if request.status.finished:
+                self._sampling.release(request)  # its penalty slot, if it had one
             if request.status is RequestStatus.FINISHED_ABORTED:
                 continue  # aborted while in flight
             num_new = len(request.output_token_ids) - item.step
@@ -296,6 +394,8 @@ class Engine:
         detok = request.detokenizer
         ids = request.output_token_ids
         if request.status.finished:
+            if self.lora is not None:
+                self.lora.request_done(request.request_id)
             detok.flush()
             met = request.deadline_met
             if met is not None:

@@ -8,9 +8,11 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
-                             SchedulerConfig, SchedulingPolicy)
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
+                             ParallelConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
+from orca_jax.engine_defaults import UsageContext, batch_defaults
+from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
@@ -53,16 +55,25 @@ class LLM:
     """Load a model once, then generate for many prompts with iteration-level batching.
 
     Arguments follow vLLM's names: tensor_parallel_size splits every layer over that many devices
-    (ORCA's intra-layer parallelism), pipeline_parallel_size splits the layer stack into stages.
+    (ORCA's intra-layer parallelism), pipeline_parallel_size splits the layer stack into stages;
+    enable_lora serves peft adapters (generate's lora_request) from max_loras device slots of
+    max_lora_rank, keeping up to max_cpu_loras more in host memory. max_num_seqs and
+    max_num_batched_tokens default to the device's (engine_defaults.py).
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 512, page_size: int = 16, num_kv_pages: int | None = None,
+    def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, page_size: int = 16, num_kv_pages: int | None = None,
                  kv_cache_memory_gib: float | None = None, max_model_len: int | None = None,
                  dtype: str | None = None, attention_backend: str = "auto",
                  scheduling_policy: str = "fcfs", kv_allocation: str = "reserve", tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: int | None = None,
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
+            defaults = batch_defaults(UsageContext.OFFLINE)  # the device's (engine_defaults.py)
+            max_num_seqs = max_num_seqs or defaults.max_num_seqs
+            max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
         config = engine_config or EngineConfig(
             model=model,
             cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib,
@@ -73,34 +84,43 @@ class LLM:
                                       kv_allocation=KVAllocation(kv_allocation)),
             parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
             attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
-            seed=seed)
+            seed=seed, lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
         self.engine = Engine(config, loaded)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: int = 0,
-                 deadline_ms: float | None = None) -> list[GenerationOutput]:
+                 use_tqdm: bool = True, priority: int = 0, deadline_ms: float | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationOutput]:
         """Generate for every prompt (a string or a token-id list); results come in input order.
 
         priority and deadline_ms (from now) apply to every prompt; a prompt still waiting at its
-        deadline ends with finish_reason "deadline" and no tokens.
+        deadline ends with finish_reason "deadline" and no tokens. lora_request: the adapter every
+        prompt runs with, or one per prompt (None: the base model).
         """
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
+        loras = _per_prompt_lora(lora_request, len(prompts))
         deadline = None if deadline_ms is None else time.monotonic() + deadline_ms / 1000
-        ids = [self.engine.add_request(p, sp, priority=priority, deadline=deadline)
-               for p, sp in zip(prompts, params)]
+        ids = []
+        try:
+            for p, sp, lora in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(p, sp, priority=priority, deadline=deadline, lora_request=lora))
+        except BaseException:  # e.g. a bad adapter for a later prompt: none of them runs
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         finished = self._run_to_completion(set(ids), use_tqdm)
         return [_to_generation_output(finished[i], p, self.engine) for i, p in zip(ids, prompts)]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True) -> list[GenerationOutput]:
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[GenerationOutput]:
         """Generate replies to one conversation or several, through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after each iteration that produced tokens."""
@@ -151,6 +171,15 @@ def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _per_prompt_lora(lora_request, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+    return loras
 
 
 def _to_generation_output(out: RequestOutput, prompt: Prompt, engine: Engine) -> GenerationOutput:

@@ -20,11 +20,12 @@ import json
 import jax
 import numpy as np
 
-from orca_jax.batch import BATCH_ARRAYS, RaggedBatch
+from orca_jax.batch import BATCH_ARRAYS, BatchDims, RaggedBatch
 from orca_jax.compilation import ProgramKey, key_from_json, key_to_json
 from orca_jax.config import ParallelConfig
+from orca_jax.logits_rules import SampleMode
 
-_HEADER_LEN = 11
+_HEADER_LEN = 15
 
 
 class _Kind(enum.IntEnum):
@@ -48,35 +49,31 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-# RaggedBatch's arrays in message order; token_sources last, and only when the batch has them.
-_ARRAYS = tuple(entry for entry in BATCH_ARRAYS if entry[0] != "token_sources")
-_SOURCES = next(entry for entry in BATCH_ARRAYS if entry[0] == "token_sources")
-
-
 def encode_batch(batch: RaggedBatch) -> tuple[np.ndarray, np.ndarray]:
-    """(header i32[_HEADER_LEN], payload i32[n]): every array viewed as int32, concatenated."""
-    t, s, p = batch.token_ids.shape[0], batch.kv_lens.shape[0], batch.page_table.shape[1]
-    fields = _ARRAYS + ((_SOURCES,) if batch.token_sources is not None else ())
+    """(header i32[_HEADER_LEN], payload i32[n]): every array present viewed as int32, concatenated
+    in BATCH_ARRAYS' order; the header holds the sizes, the statics and which arrays are present."""
+    present = [getattr(batch, name) is not None for name, _, _ in BATCH_ARRAYS]
     payload = np.concatenate([np.ascontiguousarray(getattr(batch, name), dtype).ravel().view(np.int32)
-                              for name, _, dtype in fields])
-    header = np.array([_Kind.EXECUTE, payload.size, t, s, p, batch.num_top_logprobs, batch.all_greedy,
-                       batch.num_real_tokens, batch.num_real_seqs, batch.token_sources is not None, 0],
-                      np.int32)
+                              for (name, _, dtype), here in zip(BATCH_ARRAYS, present) if here])
+    bits = sum(1 << i for i, here in enumerate(present) if here)
+    header = np.array([_Kind.EXECUTE, payload.size, *batch.dims, batch.num_top_logprobs, batch.sample_mode,
+                       batch.logits_processed, batch.num_real_tokens, batch.num_real_seqs, bits, 0], np.int32)
     return header, payload
 
 
 def decode_batch(header: np.ndarray, payload: np.ndarray) -> RaggedBatch:
     """The inverse of encode_batch."""
-    _, _, t, s, p, top, greedy, real_tokens, real_seqs, has_sources, _ = (int(x) for x in header)
-    fields = _ARRAYS + ((_SOURCES,) if has_sources else ())
+    _, _, *sizes, top, mode, processed, real_tokens, real_seqs, bits, _ = (int(x) for x in header)
+    dims = BatchDims(*sizes)
     arrays, offset = {}, 0
-    for name, shape_of, dtype in fields:
-        shape = shape_of(t, s, p)
-        size = int(np.prod(shape))
-        arrays[name] = payload[offset:offset + size].view(dtype).reshape(shape).copy()
-        offset += size
-    return RaggedBatch(**arrays, num_top_logprobs=top, all_greedy=bool(greedy), num_real_tokens=real_tokens,
-                       num_real_seqs=real_seqs)
+    for i, (name, shape_of, dtype) in enumerate(BATCH_ARRAYS):
+        if bits >> i & 1:
+            shape = shape_of(dims)
+            size = int(np.prod(shape))
+            arrays[name] = payload[offset:offset + size].view(dtype).reshape(shape).copy()
+            offset += size
+    return RaggedBatch(**arrays, num_top_logprobs=top, sample_mode=SampleMode(mode),
+                       logits_processed=bool(processed), num_real_tokens=real_tokens, num_real_seqs=real_seqs)
 
 
 def _bytes_payload(data: bytes) -> np.ndarray:
@@ -97,7 +94,7 @@ class Mirror:
     def precompile(self, keys: list[ProgramKey], warm: bool) -> None:
         if self.is_leader:
             payload = _bytes_payload(json.dumps([key_to_json(k) for k in keys]).encode())
-            _send(np.array([_Kind.PRECOMPILE, payload.size] + [0] * 8 + [warm], np.int32), payload)
+            _send(np.array([_Kind.PRECOMPILE, payload.size] + [0] * (_HEADER_LEN - 3) + [warm], np.int32), payload)
 
     def stop(self) -> None:
         if self.is_leader:

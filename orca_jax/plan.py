@@ -29,6 +29,7 @@ class ScheduledRequest:
     # Async scheduling: the row of the previous batch's samples (still on device) that holds the one
     # token fed, whose id the host does not know yet (token_ids then holds a placeholder 0); -1: none.
     token_source: int = -1
+    lora_slot: int = 0  # the request's adapter slot on the device (Request.lora_slot); 0: none
 
     @property
     def num_new_tokens(self) -> int:
@@ -79,7 +80,7 @@ def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
     return ScheduledRequest(
         request=request, start=start, token_ids=tokens,
         page_ids=tuple(kv.page_ids(request.request_id)[:kv.num_pages_for(end)]), seed=request.seed,
-        sampling=request.sampling, step=view.step, token_source=view.token_source)
+        sampling=request.sampling, step=view.step, token_source=view.token_source, lora_slot=request.lora_slot)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """Automatic prefix caching: full KV pages indexed by their content, kept past their request (no jax).
 
 A full page's K/V depend on its tokens and on every token before it (and on the adapter, through
-the request's cache salt), so its key chains the previous page's key: key_i = hash((key_{i-1},
-tokens of page i, salt)). A request's keys are computed once per page of known tokens and kept on the
-request (`page_keys`). The index maps a key to the page holding that content; a page whose last
+the request's adapter and cache salt), so its key chains the previous page's key: key_i =
+hash((key_{i-1}, tokens of page i, salt)), the salt being Request.kv_salt. A request's keys are
+computed once per page of known tokens and kept on the request (`page_keys`). The index maps a key to the page holding that content; a page whose last
 holder leaves stays in the index, on an LRU of evictable pages that the allocator takes from only
 when its free list is empty (evicting a page drops its key).
 
@@ -30,7 +30,7 @@ class _Entry(NamedTuple):  # a NamedTuple: one is made per published page, on th
     serial: int  # unique per publication
     parent_serial: int  # the entry of the page before it (_ROOT_SERIAL for a first page)
     tokens: tuple[int, ...]
-    salt: str | None
+    salt: tuple
 
 
 def extend_page_keys(request: Request, page_size: int, hash_fn: Callable[[tuple], int] = hash) -> list[int]:
@@ -41,7 +41,7 @@ def extend_page_keys(request: Request, page_size: int, hash_fn: Callable[[tuple]
     if len(keys) < num_full:
         tokens = request.token_ids_at(len(keys) * page_size, (num_full - len(keys)) * page_size)
         parent = keys[-1] if keys else ROOT_KEY
-        salt = request.cache_salt
+        salt = request.kv_salt
         for i in range(0, len(tokens), page_size):
             page = tuple(tokens[i:i + page_size])
             parent = hash_fn((parent, page, salt))
@@ -90,7 +90,7 @@ class PrefixIndex:
         for i in range(min(max_pages, len(keys))):
             page = self._page_of_key.get(keys[i])
             entry = None if page is None else self._entries[page]
-            if entry is None or entry.parent_serial != parent_serial or entry.salt != request.cache_salt \
+            if entry is None or entry.parent_serial != parent_serial or entry.salt != request.kv_salt \
                     or entry.tokens != request.page_tokens[i]:
                 break
             found.append(page)
@@ -113,10 +113,10 @@ class PrefixIndex:
             holder = self._page_of_key.get(keys[i])
             if holder is not None:
                 entry = self._entries[holder]
-                if entry.parent_serial != serial or entry.tokens != tokens or entry.salt != request.cache_salt:
+                if entry.parent_serial != serial or entry.tokens != tokens or entry.salt != request.kv_salt:
                     break  # a collision: this content cannot be indexed under its key
             else:
-                entry = _Entry(keys[i], next(self._serials), serial, tokens, request.cache_salt)
+                entry = _Entry(keys[i], next(self._serials), serial, tokens, request.kv_salt)
                 self._entries[pages[i]] = entry
                 self._page_of_key[keys[i]] = pages[i]
             serial = entry.serial

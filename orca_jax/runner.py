@@ -3,9 +3,9 @@
 An iteration is programs dispatched back to back: per pipeline stage (stage.py; one stage on all
 devices when unpipelined) a stage-in that copies the batch's packed inputs into a buffer that stays
 put, then the ragged forward pass reading it, with the K/V writes into the (donated) per-layer pages;
-then sampling on the last stage (its sorts and random draws are slow to compile, so it stays out of
-the forward programs). Logits stay on device; only a small packed i32[S, 2 + 2K] array of token ids
-and logprobs reaches the host. Which programs exist and how they are compiled is the compilation
+then sampling on the last stage (sampler.py; its searches and random draws are slow to compile, so
+it stays out of the forward programs). Logits stay on device; only a small packed i32[S, 2 + 2K]
+array of token ids and logprobs reaches the host. Which programs exist and how they are compiled is the compilation
 manager's (compilation.py); the runner tells it how to lower each key.
 """
 
@@ -18,23 +18,23 @@ import time
 from typing import Iterable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from orca_jax import multihost
 from orca_jax.batch import RaggedBatch, empty_batch, pack_forward_inputs
-from orca_jax.compilation import (Bucket, CompilationManager, ForwardKey, PrecompileReport, ProgramKey,
-                                  ProgramSource, ProgressFn, SampleKey, StageInKey)
-from orca_jax.config import AttentionBackend, CacheConfig, ModelConfig, ParallelConfig
+from orca_jax.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PenaltyFillKey,
+                                  PrecompileReport, ProgramKey, ProgramSource, ProgressFn, SampleKey, StageInKey)
+from orca_jax.config import AttentionBackend, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SamplingConfig
 from orca_jax.executable_cache import ExecutableCache
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_jnp import ragged_attention_jnp
 from orca_jax.kv_pool import num_pages_for
+from orca_jax.lora.adapter import LoRAAdapter
+from orca_jax.logits_processing import tables_bytes
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
-from orca_jax.request import SamplingParams
-from orca_jax.sampling import SamplingArrays, pack, sample
+from orca_jax.sampler import Sampler
 from orca_jax.sharding import rules, tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
 from orca_jax.stage import Handoff, Stage
@@ -84,25 +84,30 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params, cache_config: CacheConfig,
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
-                 max_num_seqs: int = 256, executable_cache: ExecutableCache | None = None):
+                 max_num_seqs: int = 256, executable_cache: ExecutableCache | None = None,
+                 lora: LoRAConfig | None = None, sampling: SamplingConfig = SamplingConfig()):
         check_parallel_fits(parallel, config)
         # Vocabulary padded and KV heads replicated to fit the tensor size; from here on `config` is
         # the device shapes (the logits width, the KV pages), the plan keeps the model's own.
         self.tensor_plan = tensor_plan.plan_for(config, parallel.tensor_parallel)
         self.config = config = self.tensor_plan.device
         self.max_num_seqs = max_num_seqs  # the most sequences one batch holds: the width of next_tokens
+        self.lora_config = lora  # None: no adapter table, and no forward program has the adapter term
         meshes = make_stage_meshes(parallel, devices)
         self.device = meshes[0].devices.flat[0]
         attention = choose_attention(backend, self.device.platform)
         self.stages = [
             Stage(i, len(meshes), layers, mesh, self.tensor_plan,
                   decoder.Decoder(config, shard_over_heads(attention, mesh),
-                                  real_vocab_size=self.tensor_plan.vocab_size))
+                                  real_vocab_size=self.tensor_plan.vocab_size), lora)
             for i, (layers, mesh) in enumerate(zip(stage_layer_ranges(config.num_layers, len(meshes)), meshes))]
         self.page_size = cache_config.page_size
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
         # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
-        per_device = max(stage.params_bytes // stage.mesh.size for stage in self.stages)
+        # The last stage also holds the sampler's token-count tables (a penalty slot per batch row).
+        per_device = max(stage.params_bytes // stage.mesh.size
+                         + (tables_bytes(max_num_seqs, config.vocab_size) if stage.last else 0)
+                         for stage in self.stages)
         self.num_pages = num_pages_for(config, cache_config, per_device, self.device,
                                        sum(stage.mesh.size for stage in self.stages),
                                        max_num_seqs=max_num_seqs, max_model_len=config.max_seq_len)
@@ -111,7 +116,7 @@ class ModelRunner:
             stage.params_ready = self._params_ready
             stage.allocate_kv(self.num_pages, self.page_size)
         first, last = self.stages[0], self.stages[-1]
-        self._sample_fn = jax.jit(_sample, static_argnums=(2, 3, 4))
+        self.sampler = Sampler(last.replicated, config.vocab_size, max_num_seqs, sampling)
         # The last sampled token of every row, on the first stage, for a batch dispatched before they
         # reach the host (see RaggedBatch.token_sources). Nothing sampled yet: zeros.
         self._next_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), first.replicated)
@@ -155,8 +160,8 @@ class ModelRunner:
     def _program_identity(self, backend: AttentionBackend) -> tuple:
         """What every program of this runner depends on beyond its own key and input arrays."""
         return (repr(self.config), backend.value, self.device.platform, self.tensor_plan.vocab_size,
-                self.max_num_seqs, [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
-                                    for s in self.stages])
+                self.max_num_seqs, repr(self.lora_config), [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
+                                    for s in self.stages], repr(self.sampler.config))
 
     @property
     def params_seconds(self) -> float:
@@ -185,33 +190,28 @@ class ModelRunner:
 
     def program_keys(self, buckets: Iterable[Bucket]) -> list[ProgramKey]:
         """Every program an iteration over these buckets can need: per bucket a stage-in and a forward
-        per stage, and sampling per sequence width, top-logprob count and greedy flag."""
+        per stage (with LoRA, a second forward with the adapter term, and one slot update per stage),
+        and the sampling family per sequence width (sampler.py)."""
         buckets = list(buckets)
         keys: list[ProgramKey] = [cls(bucket, stage.index) for bucket in buckets
                                   for cls in (StageInKey, ForwardKey) for stage in self.stages]
-        keys += [SampleKey(s, k, greedy) for s in sorted({b.seqs for b in buckets})
-                 for k in (0, SamplingParams.MAX_TOP_LOGPROBS) for greedy in (True, False)]
-        return keys
+        if self.lora_config is not None:
+            keys += [ForwardKey(bucket, stage.index, True) for bucket in buckets for stage in self.stages]
+            keys += [LoRAUpdateKey(stage.index) for stage in self.stages]
+        return keys + self.sampler.program_keys(b.seqs for b in buckets)
 
     def _program_source(self, key: ProgramKey) -> ProgramSource:
-        if isinstance(key, SampleKey):  # sampling runs on the last stage's mesh
-            return ProgramSource(functools.partial(self._lower_sample, key),
+        if isinstance(key, (SampleKey, PenaltyFillKey)):  # sampling runs on the last stage's mesh
+            return ProgramSource(functools.partial(self.sampler.lower, key),
                                  list(self.stages[-1].mesh.devices.flat), ())
         stage = self.stages[key.stage]
         if isinstance(key, StageInKey):  # its only inputs are the packed vectors its key sizes
             return ProgramSource(functools.partial(stage.lower_stage_in, key.bucket),
                                  list(stage.mesh.devices.flat), ())
-        return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs),
-                             list(stage.mesh.devices.flat), stage.input_specs())
-
-    def _lower_sample(self, key: SampleKey) -> jax.stages.Lowered:
-        replicated = self.stages[-1].replicated
-        spec = lambda dtype, *shape: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-        s = key.seqs
-        sampling = SamplingArrays(spec(jnp.float32, s), spec(jnp.int32, s), spec(jnp.float32, s),
-                                  spec(jnp.uint32, s), spec(jnp.int32, s))
-        logits = spec(jnp.float32, s, self.config.vocab_size)
-        return self._sample_fn.lower(logits, sampling, key.num_top_logprobs, key.all_greedy, self.max_num_seqs)
+        if isinstance(key, LoRAUpdateKey):  # its inputs are the table's shapes, in the identity
+            return ProgramSource(stage.lora.lower_update, list(stage.mesh.devices.flat), ())
+        return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs, key.lora),
+                             list(stage.mesh.devices.flat), stage.input_specs(key.lora))
 
     def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
                    threads: int | None = None, warm: bool = True) -> PrecompileReport:
@@ -222,11 +222,16 @@ class ModelRunner:
         todo, compile_seconds, seconds_by_key = self.compilation.precompile(keys, progress, threads)
         start = time.perf_counter()
         if warm:  # dispatched back to back, waited for once: the device runs one while the host loads the next
-            buckets = sorted({key.bucket for key in todo if isinstance(key, ForwardKey)})
-            jax.block_until_ready([self._forward(empty_batch(*bucket)) for bucket in buckets])
+            variants = sorted({(key.bucket, key.lora) for key in todo if isinstance(key, ForwardKey)})
+            jax.block_until_ready([self._forward(empty_batch(*bucket, lora=lora)) for bucket, lora in variants])
         return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start, seconds_by_key)
 
     # ---- one iteration ----
+
+    @property
+    def can_forward_alone(self) -> bool:
+        """Whether forward() may run apart from sample(): in one process (several mirror execute)."""
+        return self._mirror is None
 
     def forward(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch the forward pass through every stage (asynchronous); returns f32[S, V] logits on
@@ -237,6 +242,8 @@ class ModelRunner:
 
     def _forward(self, batch: RaggedBatch) -> jax.Array:
         bucket = batch.bucket
+        if batch.has_lora and self.lora_config is None:
+            raise ValueError("a batch with LoRA adapter slots, but this runner has no adapter table")
         packed = pack_forward_inputs(batch)  # i32: one host-to-device copy per stage, not nine
         inputs = self._no_tokens if batch.token_sources is None else self._next_tokens
         executable = self.compilation.executable
@@ -244,15 +251,21 @@ class ModelRunner:
             if stage.index > 0:
                 inputs = self._to_next[stage.index - 1](inputs)
             inputs = stage.run(bucket, executable(StageInKey(bucket, stage.index)),
-                               executable(ForwardKey(bucket, stage.index)), packed, inputs)
+                               executable(ForwardKey(bucket, stage.index, batch.has_lora)), packed, inputs,
+                               batch.has_lora)
         return inputs
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Write `adapter` (None: zeros) into adapter slot `slot` (1-based, as a batch's lora_slots
+        name it) on every stage; asynchronous, ordered after every batch already dispatched."""
+        if self.lora_config is None:
+            raise RuntimeError("this runner has no LoRA adapter table (EngineConfig.lora is None)")
+        for stage in self.stages:
+            stage.lora.load(self.compilation.executable(LoRAUpdateKey(stage.index)), slot - 1, adapter)
 
     def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:
         """Dispatch sampling of a forward's logits; returns the packed i32[S, 2 + 2K] device array."""
-        sampling = SamplingArrays(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
-                                  seed=batch.seed, step=batch.step)
-        key = SampleKey(logits.shape[0], batch.num_top_logprobs, batch.all_greedy)
-        packed, next_tokens = self.compilation.executable(key)(logits, sampling)
+        packed, next_tokens = self.sampler.run(logits, batch, self.compilation.executable)
         # Sampled on the last stage; a later batch's token sources are read on the first.
         self._next_tokens = self._to_first(next_tokens)
         return self._to_first(packed) if self._result_to_first else packed
@@ -275,8 +288,3 @@ class ModelRunner:
         host = np.asarray(packed if packed.is_fully_addressable else packed.addressable_data(0))
         return StepResult.unpack(host, batch.num_real_seqs, batch.num_top_logprobs)
 
-
-def _sample(logits, sampling: SamplingArrays, num_top_logprobs: int, all_greedy: bool, max_num_seqs: int):
-    """(packed i32[S, 2 + 2K] for the host, the sampled ids padded to i32[max_num_seqs] for the device)."""
-    result = sample(logits, sampling, num_top_logprobs, all_greedy)
-    return pack(result), jnp.pad(result.token_ids, (0, max_num_seqs - logits.shape[0]))

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from orca_jax.config import KVAllocation, SchedulerConfig
 from orca_jax.kv_cache import KVCacheManager
+from orca_jax.lora.slots import AdapterSlots
 from orca_jax.plan import (PlanningView, ScheduledRequest, SchedulerInterface, SchedulerOutput,  # noqa: F401
                            own_view, plan_request)
 from orca_jax.policies import Policy, make_policy
@@ -31,7 +32,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  max_in_flight: int = 1, clock: Callable[[], float] = time.monotonic,
-                 policy: Policy | None = None, token_target: Callable[[int], int] | None = None):
+                 policy: Policy | None = None, token_target: Callable[[int], int] | None = None,
+                 adapters: AdapterSlots | None = None):
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if max_in_flight <= 0:
@@ -45,6 +47,9 @@ class Scheduler:
         # tokens planned -> tokens to feed (BucketPolicy.token_target: the bucket below, where padding
         # up would cost time); prompt chunks give up the difference. None: feed every planned token.
         self._token_target = token_target
+        # LoRA adapter slots on the device (None: no adapters): a waiting request is admitted only
+        # once its adapter has a slot, and meanwhile does not hold up the requests behind it.
+        self._adapters = adapters
         # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
         self._requests: dict[str, Request] = {}
         self._num_waiting = 0
@@ -126,7 +131,8 @@ class Scheduler:
         requests already holding KV still run, so no order can starve the requests that would free
         the pool. A policy that preempts for admission may first free lower-ranked running requests.
         Token budget: every increment-phase request gets its 1 token first; what remains of
-        max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order.
+        max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order (each
+        at most long_prefill_token_threshold, when set).
         With a token_target, the last chunks then shrink so a batch with increments feeds
         token_target(total) tokens (the runner's bucket: no padding), when the chunks hold that many.
         A request whose chunk comes out as 0 sits this iteration out but keeps its KV.
@@ -149,7 +155,10 @@ class Scheduler:
             if request.status is RequestStatus.WAITING:
                 if not can_admit or request in preempted:
                     continue
-                if not self._admit(request, batch, preempted, now):
+                admitted = self._admit(request, batch, preempted, now)
+                if admitted is None:
+                    continue  # waits for its LoRA adapter's slot; the requests behind it go on
+                if not admitted:
                     can_admit = not self.policy.blocks_later_admissions
                     continue
                 views[request] = own_view(request)  # admitted past the pages it found cached
@@ -158,11 +167,12 @@ class Scheduler:
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_num_seqs.
         budget = self.config.max_num_batched_tokens
         budget -= sum(1 for r in batch if not views[r].in_initiation)
+        chunk_cap = self.config.long_prefill_token_threshold or budget
         planned: list[tuple[Request, int]] = []
         for request in batch:
             view = views[request]
             if view.in_initiation:
-                num_new = min(view.num_prompt_tokens - view.start, budget)
+                num_new = min(view.num_prompt_tokens - view.start, budget, chunk_cap)
                 budget -= num_new
                 if num_new == 0:
                     continue
@@ -228,25 +238,29 @@ class Scheduler:
             return False
         return self.kv.num_unreserved_pages - cost >= self._watermark_pages()
 
-    def _admit(self, request: Request, batch: list[Request], preempted: set[Request], now: float) -> bool:
+    def _admit(self, request: Request, batch: list[Request], preempted: set[Request], now: float) -> bool | None:
         """Give a waiting request its KV (preempting lower-ranked requests if the policy may), starting
-        from the pages of its prefix already cached."""
+        from the pages of its prefix already cached, and its LoRA adapter's slot; None: its KV would
+        fit, but its adapter has no slot yet."""
         hit = self._cached_prefix(request)
-        if not self._may_admit(request, hit):
-            if not self.policy.preempts_for_admission:
-                return False
+        fits = self._may_admit(request, hit)
+        if not fits and not self.policy.preempts_for_admission:
+            return False
+        if self._adapters is not None and not self._adapters.admit(request):
+            return None  # checked before preempting anyone for it
+        if not fits:
             victims = [r for r in self._ranked_running(now)
                        if r not in batch and self.policy.outranks(request, r, now)]
             need = self.kv.admission_cost(self._admission_tokens(request), hit) + self._watermark_pages()
             if self.kv.num_unreserved_pages + sum(self.kv.num_reserved_for(v.request_id)
                                                   for v in victims) < need:
-                return False  # even all of them would not make room: take nothing
+                return self._release_adapter(request)  # even all of them would not make room: take nothing
             while victims and not self._may_admit(request, hit):
                 victim = victims.pop()  # the lowest-ranked first
                 self.preempt(victim)
                 preempted.add(victim)
             if not self._may_admit(request, hit):
-                return False
+                return self._release_adapter(request)
         self.kv.reserve(request.request_id, self._admission_tokens(request), hit,
                         num_queried=request.num_initiation_tokens)
         request.num_computed_tokens = len(hit) * self.kv.page_size
@@ -257,6 +271,12 @@ class Scheduler:
             request.scheduled_time = now
         self._num_waiting -= 1
         return True
+
+    def _release_adapter(self, request: Request) -> bool:
+        """The request gives its adapter slot back (it was not admitted after all); False."""
+        if self._adapters is not None:
+            self._adapters.release(request)
+        return False
 
     def _ranked_running(self, now: float) -> list[Request]:
         """Requests holding KV (in flight or not), best first in the policy's order."""
@@ -300,6 +320,7 @@ class Scheduler:
         if request.status is not RequestStatus.RUNNING:
             raise ValueError(f"only a running request can be preempted, not {request.status.value}")
         self._release_kv(request)
+        self._release_adapter(request)
         request.status = RequestStatus.WAITING
         request.recompute_len = request.num_tokens
         request.num_computed_tokens = 0
@@ -323,9 +344,8 @@ class Scheduler:
         A request in no unreturned batch plans from its own state. With async scheduling, one in the
         batch planned last (and in no other) plans as if that batch had run: past its tokens, and when
         that batch samples its next token, feeding that token from the device; unless that token
-        may be its last (max_tokens), which would waste a row on a finished request, or the request
-        has a grammar: its next mask needs that token (as in vLLM, such a request sits out one
-        iteration while the others run on).
+        may be its last (max_tokens), which would waste a row on a finished request. (A request with a
+        grammar is planned so too: the engine samples its row once that token is in, see Engine.step.)
         """
         rows = self._in_flight_rows.get(request)
         if not rows:
@@ -336,7 +356,7 @@ class Scheduler:
         start = request.num_computed_tokens + num_fed
         samples = start >= request.num_tokens  # that batch feeds the last known token
         step = len(request.output_token_ids) + samples
-        if samples and (step >= request.sampling.max_tokens or request.grammar is not None):
+        if samples and step >= request.sampling.max_tokens:
             return None
         return PlanningView(start, step, row if samples else -1, request.num_initiation_tokens)
 
@@ -412,6 +432,7 @@ class Scheduler:
         request.status = status
         request.finish_time = now
         self._release_kv(request)
+        self._release_adapter(request)
         del self._requests[request.request_id]
 
     def _release_kv(self, request: Request) -> None:

@@ -22,6 +22,7 @@ import uvicorn
 
 from orca_jax.kv_pool import XLA_MEM_FRACTION_ENV
 from orca_jax.server.app import CORSPolicy
+from orca_jax.server.lora import parse_lora_modules, register_lora_modules
 from orca_jax.server.cli_args import (PROG, allowed_hosts_from_args, build_parser, engine_config_from_args,
                                       http_limits_from_args, parse_args, read_chat_template,
                                       tool_call_settings_from_args)
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here so `--help` and flag errors come back without loading jax.
     from orca_jax import multihost
     multihost.initialize(config.parallel)  # before anything else touches jax
+    from orca_jax.engine_defaults import UsageContext, batch_defaults
+    config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER))  # the device's batch
     from orca_jax.engine import Engine
     from orca_jax.models.weights import WeightsError
     from orca_jax.server import AsyncEngine, create_app, gc_and_gil
@@ -80,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(dataclasses.replace(config, precompile=False))
     except WeightsError as error:  # a model that cannot be read: one line, not a traceback
         print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        register_lora_modules(engine, parse_lora_modules(args.lora_modules))
+    except ValueError as error:  # a LoRAError names the adapter and the problem
+        log.error("%s", error)
         return 2
     if not multihost.is_leader():
         log.info("process %d: running process 0's steps", args.process_id)

@@ -29,7 +29,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from orca_jax.batch import forward_inputs_size, unpack_forward_inputs
 from orca_jax.compilation import Bucket
+from orca_jax.config import LoRAConfig
 from orca_jax.executable_cache import describe_arrays
+from orca_jax.lora.ops import LoRATokens
+from orca_jax.lora.table import StageLoRATable
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
 from orca_jax.models.projections import fuse_projections
@@ -53,7 +56,7 @@ class Stage:
     the stage's programs, runs them compiled (the runner owns the executables)."""
 
     def __init__(self, index: int, num_stages: int, layers: range, mesh: Mesh, plan: TensorPlan,
-                 model: decoder.Decoder):
+                 model: decoder.Decoder, lora: LoRAConfig | None = None):
         config = plan.device
         self.index = index
         self.layers = layers
@@ -82,6 +85,9 @@ class Stage:
         # i32[forward_inputs_size(T, S, P)] per bucket: the forward's packed inputs, staged by run();
         # each run donates it to the stage-in program, which writes it in place.
         self._staged: dict[Bucket, jax.Array] = {}
+        # This stage's layers of the LoRA adapter table (made here, before the KV pool is sized from
+        # the memory left); None without LoRA.
+        self.lora = None if lora is None else StageLoRATable(config, lora, layers, mesh, plan.kv_repeat)
 
     def make_params(self, params, seed: int) -> None:
         """`params`: the whole model's device-layout tree (model layout) as numpy, already adapted to the
@@ -120,20 +126,23 @@ class Stage:
         self.kv = jax.jit(lambda: decoder.empty_cache(self.config, num_pages, page_size, self.layers),
                           out_shardings=self.kv_shardings)()
 
-    def input_specs(self) -> tuple:
-        """What the forward reads besides its bucket's packed inputs: the weights and the pages."""
-        return describe_arrays(self.param_specs), describe_arrays(self.kv)
+    def input_specs(self, lora: bool = False) -> tuple:
+        """What the forward reads besides its bucket's packed inputs: the weights, the pages and (with
+        the adapter term) the LoRA table."""
+        table = describe_arrays(self.lora.specs) if lora else None
+        return describe_arrays(self.param_specs), describe_arrays(self.kv), table
 
-    def lower(self, bucket: Bucket, max_num_seqs: int) -> jax.stages.Lowered:
-        """The forward program of `bucket`, traced for this stage's inputs."""
+    def lower(self, bucket: Bucket, max_num_seqs: int, lora: bool = False) -> jax.stages.Lowered:
+        """The forward program of `bucket` (with the LoRA adapter term or not), traced for this
+        stage's inputs."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
         if self.first:
             inputs = i32(max_num_seqs)
         else:
             inputs = jax.ShapeDtypeStruct((bucket.tokens, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
-        return self._forward_fn.lower(self.model, self.first, self.last, bucket, self.param_specs, self.kv,
-                                      i32(forward_inputs_size(*bucket)), inputs)
+        return self._forward_fn.lower(self.model, self.first, self.last, bucket, lora, self.param_specs, self.kv,
+                                      self.lora.specs if lora else None, i32(forward_inputs_size(*bucket)), inputs)
 
     def lower_stage_in(self, bucket: Bucket) -> jax.stages.Lowered:
         """The stage-in program of `bucket`: the packed inputs into the bucket's staged buffer."""
@@ -145,19 +154,20 @@ class Stage:
         return self._staged.get(bucket)
 
     def run(self, bucket: Bucket, stage_in: jax.stages.Compiled, forward: jax.stages.Compiled,
-            packed: np.ndarray, inputs) -> jax.Array:
+            packed: np.ndarray, inputs, lora: bool = False) -> jax.Array:
         """Dispatch this stage (asynchronous): [T, H] activations out, or f32[S, V] logits if last.
 
         `packed`: the batch's forward inputs in one i32 vector (`batch.pack_forward_inputs`), staged by
         `stage_in` into the bucket's buffer, which `forward` reads. `inputs`: the previous iteration's
         samples i32[max_num_seqs] (still on device) on the first stage, else the previous stage's
-        [T, H] activations, already moved here (`Handoff`).
+        [T, H] activations, already moved here (`Handoff`). `lora`: `forward` has the adapter term
+        (it then reads this stage's LoRA table).
         """
         staged = self._staged.get(bucket)
         if staged is None:
             staged = self._zeros(packed.shape[0])
         self._staged[bucket] = staged = stage_in(staged, packed)  # the old buffer is donated: same address
-        out, self.kv = forward(self.params, self.kv, staged, inputs)
+        out, self.kv = forward(self.params, self.kv, self.lora.table if lora else None, staged, inputs)
         return out
 
     def _zeros(self, size: int) -> jax.Array:
@@ -169,11 +179,12 @@ class Stage:
 
 
 def forward_program(out_shardings=None):
-    """The jitted stage forward: (model, first, last, (T, S, P)) static, the KV pages donated;
-    call or lower it as (model, first, last, bucket, params, kv, packed inputs, samples or activations)."""
+    """The jitted stage forward: (model, first, last, (T, S, P), lora) static, the KV pages donated;
+    call or lower it as (model, first, last, bucket, lora, params, kv, LoRA table or None, packed
+    inputs, samples or activations)."""
     if out_shardings is None:
-        return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-    return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3), donate_argnums=(5,), out_shardings=out_shardings)
+        return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,))
+    return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,), out_shardings=out_shardings)
 
 
 def stage_in_program(out_shardings=None):
@@ -186,9 +197,11 @@ def _stage_in(staged, packed):
     return jax.lax.dynamic_update_slice(staged, packed, (0,))
 
 
-def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Bucket, params, kv,
-                   packed, inputs):
-    """One stage's forward: (activations [T, H], or logits f32[S, V] on the last stage; kv)."""
+def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Bucket, lora: bool, params, kv,
+                   lora_table, packed, inputs):
+    """One stage's forward: (activations [T, H], or logits f32[S, V] on the last stage; kv).
+    `lora`: add each token's adapter term (its slot in the packed lora_slots, 0: none) from
+    `lora_table` (lora/layout.py); else the table is None and nothing reads the slots."""
     fields = unpack_forward_inputs(packed, *bucket)
     meta = AttentionMetadata(cu_q_lens=fields["cu_q_lens"], kv_lens=fields["kv_lens"],
                              page_table=fields["page_table"], slot_mapping=fields["slot_mapping"],
@@ -202,7 +215,11 @@ def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Buck
         x = model.embed(params, token_ids, positions)  # [T, H]
     else:
         x = inputs  # [T, H]
-    x, kv = model.layers(params["layers"], kv, x, positions, meta)
+    lora_tokens = None
+    if lora:
+        num_slots = lora_table[0]["attn"]["o"]["a"].shape[-2]  # [N, D, M, R]
+        lora_tokens = LoRATokens.of(fields["lora_slots"], num_slots, x.dtype)
+    x, kv = model.layers(params["layers"], kv, x, positions, meta, lora_table if lora else None, lora_tokens)
     if last:
         return model.logits(params, x[fields["logits_indices"]]), kv  # f32[S, V]
     return x, kv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Sequence
 
@@ -33,10 +34,11 @@ def our_logits(loaded, token_ids: Sequence[int]) -> np.ndarray:
     return prompt_logits(our_engine(loaded).runner, token_ids)
 
 
-def prompt_logits(runner, token_ids: Sequence[int]) -> np.ndarray:
+def prompt_logits(runner, token_ids: Sequence[int], lora_slot: int = 0) -> np.ndarray:
     """f32[T, V] next-token logits at every position of one prompt, from one forward pass of a
     one-request batch on pages 1..ceil(T / page_size) with a logits row per token. It overwrites those
-    pages' K/V: call it only on a runner no engine is using."""
+    pages' K/V: call it only on a runner no engine is using. `lora_slot`: every token's adapter slot
+    (the runner's load_lora put an adapter there)."""
     n = len(token_ids)
     num_pages = -(-n // runner.page_size)
     assert 0 < n and num_pages < runner.num_pages, (n, num_pages, runner.num_pages)
@@ -52,6 +54,8 @@ def prompt_logits(runner, token_ids: Sequence[int]) -> np.ndarray:
     batch.kv_lens[0] = n
     batch.num_seqs[0] = 1
     batch.logits_indices[:] = np.minimum(np.arange(s), n - 1)
+    if lora_slot:
+        batch = dataclasses.replace(batch, lora_slots=np.full(t, lora_slot, np.int32))
     return np.asarray(runner.forward(batch))[:n]
 
 

@@ -35,6 +35,11 @@ CASES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4)]  # (tensor parallel, st
 PROMPTS = [[5, 6, 7], list(range(10, 22)), [99] * 9, list(range(50, 61)), [3] * 5, [7, 8], [200] * 12, [1]]
 MAX_TOKENS = 4
 SHARED = list(range(30, 39))
+# Some requests process their logits (greedy still): penalties counted on the last stage's devices
+# (slots filled from the prompt), a logit bias and an allowed-token mask; every mesh must agree.
+LOGITS_PROCESSING = {2: dict(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.5),
+                     4: dict(repetition_penalty=0.5, logit_bias={7: 0.5}),
+                     6: dict(allowed_token_ids=list(range(100, 160)))}
 
 
 @functools.cache
@@ -67,7 +72,8 @@ def engine_for(model: str, tp: int, pp: int, batches_in_flight: int | None = Non
 
 def run(engine: Engine) -> dict:
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), request_id=str(i))
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **LOGITS_PROCESSING.get(i, {}))
+        engine.add_request(prompt, sampling, request_id=str(i))
     tokens = drain(engine)
     stats = engine.stats()
     return {"tokens": tokens, "max_in_flight": stats.peak_in_flight,

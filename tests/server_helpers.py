@@ -98,9 +98,16 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         self.num_calls += 1
 
+    lora = None  # no LoRA adapters (Engine.lora)
+
+    def list_loras(self) -> list:
+        return []
+
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *, request_id: str | None = None,
-                    priority: int = 0, deadline: float | None = None) -> str:
+                    priority: int = 0, deadline: float | None = None, lora_request=None) -> str:
         self._enter()
+        if lora_request is not None:
+            raise ValueError("the fake engine serves no LoRA adapters")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids or not all(0 <= t < self.model_config.vocab_size for t in ids):
             raise ValueError("prompt must be non-empty ids in the vocabulary")

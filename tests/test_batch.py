@@ -7,6 +7,7 @@ import pytest
 
 from orca_jax.batch import (BucketPolicy, build_batch, empty_batch, forward_inputs_size, pack_forward_inputs,
                             unpack_forward_inputs)
+from orca_jax.logits_rules import SampleMode
 from orca_jax.request import Request, SamplingParams
 from orca_jax.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -33,7 +34,7 @@ def test_ragged_layout_of_a_prompt_chunk_and_two_increments():
     # c: 1 token at position 0 of page 4.
     batch = build_batch(plan(item("a", 0, [11, 12, 13, 14, 15], [7, 3], seed=5),
                              item("b", 9, [21], [2, 5, 6], seed=6, step=3, temperature=0.5, top_k=4),
-                             item("c", 0, [31], [4], top_p=0.9)), BUCKETS)
+                             item("c", 0, [31], [4], top_p=0.9, min_p=0.1)), BUCKETS)
     assert batch.num_real_tokens == 7 and batch.num_real_seqs == 3
     assert batch.token_ids.shape == (8,) and batch.kv_lens.shape == (8,) and batch.page_table.shape == (8, 16)
     assert batch.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 31, 0]
@@ -47,11 +48,13 @@ def test_ragged_layout_of_a_prompt_chunk_and_two_increments():
     assert not batch.page_table[:, 4:].any()  # the table's width is fixed at max_pages
     assert batch.num_seqs.tolist() == [3]
     assert batch.seed[:3].tolist() == [5, 6, 0] and batch.step[:3].tolist() == [0, 3, 0]
+    # A greedy row's top-p and min-p are left neutral: they never pick a slower sampling program.
     np.testing.assert_allclose(batch.temperature[:3], [0.0, 0.5, 0.0])
     assert batch.top_k[:3].tolist() == [0, 4, 0]
-    np.testing.assert_allclose(batch.top_p[:3], [1.0, 1.0, 0.9])
-    assert not batch.all_greedy and batch.num_top_logprobs == 0
-    assert (batch.bucket, batch.num_top_logprobs, batch.all_greedy) == ((8, 8, 16), 0, False)
+    np.testing.assert_allclose(batch.top_p[:3], [1.0, 1.0, 1.0])
+    np.testing.assert_allclose(batch.min_p[:3], [0.0, 0.0, 0.0])
+    assert (batch.bucket, batch.num_top_logprobs, batch.sample_mode) == ((8, 8, 16), 0, SampleMode.SAMPLE)
+    assert not batch.logits_processed and batch.bias_token_ids is None
 
 
 def test_padding_rows_and_sequences_point_at_the_scratch_page():
@@ -61,7 +64,7 @@ def test_padding_rows_and_sequences_point_at_the_scratch_page():
     assert not batch.slot_mapping[real:].any() and not batch.token_ids[real:].any()  # slot 0: page 0
     assert not batch.page_table[1:].any() and not batch.kv_lens[1:].any()
     assert (batch.cu_q_lens[1:] == real).all()  # padding sequences own no rows
-    assert (batch.top_p[1:] == 1.0).all() and batch.all_greedy
+    assert (batch.top_p[1:] == 1.0).all() and batch.sample_mode is SampleMode.GREEDY
 
 
 @pytest.mark.parametrize("num_tokens, num_pages, expected", [
@@ -87,7 +90,8 @@ def test_every_batch_lands_in_a_listed_bucket():
 
 def test_empty_batch_is_all_padding():
     batch = empty_batch(16, 8, 4)
-    assert (batch.bucket, batch.num_top_logprobs, batch.all_greedy) == ((16, 8, 4), 0, True) and batch.num_real_seqs == 0
+    assert (batch.bucket, batch.num_top_logprobs, batch.sample_mode) == ((16, 8, 4), 0, SampleMode.GREEDY)
+    assert batch.num_real_seqs == 0
     assert not batch.slot_mapping.any() and not batch.cu_q_lens.any()
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from orca_jax.bench import driver
 from orca_jax.bench.baseline import PAD_TOKEN_ID, RequestLevelScheduler
-from orca_jax.bench.traces import LengthSpec, make_trace
+from orca_jax.bench.datasets import LengthSpec, make_trace
+from orca_jax.bench.driver import SchedulerKind, run_trace, use_scheduler
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.request import Request, RequestStatus, SamplingParams
 
@@ -110,9 +110,9 @@ def test_abort_and_refusal():
 
 def test_baseline_on_the_engine_matches_the_arithmetic():
     engine = tiny_engine(max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=512)
-    scheduler = driver.use_scheduler(engine, driver.BASELINE, 4)
+    scheduler = use_scheduler(engine, SchedulerKind.REQUEST_LEVEL, max_num_seqs=4)
     trace = make_trace("uniform", 10, rate=None, seed=2, lengths=LengthSpec(prompt_range=(3, 20), gen_range=(1, 6)))
-    run = driver.run_trace(engine, trace, "baseline", realtime=False)
+    run = run_trace(engine, trace, realtime=False)
     assert [b[0] for b in scheduler.batches] == [4, 4, 2]
     expected_iterations = 0
     for k, (size, prompt, gen) in enumerate(scheduler.batches):
@@ -121,12 +121,12 @@ def test_baseline_on_the_engine_matches_the_arithmetic():
         expected_iterations += -(-size * prompt // 64) + gen - 1
         # Everyone in a batch finishes in the same iteration.
         assert len({run.finish[4 * k + i] for i in range(size)}) == 1
-    assert run.iterations == expected_iterations
+    assert run.stats["iterations"] == expected_iterations
     assert engine.stats().kv_pages_used == 0 and not engine.has_unfinished()
     # Back to ORCA's scheduler on the same engine: finished requests leave at once.
-    driver.use_scheduler(engine, driver.ORCA, 4)
-    orca = driver.run_trace(engine, trace, "orca", realtime=False)
-    assert orca.iterations < run.iterations
+    use_scheduler(engine, SchedulerKind.ORCA, max_num_seqs=4)
+    orca = run_trace(engine, trace, realtime=False)
+    assert orca.stats["iterations"] < run.stats["iterations"]
 
 
 def test_microbatch_pipelining_keeps_the_unpipelined_tokens():
@@ -138,8 +138,8 @@ def test_microbatch_pipelining_keeps_the_unpipelined_tokens():
     prompts = [list(range(10, 10 + n)) for n in (3, 11, 6, 9, 4)]
     tokens, batches = {}, {}
     for microbatches in (1, 2):
-        scheduler = driver.use_scheduler(engine, driver.BASELINE, 5, batches_in_flight=microbatches)
-        assert scheduler.num_stages == microbatches
+        scheduler = use_scheduler(engine, SchedulerKind.REQUEST_LEVEL, max_num_seqs=5, max_in_flight=microbatches)
+        assert scheduler.num_microbatches == microbatches
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, SamplingParams(max_tokens=2 + i, ignore_eos=True), request_id=str(i))
         tokens[microbatches] = drain(engine)

@@ -1,4 +1,4 @@
-"""`bench serve`: its statistics by hand, and a run against our own live server (tiny model, CPU)."""
+"""`bench serve`: its statistics by hand, and runs against our own live server (tiny model, CPU)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from orca_jax.bench import __main__ as bench_cli
-from orca_jax.bench.serve_client import (Arrivals, Endpoint, PromptFormat, ServeBenchConfig, _token_text,
-                                         arrival_times, build_requests, run)
+from orca_jax.bench.datasets import LengthSpec, arrival_times, make_trace
+from orca_jax.bench.datasets import DatasetName as TraceKind
+from orca_jax.bench.serve_client import (Endpoint, PromptFormat, ServeBenchConfig, _token_text, build_requests,
+                                         run)
 from orca_jax.bench.serve_stats import RequestRecord, Slo, summarize
-from orca_jax.bench.traces import LengthSpec, TraceKind, make_trace
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
 from orca_jax.server import create_app
@@ -44,9 +45,12 @@ def test_summary_by_hand():
 
 def test_arrivals_match_the_trace_module():
     trace = make_trace(TraceKind.UNIFORM, 50, 4.0, seed=7)
-    np.testing.assert_allclose(arrival_times(50, 4.0, Arrivals.POISSON, 7), [r.arrival for r in trace.requests])
-    np.testing.assert_allclose(arrival_times(4, 2.0, Arrivals.FIXED, 0), [0.0, 0.5, 1.0, 1.5])
-    assert not arrival_times(3, None, Arrivals.POISSON, 0).any()
+    np.testing.assert_allclose(arrival_times(50, 4.0, 7), [r.arrival for r in trace.requests])
+    np.testing.assert_allclose(arrival_times(4, 2.0, 0, burstiness=float("inf")), [0.0, 0.5, 1.0, 1.5])
+    assert not arrival_times(3, None, 0).any()
+    assert Slo.parse(["ttft:100", "tpot:5", "e2el:900"]) == Slo(ttft_ms=100.0, tpot_ms=5.0, e2e_ms=900.0)
+    with pytest.raises(ValueError, match="goodput"):
+        Slo.parse(["itl:3"])
 
 
 def test_requests_follow_the_trace():
@@ -87,7 +91,7 @@ def _check_distributions(summary):
 def test_run_against_our_server(server):
     import asyncio
 
-    config = ServeBenchConfig(server.url, "tiny", num_requests=8, request_rate=40.0, lengths=SHORT,
+    config = ServeBenchConfig(server.url, "tiny", num_requests=8, request_rate=40.0, lengths=SHORT, ignore_eos=True,
                               slo=Slo(ttft_ms=60_000.0, tpot_ms=60_000.0))
     summary, records = asyncio.run(run(config, progress=False))
     assert (summary["completed"], summary["failed"]) == (8, 0), summary["errors"]
@@ -103,21 +107,21 @@ def test_run_against_our_server(server):
     _check_distributions(summary)
 
 
-def test_cli_chat_writes_json_and_plot(server, tmp_path, capsys):
-    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+def test_cli_chat_writes_json_and_the_report_plots_it(server, tmp_path, capsys):
     bench_cli.main(["serve", "--base-url", server.url, "--model", "tiny", "--endpoint", "chat",
-                    "--num-prompts", "4", "--trace", "homogeneous", "--input-len", "12", "--output-len", "6", "--arrivals", "fixed",
-                    "--request-rate", "50", "--slo-ttft-ms", "0.001", "--out", str(out), "--plot", str(png),
-                    "--no-progress"])
-    result = json.loads(out.read_text())
-    summary = result["summary"]
+                    "--num-prompts", "4", "--dataset-name", "homogeneous", "--random-input-len", "12",
+                    "--random-output-len", "6", "--burstiness", "inf", "--ignore-eos", "--request-rate", "50",
+                    "--goodput", "ttft:0.001", "--result-dir", str(tmp_path), "--disable-tqdm"])
+    result = json.loads((tmp_path / "tiny_serve.json").read_text())
+    summary = result["runs"][-1]
     assert summary["completed"] == 4 and summary["total_output_tokens"] == 24
     assert summary["good_requests"] == 0  # nobody answers in a microsecond
-    assert summary["config"]["prompt_format"] == PromptFormat.TEXT.value
+    assert result["config"]["prompt_format"] == PromptFormat.TEXT.value and result["bench"] == "serve"
     assert len(result["requests"]) == 4 and all(r["ttft_s"] > 0 for r in result["requests"])
     _check_distributions(summary)
-    assert png.stat().st_size > 1000
     assert "request throughput" in capsys.readouterr().out
+    bench_cli.main(["report", str(tmp_path)])
+    assert (tmp_path / "serve.png").stat().st_size > 1000 and "HTTP 1" in (tmp_path / "summary.md").read_text()
 
 
 def test_jsonl_prompts_and_an_unreachable_server(tmp_path):
@@ -125,9 +129,11 @@ def test_jsonl_prompts_and_an_unreachable_server(tmp_path):
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "hello", "max_tokens": 3}\n\n{"prompt": "world"}\n')
-    config = ServeBenchConfig("http://127.0.0.1:9", "m", trace=None, jsonl=str(path), max_tokens=5,
+    config = ServeBenchConfig("http://127.0.0.1:9", "m", dataset=None, dataset_path=str(path), custom_output_len=5,
                               timeout_s=5.0)
     assert [(r.prompt, r.max_tokens) for r in build_requests(config)] == [("hello", 3), ("world", 5)]
+    unset = ServeBenchConfig("http://x", "m", dataset=None, dataset_path=str(path))
+    assert [r.max_tokens for r in build_requests(unset)] == [3, None]  # the server's default then applies
     summary, records = asyncio.run(run(config, progress=False))
     assert summary["completed"] == 0 and summary["failed"] == 2 and all(r.error for r in records)
     assert summary["ttft_ms"] == {"count": 0} and not math.isnan(summary["request_throughput"])

@@ -175,17 +175,20 @@ def test_full_waiting_pool_pushes_back():
 
 def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
     """The documented program count: per token bucket a forward and the stage-in that copies its inputs
-    into the bucket's staged buffer (one stage here), sampling per (S, top-K, greedy).
+    into the bucket's staged buffer (one stage here), the sampling family per S, and the penalty fill.
 
     With max_num_seqs 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs, 4
-    stage-in) and S is 8 or 16 (the next power of two of T, capped at the batch size), so 2 x 2 x 2 =
-    8 sampling programs: 16 in all. Two randomized 200-request runs then compile nothing more.
+    stage-in) and S is 8 or 16 (the next power of two of T, capped at the batch size). Per S the
+    sampling family is 8 programs (sampler.sample_variants): GREEDY and SAMPLE, each with top-K 0 or
+    20, and GREEDY, SAMPLE, SEARCH, SEARCH_TOP_K with logits processing (top-K 20); then one
+    penalty-table fill: 4 + 4 + 2 x 8 + 1 = 25 in all. Two randomized 200-request runs over every sampling parameter
+    then compile nothing more.
     """
     engine = tiny_engine(max_num_seqs=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
     assert engine.buckets.ladder == (8, 16, 32, 64)
     compilation = engine.runner.compilation
     compiled = compilation.compiled_keys
-    assert len(compiled) == compilation.num_compiled_programs == 4 + 4 + 8
+    assert len(compiled) == compilation.num_compiled_programs == 4 + 4 + 2 * 8 + 1
     assert compiled == frozenset(engine.program_keys())
 
     def run(seed):
@@ -194,8 +197,13 @@ def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
         while pending or engine.has_unfinished():
             while pending and rng.random() < 0.5:
                 prompt, max_new, _ = pending.pop()
+                extra = rng.choice([{}, {}, {"top_k": 20}, {"top_p": 0.9}, {"top_k": 500, "top_p": 0.8},
+                                    {"min_p": 0.1}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
+                                    {"logit_bias": {7: 2.0}}, {"bad_words": ["ab"]}, {"min_tokens": 1},
+                                    {"allowed_token_ids": [5, 6, 7]}])
                 sampling = SamplingParams(max_tokens=max_new, ignore_eos=True,
-                                          temperature=rng.choice([0.0, 0.8]), logprobs=rng.choice([None, 2]))
+                                          temperature=rng.choice([0.0, 0.8]), logprobs=rng.choice([None, 2]),
+                                          **extra)
                 engine.add_request(prompt, sampling)
             engine.step()
 

@@ -26,9 +26,10 @@ print(len(out[0].token_ids))
 """
 
 
-def test_the_library_runs_without_the_serving_packages():
+def test_the_library_runs_without_the_serving_packages(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}  # see test_generate_cli
     result = subprocess.run([sys.executable, "-c", WITHOUT_SERVING], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+                            env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "2", result.stderr
 
 

@@ -57,3 +57,37 @@ def test_chat_and_stream(llm):
     pieces = [o.new_text for o in llm.stream("Once upon a time", SamplingParams(max_tokens=12))]
     whole = llm.generate("Once upon a time", SamplingParams(max_tokens=12), use_tqdm=False)[0].text
     assert "".join(pieces) == whole
+
+
+def test_repetition_penalty_and_min_tokens_equal_transformers(llm, hf_model):
+    """transformers' RepetitionPenalty and MinNewTokens processors, in its greedy generate, give our
+    tokens (the penalty over prompt and output, EOS banned until min_tokens)."""
+    eos = list(llm.tokenizer.eos_token_ids)
+    params = SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.3, min_tokens=MAX_TOKENS)
+    prompts = PROMPTS[:2]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    for prompt, out, unpenalized in zip(prompts, outputs, plain):
+        ids = llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                         do_sample=False, repetition_penalty=1.3, eos_token_id=eos,
+                                         pad_token_id=eos[0], attention_mask=None)[0, len(ids):].tolist()
+        assert out.token_ids == expected, prompt
+        assert out.token_ids != unpenalized.token_ids  # the penalty changed something
+
+
+def test_bad_words_are_never_emitted(llm):
+    """Words the model wrote greedily and at temperature 1, banned: their tokens never come back (as
+    vLLM tokenizes a bad word: alone and after a space)."""
+    from orca_jax.logits_rules import bad_word_token_ids
+    for sampling in (dict(), dict(temperature=1.0, seed=7)):
+        first = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=MAX_TOKENS, **sampling), use_tqdm=False)
+        words = [list(dict.fromkeys(out.text.split()))[:3] for out in first]
+        assert all(words), [out.text for out in first]
+        again = llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=MAX_TOKENS, bad_words=w, **sampling)
+                                           for w in words], use_tqdm=False)
+        for w, out in zip(words, again):
+            for banned in bad_word_token_ids(w, llm.tokenizer):
+                n, ids = len(banned), out.token_ids
+                assert all(tuple(ids[i:i + n]) != banned for i in range(len(ids) - n + 1)), (w, banned)

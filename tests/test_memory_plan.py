@@ -1,6 +1,6 @@
 """The memory plan's arithmetic on a model small enough to count by hand, and GPT-3 175B on 4 x 141 GiB."""
 
-from orca_jax.bench.memory_plan import GIB, memory_plan
+from orca_jax.bench.plan import GIB, memory_plan
 from orca_jax.config import ModelConfig, ModelFamily
 from orca_jax.models.presets import get_preset
 

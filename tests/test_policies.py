@@ -68,7 +68,8 @@ import pytest  # noqa: E402
 from orca_jax.config import SchedulerConfig  # noqa: E402
 from orca_jax.policies import DAS, SJF  # noqa: E402
 from orca_jax.request import RequestStatus  # noqa: E402
-from orca_jax.scheduler import Scheduler  # noqa: E402
+
+from scheduler_helpers import create_scheduler  # noqa: E402
 
 
 def sized(rid, length, deadline, arrival=0.0):
@@ -122,14 +123,12 @@ def test_priority_ages_but_the_order_of_two_requests_never_flips():
 def starvation_run(aging_s):
     """A priority-0 request at t=0 under a steady stream of priority-5 requests (two per iteration,
     four times what 2 slots serve); returns the iteration it was first admitted, or None."""
-    clock = [0.0]
-    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16, policy=SchedulingPolicy.PRIORITY,
-                             priority_aging_s=aging_s, async_scheduling=False)
-    sched = Scheduler(config, KVCacheManager(65, 4), 256, clock=lambda: clock[0])
+    sched, _, clock = create_scheduler(max_num_seqs=2, max_num_batched_tokens=16, policy=SchedulingPolicy.PRIORITY,
+                                       priority_aging_s=aging_s)
     low = req("low", 0.0, priority=0, max_tokens=3)
     sched.add_request(low)
     for it in range(120):
-        clock[0] = float(it)
+        clock.now = float(it)
         for k in range(2):
             sched.add_request(req(f"h{it}.{k}", float(it), priority=5, max_tokens=3))
         out = sched.schedule()

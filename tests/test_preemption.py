@@ -9,20 +9,12 @@ import random
 
 import pytest
 
-from orca_jax.config import KVAllocation, SchedulerConfig, SchedulingPolicy
-from orca_jax.kv_cache import KVCacheManager
+from orca_jax.config import KVAllocation, SchedulingPolicy
 from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.scheduler import Scheduler
+
+from scheduler_helpers import create_scheduler
 
 EOS = 2
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def next_token(tokens: list[int], step: int, seed: int) -> int:
@@ -67,14 +59,12 @@ class FakeDevice:
         return samples
 
 
-def make(num_pages, *, policy=SchedulingPolicy.FCFS, allocation=KVAllocation.ON_DEMAND, page_size=4,
-         max_num_seqs=8, async_scheduling=True, preemption=False, watermark=0.0):
-    kv = KVCacheManager(num_pages, page_size)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=32, policy=policy,
-                             async_scheduling=async_scheduling, kv_allocation=allocation,
-                             priority_preemption=preemption, kv_watermark=watermark)
-    clock = FakeClock()
-    return Scheduler(config, kv, 256, 2 if async_scheduling else 1, clock=clock), kv, clock
+def make(num_pages, *, async_scheduling=True, **config):
+    """A scheduler of this file's scenario (on-demand KV, no watermark, 32 tokens per iteration, two
+    batches in flight with async scheduling) unless `config` (SchedulerConfig's fields) says otherwise."""
+    config = {"kv_allocation": KVAllocation.ON_DEMAND, "kv_watermark": 0.0, "max_num_batched_tokens": 32} | config
+    return create_scheduler(num_pages=num_pages, async_scheduling=async_scheduling,
+                            max_in_flight=2 if async_scheduling else 1, **config)
 
 
 def request(rid, prompt, max_tokens, arrival=0.0, ignore_eos=False, **kwargs):
@@ -137,7 +127,7 @@ def test_on_demand_runs_many_long_requests_together_where_reserve_runs_few():
     pool for each one's worst case; ON_DEMAND admits them by what they hold, so they run together."""
     mean_batch = {}
     for allocation in KVAllocation:
-        sched, kv, clock = make(num_pages=1 + 128, allocation=allocation, max_num_seqs=16)
+        sched, kv, clock = make(num_pages=1 + 128, kv_allocation=allocation, max_num_seqs=16)
         sizes = []
         arrivals = {0: [request(i, [5 + i, 6, 7], 120, arrival=float(i)) for i in range(16)]}
         every, _ = drive(sched, kv, clock, arrivals, batch_sizes=sizes)
@@ -148,7 +138,7 @@ def test_on_demand_runs_many_long_requests_together_where_reserve_runs_few():
 
 
 def test_growth_preempts_the_youngest_and_admission_keeps_the_watermark():
-    sched, kv, clock = make(num_pages=1 + 6, async_scheduling=False, watermark=0.34)  # 24 tokens
+    sched, kv, clock = make(num_pages=1 + 6, async_scheduling=False, kv_watermark=0.34)  # 24 tokens
     old = request("0", [10] * 7, 16, arrival=0.0, ignore_eos=True)
     young = request("1", [11] * 7, 16, arrival=1.0, ignore_eos=True)
     late = request("2", [12] * 3, 16, arrival=2.0, ignore_eos=True)
@@ -169,8 +159,8 @@ def test_growth_preempts_the_youngest_and_admission_keeps_the_watermark():
 @pytest.mark.parametrize("allocation", list(KVAllocation))
 def test_priority_preemption_chat_first_token_within_two_iterations(allocation):
     """Batch work fills the pool; a chat arrives and takes pages from the youngest batch request."""
-    sched, kv, clock = make(num_pages=1 + 32, policy=SchedulingPolicy.PRIORITY, allocation=allocation,
-                            preemption=True)
+    sched, kv, clock = make(num_pages=1 + 32, policy=SchedulingPolicy.PRIORITY, kv_allocation=allocation,
+                            priority_preemption=True)
     batch = [request(i, [20 + i] * 6, 58, arrival=float(i) * 0.01, ignore_eos=True) for i in range(6)]
     chat = request(99, [50, 51, 52, 53, 54], 10, arrival=5.0, priority=10)
     first_token = {}
@@ -188,7 +178,7 @@ def test_priority_preemption_chat_first_token_within_two_iterations(allocation):
 
 def test_without_preemption_the_chat_waits_for_the_pool():
     sched, kv, clock = make(num_pages=1 + 32, policy=SchedulingPolicy.PRIORITY,
-                            allocation=KVAllocation.RESERVE)
+                            kv_allocation=KVAllocation.RESERVE)
     batch = [request(i, [20 + i] * 6, 58, arrival=float(i) * 0.01, ignore_eos=True) for i in range(6)]
     chat = request(99, [50, 51, 52, 53, 54], 10, arrival=5.0, priority=10)
     first = []

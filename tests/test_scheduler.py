@@ -4,32 +4,14 @@ import random
 
 import pytest
 
-from orca_jax.config import SchedulerConfig, SchedulingPolicy
-from orca_jax.kv_cache import KVCacheManager
+from orca_jax.config import SchedulingPolicy
 from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from orca_jax.scheduler import QueueFullError, SchedulerOutput
+
+from scheduler_helpers import create_scheduler
 
 EOS = 2
 TOKEN = 7  # what the fake model samples unless a test says otherwise
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_scheduler(num_pages=65, page_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                   policy=SchedulingPolicy.FCFS, max_model_len=256, num_stages=1, max_waiting=1024,
-                   async_scheduling=False, token_target=None):
-    # Algorithm 1 as the paper has it: num_stages batches in flight hold disjoint requests.
-    kv = KVCacheManager(num_pages, page_size)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, policy=policy, max_waiting=max_waiting,
-                             max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling)
-    clock = FakeClock()
-    return Scheduler(config, kv, max_model_len, num_stages, clock=clock, token_target=token_target), kv, clock
 
 
 def make_request(rid, prompt_len=4, max_tokens=4, arrival=0.0, **kwargs) -> Request:
@@ -62,9 +44,9 @@ def ids(out: SchedulerOutput):
 def run_random_trace(seed, page_size, num_stages=1, num_requests=40, token_target=None):
     """Requests arrive at random iterations; checks the invariants after every iteration."""
     rng = random.Random(seed)
-    sched, kv, clock = make_scheduler(num_pages=1 + 96 // page_size + 1, page_size=page_size,
+    sched, kv, clock = create_scheduler(num_pages=1 + 96 // page_size + 1, page_size=page_size,
                                       max_num_seqs=5, max_num_batched_tokens=12,
-                                      num_stages=num_stages, max_model_len=64, token_target=token_target)
+                                      max_in_flight=num_stages, max_model_len=64, token_target=token_target)
     arrivals = sorted(rng.randrange(60) for _ in range(num_requests))
     all_requests, in_flight, it = [], [], 0
     while it < 1000:
@@ -126,7 +108,7 @@ def test_random_trace_with_batches_shortened_to_even_token_counts(seed):
 
 # ---- Algorithm 1, one property at a time --------------------------------------------------------
 def test_batch_size_cap_and_arrival_order():
-    sched, kv, _ = make_scheduler(max_num_seqs=4)
+    sched, kv, _ = create_scheduler(max_num_seqs=4)
     for i in range(10):
         sched.add_request(make_request(i, arrival=0.5 if i == 9 else float(i)))
     out, _ = step(sched)
@@ -135,7 +117,7 @@ def test_batch_size_cap_and_arrival_order():
 
 
 def test_finished_request_leaves_in_the_iteration_it_finishes():
-    sched, kv, clock = make_scheduler()
+    sched, kv, clock = create_scheduler()
     sched.add_request(make_request("a", prompt_len=3, max_tokens=2))
     sched.add_request(make_request("b", prompt_len=3, max_tokens=5, arrival=1.0))
     clock.now = 1.0
@@ -154,7 +136,7 @@ def test_finished_request_leaves_in_the_iteration_it_finishes():
 
 
 def test_request_added_between_iterations_starts_next_iteration():
-    sched, kv, _ = make_scheduler()
+    sched, kv, _ = create_scheduler()
     sched.add_request(make_request("a", prompt_len=5, max_tokens=10))
     step(sched)
     sched.add_request(make_request("b", prompt_len=6, max_tokens=10, arrival=1.0))
@@ -166,7 +148,7 @@ def test_request_added_between_iterations_starts_next_iteration():
 def test_strict_arrival_order_when_kv_is_short():
     # 8 usable pages of 4 tokens. "big" holds 6; "big2" needs 6 and must wait; "small" (1 page)
     # would fit next to big, but arrived after big2, so it must not jump ahead.
-    sched, kv, _ = make_scheduler(num_pages=9, page_size=4)
+    sched, kv, _ = create_scheduler(num_pages=9, page_size=4)
     sched.add_request(make_request("big", prompt_len=20, max_tokens=4, arrival=0.0))
     sched.add_request(make_request("big2", prompt_len=20, max_tokens=4, arrival=1.0))
     sched.add_request(make_request("small", prompt_len=2, max_tokens=2, arrival=2.0))
@@ -180,7 +162,7 @@ def test_strict_arrival_order_when_kv_is_short():
 
 
 def test_drain_leaves_every_page_free():
-    sched, kv, _ = make_scheduler(num_pages=20, page_size=2)
+    sched, kv, _ = create_scheduler(num_pages=20, page_size=2)
     for i in range(12):
         sched.add_request(make_request(i, prompt_len=1 + i % 5, max_tokens=1 + i % 7, arrival=i))
     for _ in range(100):
@@ -192,7 +174,7 @@ def test_drain_leaves_every_page_free():
 
 # ---- abort and finish ----------------------------------------------------------------------------
 def test_abort_frees_pages_at_once_waiting_running_in_flight():
-    sched, kv, _ = make_scheduler(max_num_seqs=2)
+    sched, kv, _ = create_scheduler(max_num_seqs=2)
     for rid in ("run", "fly", "wait"):
         sched.add_request(make_request(rid, prompt_len=6, max_tokens=8))
     step(sched)  # run and fly hold KV, wait waits (batch of 2)
@@ -213,7 +195,7 @@ def test_abort_frees_pages_at_once_waiting_running_in_flight():
 
 
 def test_finish_from_outside_and_race_with_abort():
-    sched, kv, _ = make_scheduler()
+    sched, kv, _ = create_scheduler()
     sched.add_request(make_request("a", max_tokens=10))
     step(sched)
     assert sched.finish("a", RequestStatus.FINISHED_STOPPED) is True
@@ -225,7 +207,7 @@ def test_finish_from_outside_and_race_with_abort():
 
 # ---- chunked initiation under the token budget ---------------------------------------------------
 def test_long_prompt_is_chunked_while_increments_keep_running():
-    sched, kv, _ = make_scheduler(max_num_seqs=4, max_num_batched_tokens=8, page_size=4)
+    sched, kv, _ = create_scheduler(max_num_seqs=4, max_num_batched_tokens=8, page_size=4)
     sched.add_request(make_request("short", prompt_len=3, max_tokens=10))
     step(sched)
     sched.add_request(make_request("long", prompt_len=20, max_tokens=3, arrival=1.0))
@@ -248,7 +230,7 @@ def test_prompt_chunks_shrink_to_the_token_target_and_increments_keep_their_toke
     """A token target (the runner's bucket below) shortens the last prompt chunks, never an increment;
     the deferred prompt tokens feed the next iteration, and a chunk cut to nothing sits it out."""
     multiple_of_8 = lambda n: n - n % 8
-    sched, kv, _ = make_scheduler(max_num_seqs=4, max_num_batched_tokens=32, token_target=multiple_of_8)
+    sched, kv, _ = create_scheduler(max_num_seqs=4, max_num_batched_tokens=32, token_target=multiple_of_8)
     sched.add_request(make_request("decoding", prompt_len=11, max_tokens=10))
     out, _ = step(sched)  # prompts alone are never shortened: that would only add an iteration
     assert [s.num_new_tokens for s in out.scheduled] == [11]
@@ -266,7 +248,7 @@ def test_prompt_chunks_shrink_to_the_token_target_and_increments_keep_their_toke
 
 
 def test_initiation_with_zero_budget_waits_but_keeps_reservation():
-    sched, kv, _ = make_scheduler(max_num_seqs=2, max_num_batched_tokens=4)
+    sched, kv, _ = create_scheduler(max_num_seqs=2, max_num_batched_tokens=4)
     sched.add_request(make_request("a", prompt_len=10, max_tokens=2))
     sched.add_request(make_request("b", prompt_len=3, max_tokens=2, arrival=1.0))
     out, _ = step(sched)
@@ -277,7 +259,7 @@ def test_initiation_with_zero_budget_waits_but_keeps_reservation():
 
 # ---- stop conditions ----------------------------------------------------------------------------
 def run_one(request, tokens):
-    sched, kv, _ = make_scheduler()
+    sched, kv, _ = create_scheduler()
     sched.add_request(request)
     for t in tokens:
         if not sched.has_unfinished():
@@ -304,7 +286,7 @@ def test_max_tokens_eos_stop_token_ids_ignore_eos():
 
 
 def test_logprobs_appended_only_when_given():
-    sched, _, _ = make_scheduler()
+    sched, _, _ = create_scheduler()
     sched.add_request(make_request("a", max_tokens=3))
     out = sched.schedule()
     sched.update(out, [TOKEN], logprobs=[(-0.5, {TOKEN: -0.5, 3: -1.0})])
@@ -318,7 +300,7 @@ def test_logprobs_appended_only_when_given():
 
 # ---- admission ----------------------------------------------------------------------------------
 def test_add_request_refusals():
-    sched, _, _ = make_scheduler(num_pages=9, page_size=4, max_model_len=40, max_waiting=2)
+    sched, _, _ = create_scheduler(num_pages=9, page_size=4, max_model_len=40, max_waiting=2)
     with pytest.raises(ValueError, match="empty prompt"):
         sched.add_request(make_request("e", prompt_len=0))
     with pytest.raises(ValueError, match="= 41 tokens exceeds max_model_len 40"):
@@ -337,7 +319,7 @@ def test_add_request_refusals():
 
 
 def test_empty_schedule():
-    sched, _, _ = make_scheduler()
+    sched, _, _ = create_scheduler()
     out = sched.schedule()
     assert out.num_requests == 0 and out.num_tokens == 0
     assert sched.update(out, []) == [] and sched.num_in_flight == 0
@@ -345,7 +327,7 @@ def test_empty_schedule():
 
 # ---- policies -----------------------------------------------------------------------------------
 def test_priority_order():
-    sched, _, _ = make_scheduler(policy=SchedulingPolicy.PRIORITY, max_num_seqs=2)
+    sched, _, _ = create_scheduler(policy=SchedulingPolicy.PRIORITY, max_num_seqs=2)
     sched.add_request(make_request("low", arrival=0.0, priority=0))
     sched.add_request(make_request("high_late", arrival=2.0, priority=5))
     sched.add_request(make_request("high", arrival=1.0, priority=5))
@@ -354,7 +336,7 @@ def test_priority_order():
 
 
 def test_deadline_order():
-    sched, _, _ = make_scheduler(policy=SchedulingPolicy.EDF)
+    sched, _, _ = create_scheduler(policy=SchedulingPolicy.EDF)
     sched.add_request(make_request("none", arrival=0.0))
     sched.add_request(make_request("late", arrival=1.0, deadline=50.0))
     sched.add_request(make_request("soon", arrival=2.0, deadline=10.0))
@@ -366,7 +348,7 @@ def test_deadline_order():
 def test_priority_cannot_starve_requests_holding_kv():
     # "low" holds most of the pool; "high" does not fit next to it. low must keep running (and free
     # the pool), instead of waiting behind high forever.
-    sched, kv, _ = make_scheduler(policy=SchedulingPolicy.PRIORITY, num_pages=9, page_size=4)
+    sched, kv, _ = create_scheduler(policy=SchedulingPolicy.PRIORITY, num_pages=9, page_size=4)
     sched.add_request(make_request("low", prompt_len=20, max_tokens=4, priority=0))
     step(sched)
     sched.add_request(make_request("high", prompt_len=20, max_tokens=4, priority=9, arrival=1.0))
@@ -380,7 +362,7 @@ def test_priority_cannot_starve_requests_holding_kv():
 
 # ---- pipelining ---------------------------------------------------------------------------------
 def test_two_stages_keep_two_disjoint_batches_in_flight():
-    sched, _, _ = make_scheduler(max_num_seqs=2, num_stages=2)
+    sched, _, _ = create_scheduler(max_num_seqs=2, max_in_flight=2)
     for i in range(4):
         sched.add_request(make_request(i, arrival=float(i)))
     first = sched.schedule()
@@ -401,7 +383,7 @@ def test_two_stages_keep_two_disjoint_batches_in_flight():
 
 
 def test_request_id_reused_while_old_one_is_in_flight():
-    sched, kv, _ = make_scheduler()
+    sched, kv, _ = create_scheduler()
     sched.add_request(make_request("a", max_tokens=5))
     out = sched.schedule()
     old = sched.get("a")
@@ -417,7 +399,7 @@ def test_async_scheduling_plans_the_next_batch_from_the_one_in_flight():
     """With async scheduling, batch k+1 is planned before k returns: a request whose chunk in k ends
     its prompt feeds k's sample from the device (token_source), one mid-prompt continues its prompt,
     and one that k may finish by length waits."""
-    sched, _, _ = make_scheduler(max_num_batched_tokens=8, num_stages=2, async_scheduling=True)
+    sched, _, _ = create_scheduler(max_num_batched_tokens=8, max_in_flight=2, async_scheduling=True)
     sched.add_request(make_request(0, prompt_len=3, max_tokens=5, arrival=0.0))
     sched.add_request(make_request(1, prompt_len=12, max_tokens=5, arrival=1.0))
     sched.add_request(make_request(2, prompt_len=2, max_tokens=1, arrival=2.0))
@@ -432,3 +414,11 @@ def test_async_scheduling_plans_the_next_batch_from_the_one_in_flight():
     sched.update(first, [7, 8])
     sched.update(second, [9] * second.num_requests)
     assert sched.get("0").output_token_ids == [7, 9]
+
+
+def test_long_prefill_threshold_caps_each_prompt_chunk():
+    sched, kv, _ = create_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    sched.add_request(make_request("long", prompt_len=20, max_tokens=2))
+    sched.add_request(make_request("short", prompt_len=2, max_tokens=2))
+    output = sched.schedule()
+    assert [s.num_new_tokens for s in output.scheduled] == [8, 2]  # the budget had room for 20 + 2

@@ -24,8 +24,12 @@ schema.config.seed = 20250127
 schema.config.generation.update(modes=["positive", "negative"], max_examples=30)
 # The 400s a schema-valid body may get, as app._RUNTIME_RULES documents them: (code, param).
 RUNTIME_REFUSALS = {("context_length_exceeded", None), ("token_id_out_of_range", None),
-                    ("too_many_choices", None), (None, "best_of"), ("invalid_structured_output", None)}
-CHAT_RUNTIME_REFUSALS = RUNTIME_REFUSALS | {("auto_tool_choice_disabled", None)}
+                    ("too_many_choices", None), (None, "best_of"), ("invalid_structured_output", None),
+                    (None, "min_tokens"), (None, "logit_bias")}
+CHAT_RUNTIME_REFUSALS = RUNTIME_REFUSALS | {("auto_tool_choice_disabled", None), (None, "top_logprobs")}
+RUNTIME_REFUSALS |= {(None, "logprobs")}
+LORA_RUNTIME_REFUSALS = {(code, None) for code in ("lora_not_enabled", "lora_already_loaded", "invalid_lora_adapter",
+                                                   "lora_not_found")}
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +46,17 @@ def schema_valid_requests_are_accepted(ctx, response, case):
         return None
     if response.status_code == 400 and case.meta is not None and case.meta.generation.mode.is_positive:
         error = response.json()["error"]
-        refusals = CHAT_RUNTIME_REFUSALS if case.path.endswith("/chat/completions") else RUNTIME_REFUSALS
+        refusals = CHAT_RUNTIME_REFUSALS if case.path.endswith("/chat/completions") else \
+            LORA_RUNTIME_REFUSALS if case.path.endswith("_lora_adapter") else RUNTIME_REFUSALS
         if (error["code"], None) in refusals or (None, error["param"]) in refusals:
             return None
     return positive_data_acceptance(ctx, response, case)
 
 
 def test_every_runtime_refusal_is_documented():
-    for path, refusals in (("/v1/completions", RUNTIME_REFUSALS), ("/v1/chat/completions", CHAT_RUNTIME_REFUSALS)):
+    for path, refusals in (("/v1/completions", RUNTIME_REFUSALS), ("/v1/chat/completions", CHAT_RUNTIME_REFUSALS),
+                           ("/v1/load_lora_adapter", LORA_RUNTIME_REFUSALS - {("lora_not_found", None)}),
+                           ("/v1/unload_lora_adapter", {("lora_not_enabled", None), ("lora_not_found", None)})):
         description = APP.openapi()["paths"][path]["post"]["description"]
         for code, param in refusals:
             assert (f"code {code}" if code else f"param {param}") in description

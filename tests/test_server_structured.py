@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from orca_jax.request import SamplingParams
 from orca_jax.server import create_app
 from orca_jax.server.structured import ToolCallSettings
 from orca_jax.structured import Constraint, ConstraintKind, JsonOptions
@@ -311,3 +312,36 @@ def test_openai_client_parse_and_streamed_tool_calls():
     assert final.choices[0].finish_reason == "tool_calls" and message.content == "Let me look."
     assert [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls] == [
         ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+
+
+# ---- vLLM's sampling fields ------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_every_vllm_sampling_field_reaches_sampling_params():
+    engine = FakeEngine()
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.2, "min_p": 0.1,
+              "min_tokens": 2, "logit_bias": {"97": 3.5, "98": -100}, "bad_words": ["xyz"],
+              "allowed_token_ids": [97, 98, 99], "skip_special_tokens": False, "spaces_between_special_tokens": False,
+              "stop_token_ids": [5], "include_stop_str_in_output": True, "ignore_eos": True, "top_k": -1,
+              "top_p": 0.9, "temperature": 0.7, "seed": 11, "stop": ["q"]}
+    async with asgi_client(_app(engine)) as client:
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, **fields})
+        top = await client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 21})
+    assert response.status_code == 200, response.text
+    sampling = engine.samplings[-1]
+    assert sampling == SamplingParams(
+        max_tokens=5, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.2, min_p=0.1, min_tokens=2,
+        logit_bias={97: 3.5, 98: -100.0}, bad_words=("xyz",), allowed_token_ids=(97, 98, 99),
+        skip_special_tokens=False, spaces_between_special_tokens=False, stop_token_ids=(5,),
+        include_stop_str_in_output=True, ignore_eos=True, top_k=0, top_p=0.9, temperature=0.7, seed=11, stop=("q",))
+    assert top.status_code == 400 and top.json()["error"]["param"] == "top_logprobs"  # past --max-logprobs (20)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("parser, keeps", [("hermes", False), ("llama3_json", True), ("mistral", True)])
+async def test_tool_parsers_that_read_special_tokens_get_them_in_the_text(parser, keeps):
+    engine, app = _tools_app(reply="plain", parser=parser)
+    async with asgi_client(app) as client:
+        await client.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER]})
+        await client.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER], "tool_choice": "none"})
+    assert [s.skip_special_tokens for s in engine.samplings] == [not keeps, True]

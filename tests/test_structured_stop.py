@@ -14,7 +14,8 @@ from orca_jax.request import RequestStatus
 from orca_jax.structured import Constraint, ConstraintKind, GrammarCompiler
 from orca_jax.tokenizer import ByteTokenizer
 
-from test_scheduler import make_request, make_scheduler
+from scheduler_helpers import create_scheduler
+from test_scheduler import make_request
 
 EOS = 2  # test_scheduler's
 TOKENIZER = ByteTokenizer(eos_token_ids=(EOS,))
@@ -29,7 +30,7 @@ def _run(request, tokens):
     """Feed `tokens` one iteration each until the request finishes; the request."""
     request.detokenizer = IncrementalDetokenizer(TOKENIZER, request.sampling.stop,
                                                  request.sampling.include_stop_str_in_output)
-    sched, kv, _ = make_scheduler()
+    sched, kv, _ = create_scheduler()
     sched.add_request(request)
     for token in tokens:
         if not sched.has_unfinished():

@@ -1,4 +1,3 @@
-"""Benchmarks that reproduce ORCA's evaluation (OSDI '22, section 6): traces, a request-level
-baseline, a Hugging Face continuous-batching peer, the engine microbenchmark, end-to-end latency
-vs throughput, offline throughput, rooflines and padding waste. `python -m orca_jax.bench --help`.
+"""Benchmarks shaped like vLLM's `vllm bench`, reproducing ORCA's evaluation (OSDI '22, section 6) and
+measuring the engine against its bounds: `python -m orca_jax.bench --help`.
 """

@@ -46,7 +46,7 @@ class RequestLevelScheduler:
                  clock: Callable[[], float] = time.monotonic, num_microbatches: int = 1):
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0 or num_microbatches <= 0:
             raise ValueError("max_num_seqs, max_num_batched_tokens and num_microbatches must be positive")
-        self.num_stages = num_microbatches  # microbatches in flight at once, one per stage
+        self.num_microbatches = num_microbatches  # in flight at once, one per stage
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = kv
@@ -65,7 +65,7 @@ class RequestLevelScheduler:
 
     @property
     def can_schedule(self) -> bool:
-        return len(self._in_flight) < self.num_stages
+        return len(self._in_flight) < self.num_microbatches
 
     @property
     def num_in_flight(self) -> int:
@@ -134,7 +134,7 @@ class RequestLevelScheduler:
     def _microbatch(self, index: int) -> tuple[Request, ...]:
         """Contiguous slices of the batch, as FasterTransformer splits it."""
         requests = self._batch.requests
-        size = -(-len(requests) // self.num_stages)
+        size = -(-len(requests) // self.num_microbatches)
         return requests[index * size:(index + 1) * size]
 
     def _pending_members(self, index: int) -> list[Request]:
@@ -143,8 +143,8 @@ class RequestLevelScheduler:
                 if not r.status.finished and len(r.output_token_ids) < self._batch.max_tokens]
 
     def _next_ready_microbatch(self) -> int | None:
-        for k in range(self.num_stages):
-            index = (self._next_microbatch + k) % self.num_stages
+        for k in range(self.num_microbatches):
+            index = (self._next_microbatch + k) % self.num_microbatches
             if index not in self._in_flight and self._pending_members(index):
                 self._next_microbatch = index + 1
                 return index

@@ -1,4 +1,4 @@
-"""Lower bounds on an iteration's time from bytes moved and FLOPs done, against measured peaks.
+"""Lower bounds on an iteration's time from bytes moved and FLOPs done, against peaks measured in the run.
 
 Per iteration: bytes = every weight read once (the embedding table only where the LM head reads it)
 + K/V read by attention (sum of kv_lens) + K/V written for the new tokens; FLOPs = 2 x matmul params
@@ -10,12 +10,28 @@ same process: a large elementwise device-to-device copy and a large bf16 matmul.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 
-from orca_jax.bench.timing import time_call
 from orca_jax.config import ModelConfig, ModelFamily
+
+
+def time_call(fn, *args, warmup: int = 3, iters: int = 10, reps: int = 7) -> float:
+    """Median over `reps` rounds of the seconds per call, each round `iters` calls back to back
+    (asynchronous dispatch, one wait at the end), after `warmup` waited calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,15 +45,18 @@ class Peaks:
                 "device": self.device}
 
 
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device bytes per second (read + write) of an elementwise pass over num_bytes of bf16."""
+    x = jnp.ones((num_bytes // 2,), jnp.bfloat16)
+    return 2 * num_bytes / time_call(jax.jit(lambda a: a + jnp.bfloat16(1)), x, warmup=1, reps=3)
+
+
 def measure_peaks(copy_bytes: int = 2 << 30, matmul_dim: int = 8192) -> Peaks:
     """HBM bandwidth from an elementwise copy of copy_bytes; bf16 matmul FLOP/s at matmul_dim^3."""
     device = jax.devices()[0]
-    if device.platform == "cpu":  # only the plumbing is tested there: keep it quick
-        copy_bytes, matmul_dim = min(copy_bytes, 64 << 20), min(matmul_dim, 1024)
-    x = jnp.ones((copy_bytes // 2,), jnp.bfloat16)
-    seconds = time_call(jax.jit(lambda a: a + jnp.bfloat16(1)), x, warmup=1, reps=3)
-    bandwidth = 2 * copy_bytes / seconds
-    del x
+    if device.platform == "cpu":  # only the plumbing runs there: keep it quick
+        copy_bytes, matmul_dim = min(copy_bytes, 16 << 20), min(matmul_dim, 256)
+    bandwidth = copy_bandwidth(copy_bytes)
     keys = jax.random.split(jax.random.key(0))
     a = jax.random.normal(keys[0], (matmul_dim, matmul_dim), jnp.bfloat16)
     b = jax.random.normal(keys[1], (matmul_dim, matmul_dim), jnp.bfloat16)
@@ -77,10 +96,27 @@ def iteration_bound(costs: ModelCosts, peaks: Peaks, tokens: int, seqs: int, kv_
 
 
 def run_bound(costs: ModelCosts, peaks: Peaks, records, measured_s: float) -> dict:
-    """Sum of per-iteration bounds over a run's records, and how close the measured time came."""
+    """Sum of per-iteration bounds over a run's iteration records (tokens, seqs, kv_tokens,
+    attn_pairs), and how close the measured time came."""
     mem = comp = bound = 0.0
     for r in records:
         m, c = iteration_bound(costs, peaks, r.tokens, r.seqs, r.kv_tokens, r.attn_pairs)
         mem, comp, bound = mem + m, comp + c, bound + max(m, c)
     return {"bound_s": bound, "memory_bound_s": mem, "compute_bound_s": comp, "measured_s": measured_s,
-            "achieved_fraction": bound / measured_s if measured_s > 0 else None}
+            "fraction_of_bound": bound / measured_s if measured_s > 0 else None}
+
+
+def schedule_bound(costs: ModelCosts, peaks: Peaks, iterations) -> dict:
+    """The bound of a schedule replayed on the host (harness.replay_schedule), and its padding."""
+    bound = 0.0
+    for it in iterations:
+        bound += max(iteration_bound(costs, peaks, int(it.q_lens.sum()), len(it.q_lens), int(it.kv_lens.sum()),
+                                     it.attn_pairs))
+    real = sum(int(it.q_lens.sum()) for it in iterations)
+    return {"bound_s": bound, "iterations": len(iterations),
+            "fed_over_real": sum(it.padded_tokens for it in iterations) / max(real, 1)}
+
+
+def weight_read_seconds(runner, peaks: Peaks) -> float:
+    """Every weight read once by its devices: each stage's share per device, stages one after another."""
+    return sum(stage.params_bytes / stage.mesh.size for stage in runner.stages) / peaks.hbm_bytes_per_s

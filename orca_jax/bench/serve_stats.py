@@ -21,7 +21,7 @@ class RequestRecord:
     index: int
     scheduled_s: float  # when the arrival process wanted it sent, after the run's start
     prompt_len: int | None  # the trace's prompt length in tokens (None: text of unknown length)
-    max_tokens: int
+    max_tokens: int | None  # None: the request named none
     sent_s: float = 0.0  # after the run's start
     chunk_s: list[float] = dataclasses.field(default_factory=list)  # arrival of each token chunk
     end_s: float = 0.0
@@ -61,6 +61,18 @@ class Slo:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
+
+    @classmethod
+    def parse(cls, items: list[str] | None) -> "Slo":
+        """vLLM's --goodput: KEY:MS items, keys ttft, tpot and e2el."""
+        names = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
+        values = {}
+        for item in items or ():
+            key, _, value = item.partition(":")
+            if key not in names or not value:
+                raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS items, got {item!r}")
+            values[names[key]] = float(value)
+        return cls(**values)
 
     def met_by(self, record: RequestRecord) -> bool:
         if not record.ok:
@@ -124,34 +136,3 @@ def format_summary(summary: dict) -> str:
                          + "  ".join(f"p{p} {dist[f'p{p}']:.1f}" for p in PERCENTILES))
     lines += [f"{'error':<28}{error}" for error in summary["errors"]]
     return "\n".join(lines)
-
-
-def plot(records: list[RequestRecord], path: str, title: str) -> bool:
-    """TTFT and TPOT over the run's time, and their CDFs, as a PNG; False without matplotlib or data."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    done = [r for r in records if r.ok]
-    if not done:
-        return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.scatter([r.sent_s for r in done], [r.ttft * 1e3 for r in done], s=8, label="TTFT")
-    with_tpot = [r for r in done if r.tpot is not None]
-    left.scatter([r.sent_s for r in with_tpot], [r.tpot * 1e3 for r in with_tpot], s=8, label="TPOT")
-    left.set(xlabel="sent at (s)", ylabel="ms", yscale="log", title="latency over the run")
-    left.legend()
-    for values, label in (([r.ttft for r in done], "TTFT"), ([r.tpot for r in with_tpot], "TPOT")):
-        if values:
-            ms = np.sort(np.asarray(values)) * 1e3
-            right.plot(ms, np.arange(1, ms.size + 1) / ms.size, label=label)
-    right.set(xlabel="ms", ylabel="fraction of requests", xscale="log", title="CDF")
-    right.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
+from orca_jax.lora import ops as lora_ops
 from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKV, RaggedAttentionFn,
                                        empty_layer_kv, paged_attention)
 from orca_jax.models.projections import fuse_projections, split_layer
@@ -117,7 +118,8 @@ class Attention(nn.Module):
     attention_fn: RaggedAttentionFn
 
     @nn.compact
-    def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata):
+    def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata, lora=None,
+                 lora_tokens: lora_ops.LoRATokens | None = None):
         cfg = self.config
         h, n, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         g = n // k  # query heads per KV head
@@ -126,28 +128,41 @@ class Attention(nn.Module):
         # One matmul for q, k and v (see fuse_projections): KV group j holds its G query heads, then
         # its key, then its value, so a tensor shard of whole groups owns everything it attends with.
         qkv = Linear(cfg, "TH,HKGD->TKGD", (h, k, g + 2, d), (k, g + 2, d), qkv_bias, name="qkv")(x)
+        if lora is not None:  # this layer's slice of the adapter table (lora/layout.py)
+            qkv = qkv + lora_ops.qkv_delta(x, lora["qkv"], lora_tokens)
         qk, value = qkv[:, :, :g + 1], qkv[:, :, g + 1]  # [T, K, G + 1, D], [T, K, D]
         if cfg.family is ModelFamily.LLAMA:  # one rotation for queries and keys alike
             qk = apply_rope(qk.reshape(t, k * (g + 1), d), positions, cfg.rope_theta,
                             cfg.rope_scaling).reshape(t, k, g + 1, d)
         q = qk[:, :, :g].reshape(t, n, d)  # query head j * G + i is group j's i-th: [T, N, D]
         out, layer_kv = paged_attention(q, qk[:, :, g], value, layer_kv, meta, self.attention_fn)
-        return Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out), layer_kv
+        y = Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out)
+        if lora is not None:
+            y = y + lora_ops.o_delta(out, lora["o"], lora_tokens)
+        return y, layer_kv
 
 
 class Mlp(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x):  # [T, H] -> [T, H]
+    def __call__(self, x, lora=None, lora_tokens: lora_ops.LoRATokens | None = None):  # [T, H] -> [T, H]
         cfg = self.config
         h, f = cfg.hidden_size, cfg.ffn_size
         if cfg.family is ModelFamily.GPT:
-            act = jax.nn.gelu(Linear(cfg, "TH,HF->TF", (h, f), (f,), name="up")(x), approximate=True)
+            up = Linear(cfg, "TH,HF->TF", (h, f), (f,), name="up")(x)
+            if lora is not None:
+                up = up + lora_ops.in_delta(x, lora["up"], lora_tokens)
+            act = jax.nn.gelu(up, approximate=True)
         else:  # gate and up in one matmul (see fuse_projections)
             gate_up = Linear(cfg, "TH,HCF->TCF", (h, 2, f), (2, f), name="gate_up")(x)  # [T, 2, F]
+            if lora is not None:
+                gate_up = gate_up + lora_ops.gate_up_delta(x, lora["gate_up"], lora_tokens)
             act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-        return Linear(cfg, "TF,FH->TH", (f, h), (h,), name="down")(act)
+        y = Linear(cfg, "TF,FH->TH", (f, h), (h,), name="down")(act)
+        if lora is not None:
+            y = y + lora_ops.in_delta(act, lora["down"], lora_tokens)
+        return y
 
 
 class Block(nn.Module):
@@ -157,11 +172,15 @@ class Block(nn.Module):
     attention_fn: RaggedAttentionFn
 
     @nn.compact
-    def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata):
+    def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata, lora=None,
+                 lora_tokens: lora_ops.LoRATokens | None = None):
+        """`lora`: this layer of the adapter table (None: no adapter term), `lora_tokens`: each token's slot."""
         attn_out, layer_kv = Attention(self.config, self.attention_fn, name="attn")(
-            Norm(self.config, name="attn_norm")(x), positions, layer_kv, meta)
+            Norm(self.config, name="attn_norm")(x), positions, layer_kv, meta,
+            None if lora is None else lora["attn"], lora_tokens)
         x = x + attn_out
-        x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
+        x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x),
+                                             None if lora is None else lora["mlp"], lora_tokens)
         return x, layer_kv
 
 
@@ -187,14 +206,16 @@ class Decoder:
         return x
 
     def layers(self, layer_params, kv: KVCache, x: jax.Array, positions: jax.Array,
-               meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+               meta: AttentionMetadata, lora_table=None,
+               lora_tokens: lora_ops.LoRATokens | None = None) -> tuple[jax.Array, KVCache]:
         """Run layers in order (one compute-layout params dict and one LayerKV each); a Python loop,
-        unrolled by jit."""
+        unrolled by jit. `lora_table`: one adapter-table layer each (None: no adapter term)."""
         if len(layer_params) != len(kv):
             raise ValueError(f"{len(layer_params)} layers of params but {len(kv)} of KV pages")
+        lora_layers = [None] * len(kv) if lora_table is None else lora_table
         new_kv = []
-        for params, layer_kv in zip(layer_params, kv):
-            x, layer_kv = _apply_block(self, params, x, positions, layer_kv, meta)
+        for params, layer_kv, lora in zip(layer_params, kv, lora_layers):
+            x, layer_kv = _apply_block(self, params, x, positions, layer_kv, meta, lora, lora_tokens)
             new_kv.append(layer_kv)
         return x, tuple(new_kv)
 
@@ -213,12 +234,13 @@ class Decoder:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _apply_block(decoder: Decoder, params, x: jax.Array, positions: jax.Array, layer_kv: LayerKV,
-                 meta: AttentionMetadata) -> tuple[jax.Array, LayerKV]:  # x: [T, H], positions: i32[T]
+                 meta: AttentionMetadata, lora=None,
+                 lora_tokens: lora_ops.LoRATokens | None = None) -> tuple[jax.Array, LayerKV]:  # x: [T, H], positions: i32[T]
     """One layer, as its own jitted function: every layer has the same shapes, so a forward program
     traces and lowers the block once and calls it per layer (XLA inlines the calls again). Tracing
     32 unrolled copies of it held the GIL for seconds per program and serialized the precompile
     threads: the cold start was mostly that."""
-    return decoder.block.apply({"params": params}, x, positions, layer_kv, meta)
+    return decoder.block.apply({"params": params}, x, positions, layer_kv, meta, lora, lora_tokens)
 
 
 def empty_cache(config: ModelConfig, num_pages: int, page_size: int,

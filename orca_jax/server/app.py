@@ -16,12 +16,13 @@ from pydantic import BaseModel
 
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.errors import install_error_handlers
+from orca_jax.server.lora import ServedModels, install_lora_routes
 from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
 from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from orca_jax.server.responses import (
     ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-    TokenizeResponse, VersionResponse, unix_now,
+    TokenizeResponse, VersionResponse,
 )
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS, OpenAIServing
 from orca_jax.server.structured import AUTO_TOOL_CHOICE_DISABLED, INVALID, ToolCallSettings
@@ -42,7 +43,11 @@ _RUNTIME_RULES = (
     "A body the schema accepts can still get a 400 for limits of the served model: prompt tokens "
     "plus max_tokens beyond the context (code context_length_exceeded); a token id outside the "
     "vocabulary (code token_id_out_of_range); more prompts x n than the server runs at once (code "
-    "too_many_choices); best_of other than n (param best_of: candidates are not ranked); a JSON "
+    "too_many_choices); best_of other than n (param best_of: candidates are not ranked); logit_bias or "
+    "allowed_token_ids naming a token outside the vocabulary (code token_id_out_of_range); more logprobs "
+    "than the server's --max-logprobs (param logprobs; param top_logprobs in a chat); min_tokens above "
+    "max_tokens (param min_tokens); more logit_bias and bad_words entries than the engine's logit table "
+    "holds (param logit_bias); a JSON "
     "schema, regex or grammar the grammar library cannot compile, or more than one of "
     f"response_format, structured_outputs and guided_* (code {INVALID}). Fields the server does not "
     "know are ignored (and logged once per name).")
@@ -99,10 +104,13 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: async_engine.num_in_flight,
                             model_name=served_model_name)
     async_engine.add_iteration_listener(metrics.observe_iteration)
+    # The base and its LoRA adapters (those the engine holds now, and later loads over HTTP).
+    models = ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
     serving = OpenAIServing(async_engine, metrics, served_model_name=served_model_name,
                             default_max_tokens=default_max_tokens,
                             allow_special_tokens_in_text=allow_special_tokens_in_text,
-                            chat_template=chat_template, log_requests=log_requests, tool_calls=tool_calls)
+                            chat_template=chat_template, log_requests=log_requests, tool_calls=tool_calls,
+                            models=models)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -130,17 +138,15 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    def model_card() -> ModelCard:
-        return ModelCard(id=served_model_name, created=unix_now(), max_model_len=serving.max_model_len)
-
     @v1.get("/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=models.cards())
 
     @v1.get("/models/{model:path}", response_model=ModelCard)
     async def get_model(model: str) -> ModelCard:
-        serving.check_model(model)
-        return model_card()
+        return models.card(model)
+
+    install_lora_routes(v1, models)
 
     app.include_router(v1)
 
@@ -188,7 +194,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
         """Forget every cached prefix (vLLM's route); running requests keep their pages."""
-        forgotten = await async_engine.call(lambda engine: engine.reset_prefix_cache())
+        forgotten = await async_engine.run_in_engine(lambda engine: engine.reset_prefix_cache())
         return JSONResponse({"status": "ok", "pages_forgotten": forgotten})
 
     # Added last = outermost: the Host and the key are checked before the body is even read. CORS

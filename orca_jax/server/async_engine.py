@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import SamplingParams
 
@@ -129,6 +130,7 @@ class _Add:
     deadline: float | None
     stream: RequestStream
     accepted: asyncio.Future  # resolved on stream.loop: None, or the exception add_request raised
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -137,12 +139,10 @@ class _Abort:
 
 
 @dataclasses.dataclass(slots=True)
-class _Call:
-    """Run fn(engine) on the engine thread between iterations (the engine is not thread-safe)."""
-
-    fn: Callable[[Engine], object]
+class _Call:  # fn(engine) on the engine thread; done resolved on loop: (result, None) or (None, error)
+    fn: Callable
     loop: asyncio.AbstractEventLoop
-    done: asyncio.Future  # resolved on loop with fn's result, or its exception
+    done: asyncio.Future
 
 
 @dataclasses.dataclass(slots=True)
@@ -240,8 +240,10 @@ class AsyncEngine:
     # ---- requests (event loop) ------------------------------------------------------------------
 
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
-                     request_id: str, priority: int = 0, deadline: float | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the engine has accepted it.
+                     request_id: str, priority: int = 0, deadline: float | None = None,
+                     lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request (with the LoRA adapter `lora_request`, or the base model); returns its
+        stream once the engine has accepted it.
 
         Raises EngineOverloadedError, EngineUnavailableError, or what Engine.add_request raised
         (ValueError for a request the engine cannot hold; QueueFullError when its pool is full).
@@ -257,7 +259,8 @@ class AsyncEngine:
             if self._num_in_flight >= self.max_in_flight:
                 raise EngineOverloadedError(f"{self._num_in_flight} requests in flight; retry later")
             self._num_in_flight += 1
-            self._commands.append(_Add(prompt_token_ids, sampling, priority, deadline, stream, accepted))
+            self._commands.append(_Add(prompt_token_ids, sampling, priority, deadline, stream, accepted,
+                                       lora_request))
             self._cond.notify()
         try:
             error = await accepted
@@ -273,17 +276,22 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
             self._cond.notify()
 
-    async def call(self, fn: Callable[[Engine], object]) -> object:
-        """fn(engine)'s result, run on the engine thread between two iterations (e.g. resetting the
-        prefix cache); raises what fn raised, or EngineUnavailableError when the loop is not running."""
+    async def run_in_engine(self, fn: Callable[[Engine], object]):
+        """fn(engine) on the engine thread, between iterations (the engine is not thread-safe);
+        returns its result or raises what it raised."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         with self._cond:
-            if not self.is_running or self.error is not None:
+            if self.error is not None:
+                raise EngineDeadError(f"engine loop failed: {self.error!r}")
+            if not self.is_running:
                 raise EngineUnavailableError("engine is not running")
             self._commands.append(_Call(fn, loop, done))
             self._cond.notify()
-        return await done
+        result, error = await done
+        if error is not None:
+            raise error
+        return result
 
     # ---- the engine thread ----------------------------------------------------------------------
 
@@ -348,11 +356,10 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Abort | _Call, tracked: dict[str, _Tracked], *, refuse: bool) -> None:
         if isinstance(command, _Call):
             try:
-                result, error = command.fn(self.engine), None
-            except Exception as failed:  # noqa: BLE001 - handed to the caller, the loop goes on
-                result, error = None, failed
-            _call_soon(command.loop, _settle, command.done, result, error)
-            return
+                outcome = (command.fn(self.engine), None)
+            except Exception as error:  # handed to the caller, as add_request's errors are
+                outcome = (None, error)
+            return _call_soon(command.loop, _resolve, command.done, outcome)
         if isinstance(command, _Abort):
             if tracked.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
@@ -366,7 +373,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(command.prompt_token_ids, command.sampling,
                                         request_id=stream.request_id, priority=command.priority,
-                                        deadline=command.deadline)
+                                        deadline=command.deadline, lora_request=command.lora_request)
             except (ValueError, QueueFullError) as refused:  # the request's fault or a full pool
                 error = refused
         if error is None:
@@ -415,6 +422,8 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 _call_soon(command.stream.loop, _resolve, command.accepted, error)
+            elif isinstance(command, _Call):
+                _call_soon(command.loop, _resolve, command.done, (None, error))
         for entry in tracked.values():
             _call_soon(entry.stream.loop, _put_all, [(entry.stream, error)])
         tracked.clear()
@@ -438,14 +447,6 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     if not future.done():
         future.set_result(error)
 
-
-def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
 from orca_jax.server.async_engine import AsyncEngine, RequestStream
@@ -56,7 +57,7 @@ def usage_of(choices: list[Choice], finals: list[RequestOutput | None]) -> Usage
 
 
 async def submit_all(async_engine: AsyncEngine, choices: list[Choice], *, request_id: str, priority: int,
-                     deadline: float | None) -> list[RequestStream]:
+                     deadline: float | None, lora_request: LoRARequest | None = None) -> list[RequestStream]:
     """Submit every choice; all or nothing (the first error is raised after the others are aborted)."""
 
     def engine_id(choice: Choice) -> str:
@@ -64,7 +65,7 @@ async def submit_all(async_engine: AsyncEngine, choices: list[Choice], *, reques
 
     results = await asyncio.gather(*(
         async_engine.submit(choice.prompt_ids, choice.sampling, request_id=engine_id(choice),
-                            priority=priority, deadline=deadline)
+                            priority=priority, deadline=deadline, lora_request=lora_request)
         for choice in choices), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:

@@ -15,10 +15,12 @@ import sys
 import jinja2
 
 from orca_jax.config import (DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
-                             SchedulerConfig, SchedulingPolicy)
+                             SamplingConfig, SchedulerConfig, SchedulingPolicy)
+from orca_jax.engine_defaults import BatchDefaults, UsageContext, batch_defaults_for
 from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 from orca_jax.server.http_limits import HTTPLimits
+from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 from orca_jax.server.structured import DEFAULT_TOOL_CALL_FORMAT, ToolCallSettings
 from orca_jax.structured.tool_parsers import TOOL_PARSERS
@@ -78,13 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--chat-template", default=None,
                        help="a jinja chat template, as a file or inline; the model's own when not given")
     model.add_argument("--seed", type=int, default=0, help="seed of random weights and unseeded sampling")
+    model.add_argument("--max-logprobs", type=int, default=_default(SamplingConfig, "max_logprobs"),
+                       help="the most logprobs (top_logprobs) a request may ask for; sizes the sampling programs")
 
     sched = p.add_argument_group("scheduling")
-    sched.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"),
-                       help="requests per iteration (ORCA's max batch size)")
-    sched.add_argument("--max-num-batched-tokens", type=int,
-                       default=_default(SchedulerConfig, "max_num_batched_tokens"),
-                       help="tokens per iteration; longer prompts are fed over several")
+    sched.add_argument("--max-num-seqs", type=int, default=None,
+                       help="requests per iteration (ORCA's max batch size); the device's default when not "
+                       "given (256 on a GPU with >= 40 GiB, 128 on a smaller one, 64 on CPU)")
+    sched.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens per iteration; longer prompts are fed over several; the device's default "
+                       "when not given (4096 on a GPU with >= 40 GiB, 2048 on a smaller one, 512 on CPU)")
+    sched.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="the most prompt tokens one request feeds per iteration (the rest wait for the "
+                       "next), so long prompts share iterations with decodes; no cap when not given")
     sched.add_argument("--max-waiting", type=int, default=_default(SchedulerConfig, "max_waiting"),
                        help="requests queued beyond the running batch; more get 503 + Retry-After")
     sched.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy] + ["deadline"],
@@ -198,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no line per HTTP request from uvicorn (health polling fills the log)")
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="no line per generation request (its id, prompt tokens and sampling settings)")
+    add_lora_arguments(p)
     return p
 
 
@@ -260,6 +269,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if template is not None:
             jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)  # syntax only
         engine_config_from_args(args)
+        parse_lora_modules(args.lora_modules)
         http_limits_from_args(args)
         tool_call_settings_from_args(args)
     except (ValueError, jinja2.TemplateSyntaxError) as error:
@@ -303,16 +313,20 @@ def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
                       max_connections=args.max_connections)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError (from the configs' own checks) on inconsistent flags."""
+def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | None = None) -> EngineConfig:
+    """Raises ValueError (from the configs' own checks) on inconsistent flags. `defaults`: the device's
+    batch (engine_defaults.batch_defaults, known once jax has started); the CPU's when None."""
+    defaults = defaults or batch_defaults_for("cpu", 0.0, UsageContext.SERVER)
     return EngineConfig(
         model=args.model,
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages,
                           kv_memory_gib=args.kv_cache_memory_gib,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens
+                                  or defaults.max_num_batched_tokens,
+                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
                                   policy=SchedulingPolicy(args.scheduling_policy),
                                   max_waiting=args.max_waiting, async_scheduling=args.async_scheduling,
                                   kv_allocation=KVAllocation(args.kv_allocation),
@@ -322,6 +336,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                 tensor_parallel=args.tensor_parallel_size,
                                 coordinator_address=args.coordinator_address,
                                 num_processes=args.num_processes, process_id=args.process_id),
+        sampling=SamplingConfig(max_logprobs=args.max_logprobs),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-        compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
+        compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
+        lora=lora_config_from_args(args))

@@ -14,18 +14,15 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from orca_jax.request import SamplingParams
 from orca_jax.server.protocol_base import StrictBody
 from orca_jax.server.protocol_structured import (JsonSchema, MessageToolCall, ResponseFormat, StructuredOutputs,
                                                  Tool, ToolChoice)
 
-MAX_TOP_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
 MAX_SEED = 2**32 - 1  # the engine keeps seeds as uint32
 MAX_INT32 = 2**31 - 1
 MAX_N = 128  # OpenAI's own bound on choices per request
 # Fields accepted only at their "off" value, as OpenAI clients send them: the schema says exactly that
 # (JSON Schema's own words), the field validators below give the friendlier message.
-_ONLY_ZERO = {"minimum": 0, "maximum": 0}
 _ONLY_EMPTY_OBJECT = {"maxProperties": 0}
 _ONLY_EMPTY_LIST = {"maxItems": 0}
 _ONLY_NULL = {"enum": [None]}
@@ -69,11 +66,20 @@ class _GenerationRequest(StrictBody):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)  # choices; each is its own engine request
     user: str | None = None  # accepted and ignored
-    presence_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
-    frequency_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_ONLY_EMPTY_OBJECT)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's; 1 is off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's; 0 is off
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)  # vLLM's: EOS and stop tokens wait until this many
+    # Token id (as JSON object keys are strings) -> added to its logit, as OpenAI takes it.
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100.0, le=100.0)]] \
+        | None = None
+    bad_words: list[NonEmptyStr] | None = None  # vLLM's: never generated
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # vLLM's
     prompt_logprobs: int | None = Field(None, json_schema_extra=_ONLY_NULL)
-    ignore_eos: bool = False  # extension
+    ignore_eos: bool = False  # vLLM's
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)  # extension; higher runs first
     # Extension: milliseconds from arrival. A request still waiting when it passes is dropped (504,
     # or an error event when streamed), as TCB drops requests that can no longer be served in time.
@@ -106,20 +112,6 @@ class _GenerationRequest(StrictBody):
     def deadline_seconds(self) -> float | None:
         """Seconds from arrival to the request's deadline, whichever field gave it; None: none."""
         return self.deadline_ms / 1000 if self.deadline_ms is not None else self.deadline
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; leave at 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -162,7 +154,7 @@ class CompletionRequest(_GenerationRequest):
     # One prompt (text or token ids) or a list of them; each prompt gets n choices.
     prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1)]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_INT32)  # at most the server's --max-logprobs
     echo: bool = False  # the prompt's text before each choice's
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n when given: the server "
@@ -263,7 +255,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_INT32)  # at most the server's --max-logprobs
     tools: list[Tool] | None = None  # rendered by the chat template
     # None: "auto" when tools are given, else "none" (OpenAI's defaults).
     tool_choice: ToolChoice | None = None

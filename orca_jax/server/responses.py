@@ -167,6 +167,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "orca_jax"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's path (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -12,6 +12,7 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from orca_jax.lora.request import LoRARequest
 from orca_jax.request import SamplingParams
 from orca_jax.tokenizer import with_chat_template
 from orca_jax.server.async_engine import (
@@ -20,6 +21,7 @@ from orca_jax.server.async_engine import (
 from orca_jax.server.choices import Choice, ChoiceStreams, derive_seed, submit_all, usage_of
 from orca_jax.server.errors import APIError, error_body
 from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
+from orca_jax.server.lora import ServedModels
 from orca_jax.server.metrics import ServerMetrics
 from orca_jax.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       TokenizeChatRequest, TokenizeCompletionRequest)
@@ -56,10 +58,13 @@ class OpenAIServing:
     def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, *, served_model_name: str,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  allow_special_tokens_in_text: bool = False, chat_template: str | None = None,
-                 log_requests: bool = False, tool_calls: ToolCallSettings = ToolCallSettings()):
+                 log_requests: bool = False, tool_calls: ToolCallSettings = ToolCallSettings(),
+                 models: ServedModels | None = None):
         self.async_engine = async_engine
         self.metrics = metrics
         self.served_model_name = served_model_name
+        # The names a request's `model` may give: the base and its LoRA adapters.
+        self.models = models or ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
         self.default_max_tokens = default_max_tokens
         self.split_special_tokens = not allow_special_tokens_in_text
         self.log_requests = log_requests
@@ -70,10 +75,11 @@ class OpenAIServing:
                           else with_chat_template(engine.tokenizer, chat_template))
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.max_logprobs = engine.config.sampling.max_logprobs
         self.page_size = engine.config.cache.page_size
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.warn_ignored_fields(body)
         constraint = output_constraint(body)
         texts = body.prompts()
@@ -86,12 +92,12 @@ class OpenAIServing:
             texts = [t if isinstance(t, str) else self.tokenizer.decode(t, skip_special_tokens=False) for t in texts]
             echo_texts = [texts[choice.prompt_index] for choice in choices]
         request_id = new_id("cmpl")
-        formatter = CompletionFormatter(request_id, self.served_model_name, unix_now(), self.tokenizer,
+        formatter = CompletionFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
                                         include_usage=body.include_usage_in_stream, echo_texts=echo_texts)
-        return await self._generate(body, request, request_id, choices, formatter)
+        return await self._generate(body, request, request_id, choices, formatter, lora)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.warn_ignored_fields(body)
         constraint = output_constraint(body)
         tools, tool_constraint = tool_plan(body, self.tool_calls, self.tokenizer)
@@ -103,11 +109,12 @@ class OpenAIServing:
         prompt_ids = self._chat_prompt_ids(body.messages, body.template_tools(), add_generation_prompt=True)
         choices = self._choices(body, [prompt_ids], requested=body.requested_max_tokens, default=None,
                                 logprobs=body.num_logprobs, param="messages",
-                                constraint=constraint or tool_constraint)
+                                constraint=constraint or tool_constraint,
+                                keep_special_tokens=tools is not None and tools.needs_special_tokens)
         request_id = new_id("chatcmpl")
-        formatter = ChatFormatter(request_id, self.served_model_name, unix_now(), self.tokenizer,
+        formatter = ChatFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
                                   include_usage=body.include_usage_in_stream, tools=tools)
-        return await self._generate(body, request, request_id, choices, formatter)
+        return await self._generate(body, request, request_id, choices, formatter, lora)
 
     def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None, *, add_generation_prompt: bool) -> list[int]:
         try:
@@ -150,15 +157,27 @@ class OpenAIServing:
 
     # ---- validation -----------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.served_model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model); 404 if it names nothing served."""
+        return self.models.resolve(model)
+
+    def _model_name(self, lora: LoRARequest | None) -> str:
+        return self.served_model_name if lora is None else lora.lora_name
 
     def _choices(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], *,
                  requested: int | None, default: int | None, logprobs: int | None, param: str,
-                 constraint: Constraint | None) -> list[Choice]:
-        """n choices per prompt, each with its own max_tokens and seed; 400 on anything invalid."""
+                 constraint: Constraint | None, keep_special_tokens: bool = False) -> list[Choice]:
+        """n choices per prompt, each with its own max_tokens and seed; 400 on anything invalid.
+        `keep_special_tokens`: the text must hold them whatever skip_special_tokens says (a tool-call
+        parser reads its markers)."""
+        if logprobs is not None and logprobs > self.max_logprobs:
+            name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise APIError(400, f"{name} must be at most {self.max_logprobs} (the server's --max-logprobs), "
+                           f"got {logprobs}", param=name)
+        for name, ids in (("logit_bias", [int(t) for t in body.logit_bias or ()]),
+                          ("allowed_token_ids", body.allowed_token_ids or ())):
+            self._check_token_ids(ids, param=name)
+        skip_special_tokens = body.skip_special_tokens and not keep_special_tokens
         if len(prompts) * body.n > self.async_engine.max_in_flight:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is more than the "
                            f"{self.async_engine.max_in_flight} requests this server runs at once",
@@ -168,7 +187,8 @@ class OpenAIServing:
             self._check_prompt_ids(prompt_ids, param=param)
             max_tokens = self._max_tokens(requested, len(prompt_ids), default, param=param)
             for number in range(body.n):
-                sampling = self._sampling(body, max_tokens, logprobs, derive_seed(body.seed, number), constraint)
+                sampling = self._sampling(body, max_tokens, logprobs, derive_seed(body.seed, number), constraint,
+                                          skip_special_tokens)
                 choices.append(Choice(len(choices), prompt_index, prompt_ids, sampling))
         return choices
 
@@ -202,14 +222,18 @@ class OpenAIServing:
         # front; on_demand grows into it and may preempt others, but never itself past the pool).
         return self.async_engine.latest_stats.kv_pages_total * self.page_size
 
-    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  logprobs: int | None, seed: int | None, constraint: Constraint | None) -> SamplingParams:
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+                  seed: int | None, constraint: Constraint | None, skip_special_tokens: bool) -> SamplingParams:
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
-                                  top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed,
-                                  stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
-                                  include_stop_str_in_output=body.include_stop_str_in_output,
-                                  ignore_eos=body.ignore_eos, logprobs=logprobs, structured_outputs=constraint)
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+                min_p=body.min_p, seed=seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
+                include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
+                logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                logit_bias=body.logit_bias or None, bad_words=tuple(body.bad_words or ()),
+                allowed_token_ids=body.allowed_token_ids, skip_special_tokens=skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens, structured_outputs=constraint)
         except ValueError as error:
             match = _SAMPLING_FIELD.search(str(error))
             raise APIError(400, str(error), param=match.group(1) if match else None) from None
@@ -218,13 +242,13 @@ class OpenAIServing:
 
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
                         request_id: str, choices: list[Choice],
-                        formatter: CompletionFormatter | ChatFormatter) -> Response:
+                        formatter: CompletionFormatter | ChatFormatter, lora: LoRARequest | None = None) -> Response:
         if self.log_requests:
             _log_request(request_id, body, choices)
         deadline = None if body.deadline_seconds is None else time.monotonic() + body.deadline_seconds
         timers = [self.metrics.request_timer(len(c.prompt_ids), c.sampling.max_tokens, body.priority)
                   for c in choices]
-        streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline), timers)
+        streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline, lora), timers)
         if body.stream:
             return StreamingResponse(self._sse(streams, choices, formatter, body.deadline_seconds), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -241,10 +265,10 @@ class OpenAIServing:
         return JSONResponse(formatter.response(finals, usage).model_dump(mode="json"))
 
     async def _submit(self, choices: list[Choice], request_id: str, priority: int,
-                      deadline: float | None) -> list[RequestStream]:
+                      deadline: float | None, lora: LoRARequest | None = None) -> list[RequestStream]:
         try:
             return await submit_all(self.async_engine, choices, request_id=request_id, priority=priority,
-                                    deadline=deadline)
+                                    deadline=deadline, lora_request=lora)
         except (EngineOverloadedError, QueueFullError) as error:
             self.metrics.requests_rejected.labels(status="503", **self.metrics.labels).inc()
             raise APIError(503, f"server overloaded: {error}", code="server_overloaded",
@@ -252,9 +276,11 @@ class OpenAIServing:
         except EngineUnavailableError as error:
             self.metrics.requests_rejected.labels(status="503", **self.metrics.labels).inc()
             raise APIError(503, str(error), code="engine_unavailable") from None
-        except ValueError as error:  # the engine cannot hold this request (length, KV pool, ids)
+        except ValueError as error:  # the engine cannot hold this request (length, KV pool, ids, tables)
             self.metrics.requests_rejected.labels(status="400", **self.metrics.labels).inc()
-            raise APIError(400, str(error), code="invalid_request") from None
+            match = _SAMPLING_FIELD.search(str(error))
+            raise APIError(400, str(error), param=match.group(1) if match else None,
+                           code="invalid_request") from None
 
     async def _sse(self, streams: ChoiceStreams, choices: list[Choice],
                    formatter: CompletionFormatter | ChatFormatter,

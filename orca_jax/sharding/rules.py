@@ -46,6 +46,23 @@ PARAM_SPECS: dict[str, P] = {
     "layers/mlp/down/bias": P(None),
 }
 
+# The LoRA adapter table (lora/layout.py), one layer's leaves: column-parallel projections (q|k|v,
+# gate|up, GPT's up) keep A whole and split B like the base's output; row-parallel ones (o, down)
+# split A like the base's input and keep B whole, so each still needs just the base's all-reduce.
+LORA_SPECS: dict[str, P] = {
+    "attn/qkv/a": P(None, None, None, None),  # [H, 3, M, R]
+    "attn/qkv/b_q": P(None, None, TENSOR, None, None),  # [M, R, K, G, D]
+    "attn/qkv/b_kv": P(None, None, None, TENSOR, None),  # [2, M, R, K, D]
+    "attn/o/a": P(TENSOR, None, None, None),  # [N, D, M, R]
+    "attn/o/b": P(None, None, None),  # [M, R, H]
+    "mlp/gate_up/a": P(None, None, None, None),  # [H, 2, M, R]
+    "mlp/gate_up/b": P(None, None, None, TENSOR),  # [2, M, R, F]
+    "mlp/up/a": P(None, None, None),  # [H, M, R]
+    "mlp/up/b": P(None, None, TENSOR),  # [M, R, F]
+    "mlp/down/a": P(TENSOR, None, None),  # [F, M, R]
+    "mlp/down/b": P(None, None, None),  # [M, R, H]
+}
+
 KV_CACHE_SPEC = P(TENSOR, None, None, None)  # one layer: [KVH, num_pages, page_size, D]
 HEADS_SPEC = P(None, TENSOR, None)  # [T, heads, D] activations inside attention
 
@@ -55,11 +72,12 @@ def _path_name(path) -> str:
     return "/".join(str(k.key) for k in path if hasattr(k, "key"))
 
 
-def param_shardings(params_or_shapes, mesh: Mesh):
-    """A NamedSharding for every leaf of a params tree (or of its ShapeDtypeStructs)."""
+def param_shardings(params_or_shapes, mesh: Mesh, specs: dict[str, P] = PARAM_SPECS):
+    """A NamedSharding for every leaf of a params tree (or of its ShapeDtypeStructs); `specs`:
+    PARAM_SPECS, or LORA_SPECS for a LoRA table (a tuple of layer trees)."""
     def spec_for(path, _):
         name = _path_name(path)
-        if name not in PARAM_SPECS:
+        if name not in specs:
             raise KeyError(f"no sharding rule for parameter {name!r}")
-        return NamedSharding(mesh, PARAM_SPECS[name])
+        return NamedSharding(mesh, specs[name])
     return jax.tree_util.tree_map_with_path(spec_for, params_or_shapes)

@@ -1,0 +1,29 @@
+"""A real Scheduler on a real KV allocator, driven by a clock the test sets (vLLM's tests/v1/core/utils.py
+create_scheduler): the one way the scheduler tests build one."""
+
+from __future__ import annotations
+
+from orca_jax.config import SchedulerConfig
+from orca_jax.kv_cache import KVCacheManager
+from orca_jax.scheduler import Scheduler
+
+
+class FakeClock:
+    """A scheduler clock that moves only when the test sets `now` (seconds, or iterations)."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def create_scheduler(*, num_pages: int = 65, page_size: int = 4, max_model_len: int = 256, max_in_flight: int = 1,
+                     token_target=None, **config) -> tuple[Scheduler, KVCacheManager, FakeClock]:
+    """(scheduler, its KV allocator, its clock). `config`: SchedulerConfig's fields; unlike the library,
+    8 sequences and 64 tokens per iteration and async scheduling off unless given (Algorithm 1 as the
+    paper has it: max_in_flight batches in flight hold disjoint requests)."""
+    kv = KVCacheManager(num_pages, page_size)
+    config = SchedulerConfig(**({"max_num_seqs": 8, "max_num_batched_tokens": 64, "async_scheduling": False} | config))
+    clock = FakeClock()
+    return Scheduler(config, kv, max_model_len, max_in_flight, clock=clock, token_target=token_target), kv, clock

@@ -1,0 +1,31 @@
+"""The device's batch defaults: one table, the usage picks the column, an explicit value wins."""
+
+from orca_jax.engine_defaults import BatchDefaults, UsageContext, batch_defaults, batch_defaults_for
+from orca_jax.server.cli_args import engine_config_from_args, parse_args
+
+
+def test_the_table_by_device_and_usage():
+    h100 = 59.0  # GiB XLA may take of an 80 GB GPU at jax's default fraction
+    assert batch_defaults_for("gpu", h100, UsageContext.OFFLINE) == BatchDefaults(256, 8192)
+    assert batch_defaults_for("gpu", h100, UsageContext.SERVER) == BatchDefaults(256, 4096)
+    assert batch_defaults_for("gpu", 18.0, UsageContext.SERVER) == BatchDefaults(128, 2048)
+    assert batch_defaults_for("cpu", 24.0, UsageContext.OFFLINE) == BatchDefaults(64, 512)
+    assert batch_defaults_for("tpu", 16.0, UsageContext.OFFLINE) == BatchDefaults(64, 512)
+    assert batch_defaults(UsageContext.OFFLINE) == BatchDefaults(64, 512)  # this machine: a CPU
+
+
+def test_serve_takes_the_devices_defaults_unless_told():
+    server = BatchDefaults(256, 4096)
+    assert engine_config_from_args(parse_args([]), server).scheduler.max_num_seqs == 256
+    given = engine_config_from_args(parse_args(["--max-num-seqs", "32", "--long-prefill-token-threshold", "512"]),
+                                    server).scheduler
+    assert (given.max_num_seqs, given.max_num_batched_tokens, given.long_prefill_token_threshold) == (32, 4096, 512)
+    assert engine_config_from_args(parse_args([])).scheduler.max_num_batched_tokens == 512  # no device: the CPU's
+
+
+def test_llm_takes_the_devices_defaults_unless_told():
+    from orca_jax import LLM
+
+    assert LLM("tiny-llama", num_kv_pages=16).engine.config.scheduler.max_num_seqs == 64
+    llm = LLM("tiny-llama", num_kv_pages=16, max_num_seqs=8)
+    assert (llm.engine.config.scheduler.max_num_seqs, llm.engine.config.scheduler.max_num_batched_tokens) == (8, 512)

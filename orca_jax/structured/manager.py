@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from orca_jax.logits_rules import keeps_sample
 from orca_jax.plan import ScheduledRequest
 from orca_jax.request import Request, RequestStatus
 from orca_jax.structured.bitmask import ALL_ALLOWED
@@ -72,7 +73,7 @@ class StructuredOutputManager:
     @staticmethod
     def rows(scheduled: Sequence[ScheduledRequest]) -> list[int]:
         """The rows of constrained requests whose sample becomes an output token."""
-        return [i for i, item in enumerate(scheduled) if item.request.grammar is not None and _keeps_sample(item)]
+        return [i for i, item in enumerate(scheduled) if item.request.grammar is not None and keeps_sample(item)]
 
     @staticmethod
     def ready(scheduled: Sequence[ScheduledRequest], rows: list[int]) -> bool:
@@ -101,11 +102,6 @@ class StructuredOutputManager:
         self.mask_seconds_total += time.perf_counter() - start
         self.num_masked_batches += 1
         self.num_masked_rows += len(live)
-
-
-def _keeps_sample(item: ScheduledRequest) -> bool:
-    """Whether the row's sample is kept: it feeds the last known token (not a mid-prompt chunk)."""
-    return item.token_source >= 0 or item.start + item.num_new_tokens >= item.request.num_tokens
 
 
 def _current(item: ScheduledRequest) -> bool:

@@ -251,6 +251,33 @@ class LoRAConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class FineTuningConfig:
+    """Fine-tuning LoRA adapters inside the serving engine (FineInfer; finetune/).
+
+    Jobs run under Deferred Continuous Batching: a fine-tuning iteration (one micro-batch's forward and
+    backward) runs only while no inference request runs, and only if every waiting request's wait plus
+    one iteration stays within deferral_bound_s; otherwise inference goes first. The device memory a
+    job needs besides the served model (adapter, AdamW state, gradients, one micro-batch's
+    activations) comes out of memory_gib, held back from the KV pool when the engine starts; a job
+    that needs more is refused with the figures.
+    """
+
+    directory: str | None = None  # uploaded files, jobs, checkpoints; None: finetune.default_directory()
+    deferral_bound_s: float = 0.5  # the longest a waiting request is held back for fine-tuning
+    memory_gib: float = 4.0  # device memory held back from the KV pool for a job
+    keep_checkpoints: int = 3  # newest checkpoints kept per job
+    remat: bool = True  # recompute each layer's activations in the backward (less memory, ~1.3x compute)
+
+    def __post_init__(self):
+        if self.deferral_bound_s <= 0:
+            raise ValueError(f"FineTuningConfig.deferral_bound_s must be positive, got {self.deferral_bound_s}")
+        if self.memory_gib <= 0:
+            raise ValueError(f"FineTuningConfig.memory_gib must be positive, got {self.memory_gib}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"FineTuningConfig.keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SamplingConfig:
     """Caps on what one request may ask of the sampler (each sizes the sampling programs' inputs)."""
 
@@ -290,6 +317,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = "auto"
     # Multi-LoRA serving (vLLM's enable_lora); None: off, and no program reads an adapter table.
     lora: LoRAConfig | None = None
+    # Fine-tuning jobs in the engine (needs lora: finished adapters are served from its slots); None: off.
+    fine_tuning: FineTuningConfig | None = None
 
     @property
     def async_scheduling(self) -> bool:
@@ -314,3 +343,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
         if self.lora is not None and self.parallel.num_processes > 1:
             raise ValueError("LoRA adapters are not supported with several controller processes yet")
+        if self.fine_tuning is not None:
+            if self.lora is None:
+                raise ValueError("fine-tuning serves its adapters through LoRA slots: enable LoRA too "
+                                 "(EngineConfig.lora, --enable-lora)")
+            if self.parallel.num_stages * self.parallel.tensor_parallel * self.parallel.num_processes != 1:
+                raise ValueError("fine-tuning runs on one device for now (no pipeline or tensor parallelism)")

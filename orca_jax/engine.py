@@ -21,6 +21,8 @@ from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.engine_stats import EngineStats
+from orca_jax.finetune.tuner import FineTuner
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
@@ -33,62 +35,6 @@ from orca_jax.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
 from orca_jax.structured.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class EngineStats:
-    """Counters since the engine started, plus the last iteration's shape."""
-
-    iterations: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_pages_used: int = 0
-    kv_pages_reserved: int = 0
-    kv_pages_total: int = 0
-    last_batch_size: int = 0
-    last_num_tokens: int = 0
-    last_iteration_seconds: float = 0.0
-    num_compiled_programs: int = 0
-    prompt_tokens_total: int = 0
-    generated_tokens_total: int = 0
-    batch_size_total: int = 0  # sum over iterations, for the mean
-    scheduled_tokens_total: int = 0
-    host_seconds_total: float = 0.0  # scheduling + batch building + output handling
-    device_wait_seconds_total: float = 0.0  # blocked on the device's tokens
-    # Batches dispatched and not yet fetched when the oldest one's tokens are fetched (ORCA keeps up
-    # to n_stages in flight, so every pipeline stage has one): the most seen, and the sum for the mean.
-    peak_in_flight: int = 0
-    in_flight_total: int = 0
-    num_preemptions: int = 0  # requests whose KV was freed to make room (recomputed later)
-    kv_pages_evictable: int = 0  # cached pages no request holds (count as free)
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
-    deadline_hits: int = 0  # requests with a deadline that finished by it
-    deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
-    # Structured outputs: host seconds filling allowed-token masks, over the batches that needed one
-    # (the mean is the host mask time per such step), and their constrained rows.
-    structured_mask_seconds_total: float = 0.0
-    structured_masked_batches: int = 0
-    structured_masked_rows: int = 0
-    # ... of which the batches whose sampling waited for the previous batch's tokens (async scheduling)
-    structured_deferred_batches: int = 0
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.batch_size_total / max(self.iterations, 1)
-
-    @property
-    def mean_tokens_per_iteration(self) -> float:
-        return self.scheduled_tokens_total / max(self.iterations, 1)
-
-    @property
-    def mean_in_flight(self) -> float:
-        return self.in_flight_total / max(self.iterations, 1)
-
-    @property
-    def mean_structured_mask_seconds(self) -> float:
-        """Host seconds to fill one batch's masks, over the batches with a constrained row."""
-        return self.structured_mask_seconds_total / max(self.structured_masked_batches, 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -147,7 +93,8 @@ class Engine:
         self.runner = ModelRunner(self.model_config, loaded.params, config.cache, config.attention,
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
-                                  lora=config.lora, sampling=config.sampling)
+                                  lora=config.lora, sampling=config.sampling,
+                                  reserve_bytes=0 if config.fine_tuning is None else int(config.fine_tuning.memory_gib * 2**30))
         # Structured outputs' masks as wide as the logits (the vocabulary padded for tensor parallelism);
         # token_masks: more per-step allowed tokens from outside the sampler, applied on device too.
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks)
@@ -159,6 +106,10 @@ class Engine:
         # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
         self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,
                                                                  self.runner.load_lora)
+        # Fine-tuning jobs (None: off): run between inference iterations, served through self.lora.
+        self.fine_tuning = None if config.fine_tuning is None else FineTuner(
+            config.fine_tuning, self.runner.stages[0], self.model_config, self.tokenizer, self.lora, config.model,
+            self.max_model_len)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
@@ -275,6 +226,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._in_flight)
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or a fine-tuning job with an iteration to run."""
+        return self.has_unfinished() or (self.fine_tuning is not None and self.fine_tuning.has_work())
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the pages forgotten. Requests keep the pages they hold."""
         return self.kv.reset_prefix_cache()
@@ -304,7 +259,14 @@ class Engine:
         dispatches its forward pass now and its sampling once the previous batch's tokens are in and
         its masks filled (_dispatch_waiting); no later batch is planned before that, so the device's
         last samples stay in order.
+
+        While no request runs, a fine-tuning iteration runs instead if Deferred Continuous Batching
+        allows (finetune/deferral.py).
         """
+        if self.fine_tuning is not None and not self._in_flight and not self.scheduler.num_running \
+                and self.fine_tuning.has_work() \
+                and self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
+            return []
         start = phase_start = time.perf_counter()
         dropped: list[RequestOutput] = []
         while self.scheduler.can_schedule and not (self._in_flight and self._in_flight[-1].packed is None):
@@ -445,4 +407,11 @@ class Engine:
         stats.structured_mask_seconds_total = self.structured.mask_seconds_total
         stats.structured_masked_batches = self.structured.num_masked_batches
         stats.structured_masked_rows = self.structured.num_masked_rows
+        if self.fine_tuning is not None:
+            counters = self.fine_tuning.policy.stats
+            stats.fine_tuning_iterations = counters.iterations
+            stats.fine_tuning_seconds_total = counters.seconds
+            stats.fine_tuning_tokens_total = counters.tokens
+            stats.inference_deferrals_total = counters.deferrals
+            stats.inference_deferral_seconds_total = counters.deferral_seconds
         return stats

@@ -61,10 +61,11 @@ def gpu_budget_bytes(bytes_limit: int, utilization: float | None) -> float:
 
 def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, device: jax.Device,
                   num_devices: int = 1, *, max_num_seqs: int | None = None,
-                  max_model_len: int | None = None) -> int:
+                  max_model_len: int | None = None, reserve_bytes: int = 0) -> int:
     """The pool size: explicit, or the largest that fits the memory budget (per device x devices),
-    `params_bytes` per device still to be placed; capped at what max_num_seqs sequences of
-    max_model_len tokens can use, when both are given."""
+    `params_bytes` per device still to be placed and `reserve_bytes` per device held back (for a
+    fine-tuning job's state and activations, FineTuningConfig.memory_gib); capped at what
+    max_num_seqs sequences of max_model_len tokens can use, when both are given."""
     if cache.num_pages is not None:
         return cache.num_pages
     if cache.kv_memory_gib is not None:
@@ -75,7 +76,7 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
         gc.collect()
         stats = device.memory_stats() or {}
         budget = gpu_budget_bytes(stats.get("bytes_limit", 0), cache.gpu_memory_utilization)
-        free = budget - stats.get("bytes_in_use", 0) - params_bytes
+        free = budget - stats.get("bytes_in_use", 0) - params_bytes - reserve_bytes
         pages = pages_for_budget(config.kv_bytes_per_token, cache.page_size,
                                  max(free, 0) * GPU_KV_FRACTION * num_devices)
         # Rounded down: free memory differs by a few MiB from start to start, and the pool's size is

@@ -8,10 +8,12 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
-                             ParallelConfig, SchedulerConfig, SchedulingPolicy)
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation,
+                             LoRAConfig, ParallelConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
 from orca_jax.engine_defaults import UsageContext, batch_defaults
+from orca_jax.finetune.hparams import TrainingHyperparameters
+from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel
 from orca_jax.outputs import RequestOutput, TokenLogprob
@@ -57,8 +59,9 @@ class LLM:
     Arguments follow vLLM's names: tensor_parallel_size splits every layer over that many devices
     (ORCA's intra-layer parallelism), pipeline_parallel_size splits the layer stack into stages;
     enable_lora serves peft adapters (generate's lora_request) from max_loras device slots of
-    max_lora_rank, keeping up to max_cpu_loras more in host memory. max_num_seqs and
-    max_num_batched_tokens default to the device's (engine_defaults.py).
+    max_lora_rank, keeping up to max_cpu_loras more in host memory. enable_fine_tuning (LoRA implied)
+    lets fine_tune train adapters on the served model, keeping its jobs under fine_tuning_dir.
+    max_num_seqs and max_num_batched_tokens default to the device's (engine_defaults.py).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int | None = None,
@@ -68,7 +71,8 @@ class LLM:
                  scheduling_policy: str = "fcfs", kv_allocation: str = "reserve", tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: int | None = None,
+                 max_cpu_loras: int | None = None, enable_fine_tuning: bool = False,
+                 fine_tuning_dir: str | None = None,
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
             defaults = batch_defaults(UsageContext.OFFLINE)  # the device's (engine_defaults.py)
@@ -84,7 +88,9 @@ class LLM:
                                       kv_allocation=KVAllocation(kv_allocation)),
             parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
             attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
-            seed=seed, lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None)
+            seed=seed,
+            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or enable_fine_tuning else None,
+            fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None)
         self.engine = Engine(config, loaded)
         self.tokenizer = self.engine.tokenizer
 
@@ -134,6 +140,27 @@ class LLM:
                             return
         finally:
             self.engine.abort(request_id)  # a consumer that stops early frees the KV
+
+    def fine_tune(self, dataset, *, lora_request: LoRARequest | None = None, n_epochs: int = 3,
+                  batch_size: int = 8, learning_rate_multiplier: float = 1.0, lora_rank: int | None = None,
+                  lora_alpha: float | None = None, target_modules: Sequence[str] | None = None,
+                  suffix: str | None = None, hyperparameters: TrainingHyperparameters | None = None,
+                  use_tqdm: bool = True) -> LoRARequest:
+        """Train a LoRA adapter on `dataset` (a JSONL path, or its records as dicts: chat "messages" or
+        "prompt"/"completion") and return it, served already: pass it to generate's lora_request.
+
+        lora_request: an adapter to train further (its rank, alpha and targets apply); else a new one of
+        lora_rank (default 16, or max_lora_rank if lower; alpha 2 x rank unless given) on target_modules
+        (default: every projection).
+        hyperparameters overrides n_epochs, batch_size and learning_rate_multiplier when given.
+        DatasetError (a ValueError) names the first bad line; RuntimeError if the job fails.
+        """
+        return run_fine_tune(self.engine, dataset, lora_request=lora_request, suffix=suffix, use_tqdm=use_tqdm,
+                             hyperparameters=hyperparameters or TrainingHyperparameters(
+                                 n_epochs=n_epochs, batch_size=batch_size,
+                                 learning_rate_multiplier=learning_rate_multiplier),
+                             rank=lora_rank, alpha=lora_alpha,
+                             target_modules=None if target_modules is None else tuple(target_modules))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

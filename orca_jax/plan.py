@@ -57,21 +57,29 @@ def own_view(request: Request) -> PlanningView:
                         request.num_initiation_tokens)
 
 
+def take_cached(request: Request, view: PlanningView, kv: KVCacheManager, max_tokens: int) -> PlanningView:
+    """A request in its prompt whose pages end where it would compute next (in no batch in flight)
+    takes the cached pages that follow, published since it was admitted, up to max_tokens in all;
+    returns its view past them."""
+    if not view.in_initiation or view.token_source >= 0 or view.start != request.num_computed_tokens:
+        return view
+    gained = kv.extend_with_cached(request, view.start, max_tokens)
+    if not gained:
+        return view
+    request.num_computed_tokens += gained
+    if request.num_preemptions == 0:  # what its client hears of: its first life's hits
+        request.num_cached_tokens += gained
+    return dataclasses.replace(view, start=view.start + gained)
+
+
 def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
                  view: PlanningView | None = None) -> ScheduledRequest:
     """Allocate KV pages for a request's next num_new_tokens and return its share of the plan."""
     view = view or own_view(request)
-    start = view.start
-    end = start + num_new_tokens
-    if view.in_initiation and view.token_source < 0 and start == request.num_computed_tokens:
-        # A prompt chunk starting where the request's pages end: take the cached pages that now
-        # follow (published since it was admitted, e.g. by a request with the same prompt planned
-        # earlier in this batch), keeping the chunk's end and at least its last token to compute.
-        gained = kv.extend_with_cached(request, start, min(end, view.num_prompt_tokens) - 1)
-        request.num_computed_tokens += gained
-        if request.num_preemptions == 0:
-            request.num_cached_tokens += gained
-        start += gained
+    end = view.start + num_new_tokens
+    # A request with the same prompt planned earlier in this batch may have published pages this
+    # chunk would compute: take them, keeping the chunk's end (its budget share) and its last token.
+    start = take_cached(request, view, kv, min(end, view.num_prompt_tokens) - 1).start
     kv.allocate_up_to(request.request_id, end)
     # Pages this batch completes are shareable from now on: a later request reading them runs in a
     # later batch, or in this one, whose forward writes every new token's K/V before any layer attends.
@@ -126,6 +134,11 @@ class SchedulerInterface(Protocol):
         ...
 
     def has_unfinished(self) -> bool: ...
+
+    @property
+    def oldest_waiting_arrival(self) -> float | None:
+        """The arrival time of the longest-waiting request holding no KV; None if none waits."""
+        ...
 
     def add_request(self, request: Request) -> None:
         """Put a request in the pool; ValueError if it can never run, QueueFullError if full."""

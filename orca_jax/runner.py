@@ -85,7 +85,9 @@ class ModelRunner:
                  backend: AttentionBackend = AttentionBackend.AUTO, seed: int = 0,
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
                  max_num_seqs: int = 256, executable_cache: ExecutableCache | None = None,
-                 lora: LoRAConfig | None = None, sampling: SamplingConfig = SamplingConfig()):
+                 lora: LoRAConfig | None = None, sampling: SamplingConfig = SamplingConfig(),
+                 reserve_bytes: int = 0):
+        """`reserve_bytes`: device memory per device kept out of a pool sized from free memory."""
         check_parallel_fits(parallel, config)
         # Vocabulary padded and KV heads replicated to fit the tensor size; from here on `config` is
         # the device shapes (the logits width, the KV pages), the plan keeps the model's own.
@@ -110,7 +112,8 @@ class ModelRunner:
                          for stage in self.stages)
         self.num_pages = num_pages_for(config, cache_config, per_device, self.device,
                                        sum(stage.mesh.size for stage in self.stages),
-                                       max_num_seqs=max_num_seqs, max_model_len=config.max_seq_len)
+                                       max_num_seqs=max_num_seqs, max_model_len=config.max_seq_len,
+                                       reserve_bytes=reserve_bytes)
         self._params_ready = self._start_making_params(params, seed)
         for stage in self.stages:
             stage.params_ready = self._params_ready

@@ -15,7 +15,7 @@ from orca_jax.config import KVAllocation, SchedulerConfig
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.lora.slots import AdapterSlots
 from orca_jax.plan import (PlanningView, ScheduledRequest, SchedulerInterface, SchedulerOutput,  # noqa: F401
-                           own_view, plan_request)
+                           own_view, plan_request, take_cached)
 from orca_jax.policies import Policy, make_policy
 from orca_jax.request import Request, RequestStatus, stop_status
 
@@ -75,6 +75,13 @@ class Scheduler:
     def num_in_flight(self) -> int:
         """Scheduled batches whose update() has not come back yet."""
         return len(self._in_flight_iterations)
+
+    @property
+    def oldest_waiting_arrival(self) -> float | None:
+        """The arrival time of the longest-waiting request holding no KV (never run, or preempted);
+        None if none waits. Fine-tuning's deferral bound is counted from it."""
+        return min((r.arrival_time for r in self._requests.values() if r.status is RequestStatus.WAITING),
+                   default=None)
 
     @property
     def can_schedule(self) -> bool:
@@ -164,6 +171,10 @@ class Scheduler:
                 views[request] = own_view(request)  # admitted past the pages it found cached
             batch.append(request)
 
+        # Prompts first take what was published since their admission (earlier batches' pages), so
+        # the token budget goes to what is left to compute.
+        for request in batch:
+            views[request] = take_cached(request, views[request], self.kv, views[request].num_prompt_tokens - 1)
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_num_seqs.
         budget = self.config.max_num_batched_tokens
         budget -= sum(1 for r in batch if not views[r].in_initiation)

@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                      default_max_tokens=args.default_max_tokens or None,
                      allow_special_tokens_in_text=args.allow_special_tokens_in_text,
                      allowed_hosts=allowed_hosts_from_args(args), chat_template=read_chat_template(args.chat_template),
+                     max_upload_bytes=args.max_upload_bytes,
                      log_requests=not args.disable_log_requests, cors=cors,
                      tool_calls=tool_call_settings_from_args(args))
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port,

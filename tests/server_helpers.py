@@ -99,6 +99,7 @@ class FakeEngine:
         self.num_calls += 1
 
     lora = None  # no LoRA adapters (Engine.lora)
+    fine_tuning = None  # no fine-tuning jobs (Engine.fine_tuning)
 
     def list_loras(self) -> list:
         return []
@@ -143,6 +144,9 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         self._enter()
         return bool(self.waiting or self.running)
+
+    def has_work(self) -> bool:
+        return self.has_unfinished()  # no fine-tuning jobs
 
     def step(self) -> list[RequestOutput]:
         self._enter()

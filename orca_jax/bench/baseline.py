@@ -86,6 +86,10 @@ class RequestLevelScheduler:
     def has_unfinished(self) -> bool:
         return bool(self._waiting) or self._batch is not None
 
+    @property
+    def oldest_waiting_arrival(self) -> float | None:
+        return min((r.arrival_time for r in self._waiting), default=None)
+
     def get(self, request_id: str) -> Request | None:
         pool = self._waiting + list(self._batch.requests if self._batch else ())
         return next((r for r in pool if r.request_id == request_id), None)
@@ -166,6 +170,9 @@ class RequestLevelScheduler:
         del self._waiting[:len(chosen)]
         for r in chosen:
             r.prompt_token_ids = [PAD_TOKEN_ID] * (prompt_len - r.num_prompt_tokens) + r.prompt_token_ids
+            # The pads are really computed (FasterTransformer's cost): no request may take another's
+            # pages of pads from the prefix cache.
+            r.cache_salt = f"request-level:{r.request_id}"
             r.sampling = dataclasses.replace(r.sampling, max_tokens=max_tokens, ignore_eos=True,
                                              stop_token_ids=())
             self.kv.reserve(r.request_id, prompt_len + max_tokens)

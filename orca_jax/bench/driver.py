@@ -188,6 +188,8 @@ def run_trace(engine: Engine, trace: Trace, *, realtime: bool = True, clock: Ite
     A request is added once its arrival has passed (checked before every iteration; the loop sleeps only
     while the engine is idle), or all at once unless `realtime`. A trace timed in iterations needs the
     IterationClock the engine's scheduler reads (use_scheduler(clock=...)); it advances once a step.
+    Every run starts with an empty prefix cache: a trace's prompts are the same on every run, and an
+    earlier run's pages would otherwise be hits.
     """
     if (trace.time_unit == "iteration") != (clock is not None):
         raise ValueError("a trace timed in iterations needs the scheduler's IterationClock, and only it")
@@ -197,6 +199,7 @@ def run_trace(engine: Engine, trace: Trace, *, realtime: bool = True, clock: Ite
     # Plain lists in the loop: its per-token bookkeeping must cost the host as little as can be.
     first, finish, reasons, tokens = [math.nan] * n, [math.nan] * n, [None] * n, [0] * n
     steps: list[float] = []
+    engine.reset_prefix_cache()
     before = engine.stats()
     with Probe(engine) as probe:
         start = time.perf_counter()
@@ -243,6 +246,8 @@ def run_trace(engine: Engine, trace: Trace, *, realtime: bool = True, clock: Ite
              "host_s": after.host_seconds_total - before.host_seconds_total,
              "device_wait_s": after.device_wait_seconds_total - before.device_wait_seconds_total,
              "preemptions": after.num_preemptions - before.num_preemptions,
+             "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
+
              # structured outputs: host seconds filling masks, batches masked, batches whose sampling waited
              "mask_s": after.structured_mask_seconds_total - before.structured_mask_seconds_total,
              "masked_batches": after.structured_masked_batches - before.structured_masked_batches,

@@ -141,11 +141,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
                        help="default: bfloat16 with dummy weights, else the model's")
     group.add_argument("--max-num-seqs", type=str if lists else int, default="128" if lists else 128,
                        help="requests per iteration" + many)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per iteration")
+    group.add_argument("--max-num-batched-tokens", type=str if lists else int, default="2048" if lists else 2048,
+                       help="tokens per iteration" + (" (a comma list builds an engine for each)" if lists else ""))
     group.add_argument("--max-waiting", type=int, default=4096)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--page-size", type=int, default=16)
     group.add_argument("--num-kv-pages", type=int, default=None, help="KV pool in pages")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="requests sharing a prefix share its KV pages (each trace run starts with none cached)")
     group.add_argument("--kv-cache-memory-gib", type=float, default=None,
                        help="KV pool in GiB (default: the runner's share of free memory)")
     group.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
@@ -164,21 +167,30 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
     group.add_argument("--engine-seed", type=int, default=0, help="random weights' and sampling's seed")
 
 
-def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None, **overrides) -> EngineConfig:
-    """The EngineConfig the flags describe; max_num_seqs: the largest a later run asks for."""
+def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None,
+                  max_num_batched_tokens: int | None = None, **overrides) -> EngineConfig:
+    """The EngineConfig the flags describe; max_num_seqs: the largest a later run asks for;
+    max_num_batched_tokens: this engine's of a list of budgets."""
     seqs = max_num_seqs or (args.max_num_seqs if isinstance(args.max_num_seqs, int)
                             else max(int(x) for x in args.max_num_seqs.split(",")))
     cache_dir = args.compilation_cache_dir
     return EngineConfig(
         model=args.model, dtype=model_dtype(args),
-        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages, kv_memory_gib=args.kv_cache_memory_gib),
-        scheduler=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages, kv_memory_gib=args.kv_cache_memory_gib,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens or first_int(args.max_num_batched_tokens),
                                   max_waiting=args.max_waiting, async_scheduling=args.async_scheduling[0],
                                   policy=SchedulingPolicy(args.scheduling_policy.split(",")[0]),
                                   kv_allocation=KVAllocation(args.kv_allocation)),
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size, tensor_parallel=args.tensor_parallel_size),
         attention=AttentionBackend(args.attention_backend), max_model_len=args.max_model_len, seed=args.engine_seed,
         compilation_cache_dir=None if cache_dir == "none" else cache_dir, **overrides)
+
+
+def first_int(value: int | str) -> int:
+    """An int flag's value, or the first of a comma list."""
+    return value if isinstance(value, int) else int(str(value).split(",")[0])
 
 
 def model_dtype(args: argparse.Namespace) -> str | None:
@@ -205,15 +217,19 @@ def build_engine(args: argparse.Namespace, **overrides):
     return Engine(engine_config(args, **overrides), loaded)
 
 
-def measured_engine(args: argparse.Namespace, results: Results):
-    """(engine, peaks, model costs): the device's peaks measured first, before the engine sizes its KV
-    pool from the memory left; the engine's shape, the peaks and the weight-read bound go to results."""
+def measured_engine(args: argparse.Namespace, results: Results, peaks=None, **overrides):
+    """(engine, peaks, model costs): the device's peaks measured first (unless given), before the engine
+    sizes its KV pool from the memory left; the engine's shape, start-up seconds, the peaks and the
+    weight-read bound go to results."""
     from orca_jax.bench import roofline
 
-    peaks = roofline.measure_peaks()
-    engine = build_engine(args)
+    peaks = peaks or roofline.measure_peaks()
+    start = time.perf_counter()
+    engine = build_engine(args, **overrides)
     stats = engine.stats()
     results.section("engine", {"num_compiled_programs": stats.num_compiled_programs, "kv_pages": stats.kv_pages_total,
+                               "start_s": time.perf_counter() - start,
+                               "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
                                "params_bytes": engine.runner.params_bytes, "num_devices": engine.runner.num_devices,
                                "peaks": peaks.as_dict(),
                                "weight_bound_ms": 1e3 * roofline.weight_read_seconds(engine.runner, peaks)})
@@ -224,14 +240,15 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     """The flags the bench and the server share, for the engine these flags build (first of any list)."""
     values = [("--model", args.model), ("--dtype", model_dtype(args)),
               ("--max-num-seqs", engine_config(args).scheduler.max_num_seqs),
-              ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--max-waiting", args.max_waiting),
+              ("--max-num-batched-tokens", first_int(args.max_num_batched_tokens)), ("--max-waiting", args.max_waiting),
               ("--max-model-len", args.max_model_len), ("--page-size", args.page_size),
               ("--num-kv-pages", args.num_kv_pages), ("--kv-cache-memory-gib", args.kv_cache_memory_gib),
               ("--attention-backend", args.attention_backend), ("--tensor-parallel-size", args.tensor_parallel_size),
               ("--pipeline-parallel-size", args.pipeline_parallel_size),
               ("--scheduling-policy", args.scheduling_policy.split(",")[0]), ("--kv-allocation", args.kv_allocation),
               ("--compilation-cache-dir", args.compilation_cache_dir)]
-    return [str(x) for flag, value in values if value is not None for x in (flag, value)]
+    switches = ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+    return [str(x) for flag, value in values if value is not None for x in (flag, value)] + switches
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:

@@ -17,6 +17,7 @@ The ORCA trace on llama-8b (the README's numbers):
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 
 from orca_jax.bench import roofline
@@ -78,21 +79,31 @@ def offline_bound(engine, trace, config: dict, costs, peaks) -> dict:
 
 
 def run(args: argparse.Namespace) -> Results:
+    """Every combination on one engine per token budget (a list of budgets sweeps the batch shape)."""
     results = Results("throughput", args, args.model)
-    engine, peaks, costs = measured_engine(args, results)
-    rows = []
-    for dataset in datasets_from_args(args):
-        for config in configurations(args):
-            trace = dataset.trace(config["max_num_seqs"])
-            row = {"dataset": trace.describe(), **{k: getattr(v, "value", v) for k, v in config.items()}}
-            row["runs"] = run_configuration(engine, trace, config, args.num_runs)
-            last = row["runs"][-1]
-            if trace.rate is None:
-                row |= offline_bound(engine, trace, config, costs, peaks)
-                row["fraction_of_bound"] = row["bound_s"] / last["wall_s"]
-            rows.append(row)
-            results.section("runs", rows)
-            print(describe_row(row), flush=True)
+    rows, engines, peaks = [], [], None
+    for budget in int_list(str(args.max_num_batched_tokens)):
+        configs = [c for c in configurations(args) if c["max_num_seqs"] <= budget]
+        engine = None  # the last budget's engine is dropped before the next one sizes its pool
+        engine, peaks, costs = measured_engine(args, results, peaks, max_num_batched_tokens=budget,
+                                               max_num_seqs=max(c["max_num_seqs"] for c in configs))
+        engines.append(results["engine"])
+        results.section("engines", engines)
+        for dataset in datasets_from_args(args):
+            for config in configs:
+                trace = dataset.trace(config["max_num_seqs"])
+                row = {"dataset": trace.describe(), **{k: getattr(v, "value", v) for k, v in config.items()},
+                       "max_num_batched_tokens": budget}
+                row["runs"] = run_configuration(engine, trace, config, args.num_runs)
+                last = row["runs"][-1]
+                if trace.rate is None:
+                    row |= offline_bound(engine, trace, config, costs, peaks)
+                    row["fraction_of_bound"] = row["bound_s"] / last["wall_s"]
+                rows.append(row)
+                results.section("runs", rows)
+                print(describe_row(row), flush=True)
+        del engine
+        gc.collect()
     return results
 
 
@@ -100,7 +111,8 @@ def describe_row(row: dict) -> str:
     last = row["runs"][-1]
     rate = (f"{last['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in last
             else f"{last['tokens_per_iteration']:.1f} tokens/iteration")
-    text = (f"{row['dataset']['kind']}: {row['scheduler']} max_num_seqs={row['max_num_seqs']} policy={row['policy']} "
+    text = (f"{row['dataset']['kind']}: {row['scheduler']} max_num_seqs={row['max_num_seqs']} "
+            f"max_num_batched_tokens={row.get('max_num_batched_tokens')} policy={row['policy']} "
             f"async={on_off(row['async_scheduling'])}: {rate}, {last['iterations']} iterations, "
             f"mean batch {last['mean_batch_size']:.1f}")
     if "fraction_of_bound" in row:

@@ -10,6 +10,8 @@ axis R (smaller ranks zero-padded) in every leaf:
 The slot axis sits just before R, so a slot is a contiguous [.., 1, R, ..] block an update writes in
 place. K is the device's KV heads: each adapter's k/v B is repeated like the base's K/V heads
 (sharding/tensor_plan.py). The tree is a plain pytree of arrays (a training step can update it).
+slot_layer runs on numpy (a slot loaded into the table) or on jax.numpy inside a jitted function (the
+fine-tuning step builds its one-slot table from the adapter it trains, finetune/model.py).
 """
 
 from __future__ import annotations
@@ -54,16 +56,19 @@ def nest(flat: dict) -> dict:
     return tree
 
 
-def _pad(x: np.ndarray, rank: int, axis: int) -> np.ndarray:
+def _pad(x, rank: int, axis: int, xp):
+    if x.shape[axis] == rank:
+        return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, rank - x.shape[axis])
-    return np.pad(x, widths)
+    return xp.pad(x, widths)
 
 
 def slot_layer(layer: dict[str, tuple[np.ndarray, np.ndarray]], config: ModelConfig, kv_repeat: int,
-               rank: int, dtype: np.dtype) -> dict:
+               rank: int, dtype: np.dtype, xp=np) -> dict:
     """One layer of one adapter (model layout, adapter.LoRAAdapter.layers[i]) as one slot of the
-    table's layer: the nested tree of layer_shapes with M = 1, in `dtype`. `config`: the device shapes."""
+    table's layer: the nested tree of layer_shapes with M = 1, in `dtype`. `config`: the device shapes.
+    `xp`: numpy, or jax.numpy for arrays traced inside jit."""
     model_kv = config.num_kv_heads // kv_repeat
     shapes = layer_shapes(config, 1, rank)
     h, n, k, d, f = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_size
@@ -72,33 +77,34 @@ def slot_layer(layer: dict[str, tuple[np.ndarray, np.ndarray]], config: ModelCon
 
     def a_of(part):  # [*in, R]
         if part not in layer:
-            return np.zeros((*ins[part], rank), np.float32)
-        return _pad(layer[part][0], rank, -1)
+            return xp.zeros((*ins[part], rank), np.float32)
+        return _pad(layer[part][0], rank, -1, xp)
 
     def b_of(part):  # [R, *out]
         if part not in layer:
-            return np.zeros((rank, *outs[part]), np.float32)
-        return _pad(layer[part][1], rank, 0)
+            return xp.zeros((rank, *outs[part]), np.float32)
+        return _pad(layer[part][1], rank, 0, xp)
 
-    kv_b = [np.repeat(b_of(p), kv_repeat, axis=-2) for p in ("k", "v")]  # [R, K, D], heads as the base's
+    kv_b = [xp.repeat(b_of(p), kv_repeat, axis=-2) for p in ("k", "v")]  # [R, K, D], heads as the base's
     flat = {
-        "attn/qkv/a": np.stack([a_of(p) for p in ("q", "k", "v")], axis=1)[:, :, None],
+        "attn/qkv/a": xp.stack([a_of(p) for p in ("q", "k", "v")], axis=1)[:, :, None],
         "attn/qkv/b_q": b_of("q").reshape(1, rank, k, n // k, d),
-        "attn/qkv/b_kv": np.stack(kv_b)[:, None],
+        "attn/qkv/b_kv": xp.stack(kv_b)[:, None],
         "attn/o/a": a_of("o")[:, :, None],
         "attn/o/b": b_of("o")[None],
         "mlp/down/a": a_of("down")[:, None],
         "mlp/down/b": b_of("down")[None],
     }
     if config.family is ModelFamily.LLAMA:
-        flat["mlp/gate_up/a"] = np.stack([a_of("gate"), a_of("up")], axis=1)[:, :, None]
-        flat["mlp/gate_up/b"] = np.stack([b_of("gate"), b_of("up")])[:, None]
+        flat["mlp/gate_up/a"] = xp.stack([a_of("gate"), a_of("up")], axis=1)[:, :, None]
+        flat["mlp/gate_up/b"] = xp.stack([b_of("gate"), b_of("up")])[:, None]
     else:
         flat["mlp/up/a"] = a_of("up")[:, None]
         flat["mlp/up/b"] = b_of("up")[None]
     for path, x in flat.items():
         assert x.shape == shapes[path], (path, x.shape, shapes[path])
-    return nest({path: np.ascontiguousarray(x, dtype) for path, x in flat.items()})
+    cast = (lambda x: np.ascontiguousarray(x, dtype)) if xp is np else (lambda x: x.astype(dtype))
+    return nest({path: cast(x) for path, x in flat.items()})
 
 
 def slot_weights(adapter: LoRAAdapter, config: ModelConfig, kv_repeat: int, rank: int, layers: range,

@@ -10,6 +10,7 @@ uploads what it says before dispatching a plan, through `upload` (the runner's l
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 from typing import Callable
 
@@ -37,6 +38,7 @@ class LoRAManager:
         # outlive the adapter, and a request racing its adapter's removal must not bring it back.
         self._removed: set[int] = set()
         self._unreadable: set[int] = set()  # handed over in memory with no adapter at their path: always kept
+        self._ids = itertools.count(1)  # new_id's candidates
         self.num_loads = 0  # adapters written into a device slot, since start
 
     # ---- the registry ----------------------------------------------------------------------------
@@ -70,6 +72,14 @@ class LoRAManager:
         self.slots.remove(lora_int_id)
         self._trim_host()
         return True
+
+    def new_id(self) -> int:
+        """A lora_int_id no adapter has had: for adapters named by the server or made by fine-tuning
+        (any thread: the server takes them on its event loop, fine-tuning on the engine thread)."""
+        while True:
+            candidate = next(self._ids)  # atomic under the GIL
+            if candidate not in self._registered and candidate not in self._removed:
+                return candidate
 
     def list(self) -> list[LoRARequest]:
         """The registered adapters, in order of registration."""

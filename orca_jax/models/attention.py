@@ -1,9 +1,13 @@
-"""The one attention entry point a layer calls: write new K/V into its pages, then ragged attention.
+"""The attention a layer calls: serving's paged attention, or a training batch's packed causal one.
 
-Everything the attention needs besides q/k/v travels in AttentionMetadata, built on the host by
-batch.py. The KV cache is one LayerKV per layer (no layer index anywhere): the unit an unrolled
-layer loop updates in place, and the unit a pipeline stage owns. Swapping the attention
-implementation (jnp reference or Pallas kernel) changes nothing else.
+Serving: write new K/V into their pages, then ragged attention. Everything the attention needs besides
+q/k/v travels in AttentionMetadata, built on the host by batch.py. The KV cache is one LayerKV per
+layer (no layer index anywhere): the unit an unrolled layer loop updates in place, and the unit a
+pipeline stage owns. Swapping the attention implementation (jnp reference or Pallas kernel) changes
+nothing else.
+
+Training (finetune/): PackedCausal metadata instead; the same layer runs over rows of packed
+sequences with no KV pages at all (see packed_causal_attention for why).
 """
 
 from __future__ import annotations
@@ -62,6 +66,32 @@ def write_kv(layer_kv: LayerKV, slot_mapping: jax.Array, k: jax.Array, v: jax.Ar
     new_k = layer_kv.k.at[:, pages, offsets].set(k.swapaxes(0, 1).astype(layer_kv.k.dtype))
     new_v = layer_kv.v.at[:, pages, offsets].set(v.swapaxes(0, 1).astype(layer_kv.v.dtype))
     return LayerKV(new_k, new_v)
+
+
+class PackedCausal(NamedTuple):
+    """A training batch: B rows of L tokens (the flat [T] axis is row-major, T = B * L), each row
+    holding whole sequences back to back and padding at its end."""
+
+    segment_ids: jax.Array  # i32[B, L]: 1, 2, ... per sequence of the row; 0 for padding
+
+
+def packed_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, meta: PackedCausal) -> jax.Array:
+    """q [T, N, D], k and v [T, K, D] -> [T, N, D]: each token attends to its own sequence up to itself.
+
+    Why dense rows and not the ragged path: the paged kernels read K/V back from the pool's pages
+    through dynamic loops that reverse-mode autodiff cannot go through, and writing a training batch
+    into the pool would take pages from the requests being served. Rows of a fixed length keep the
+    train step one compiled program, and jax.nn.dot_product_attention is the library's attention
+    (fp32 softmax; cuDNN's fused kernel where it applies on GPU). Padding attends to earlier padding
+    only, so no row is fully masked; the loss gives it zero weight.
+    """
+    b, l = meta.segment_ids.shape
+    seg = meta.segment_ids
+    causal = jnp.tril(jnp.ones((l, l), bool))
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal[None]  # [B, L, L]
+    rows = lambda x: x.reshape(b, l, *x.shape[1:])
+    out = jax.nn.dot_product_attention(rows(q), rows(k), rows(v), mask=mask[:, None])  # [B, L, N, D]
+    return out.reshape(q.shape)
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, layer_kv: LayerKV, meta: AttentionMetadata,

@@ -28,8 +28,8 @@ import numpy as np
 
 from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
 from orca_jax.lora import ops as lora_ops
-from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKV, RaggedAttentionFn,
-                                       empty_layer_kv, paged_attention)
+from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKV, PackedCausal, RaggedAttentionFn,
+                                       empty_layer_kv, packed_causal_attention, paged_attention)
 from orca_jax.models.projections import fuse_projections, split_layer
 
 _init_weight = nn.initializers.normal(stddev=0.02)
@@ -118,7 +118,7 @@ class Attention(nn.Module):
     attention_fn: RaggedAttentionFn
 
     @nn.compact
-    def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata, lora=None,
+    def __call__(self, x, positions, layer_kv: LayerKV | None, meta: AttentionMetadata | PackedCausal, lora=None,
                  lora_tokens: lora_ops.LoRATokens | None = None):
         cfg = self.config
         h, n, k, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -135,7 +135,10 @@ class Attention(nn.Module):
             qk = apply_rope(qk.reshape(t, k * (g + 1), d), positions, cfg.rope_theta,
                             cfg.rope_scaling).reshape(t, k, g + 1, d)
         q = qk[:, :, :g].reshape(t, n, d)  # query head j * G + i is group j's i-th: [T, N, D]
-        out, layer_kv = paged_attention(q, qk[:, :, g], value, layer_kv, meta, self.attention_fn)
+        if isinstance(meta, PackedCausal):  # a training batch: no KV pages (layer_kv is None)
+            out = packed_causal_attention(q, qk[:, :, g], value, meta)
+        else:
+            out, layer_kv = paged_attention(q, qk[:, :, g], value, layer_kv, meta, self.attention_fn)
         y = Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out)
         if lora is not None:
             y = y + lora_ops.o_delta(out, lora["o"], lora_tokens)
@@ -172,7 +175,7 @@ class Block(nn.Module):
     attention_fn: RaggedAttentionFn
 
     @nn.compact
-    def __call__(self, x, positions, layer_kv: LayerKV, meta: AttentionMetadata, lora=None,
+    def __call__(self, x, positions, layer_kv: LayerKV | None, meta: AttentionMetadata | PackedCausal, lora=None,
                  lora_tokens: lora_ops.LoRATokens | None = None):
         """`lora`: this layer of the adapter table (None: no adapter term), `lora_tokens`: each token's slot."""
         attn_out, layer_kv = Attention(self.config, self.attention_fn, name="attn")(

@@ -16,6 +16,8 @@ from pydantic import BaseModel
 
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.errors import install_error_handlers
+from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, FineTuningJobsCollector,
+                                         FineTuningRoutes, install_fine_tuning_routes)
 from orca_jax.server.lora import ServedModels, install_lora_routes
 from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
@@ -89,6 +91,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                allow_special_tokens_in_text: bool = False,
                allowed_hosts: tuple[str, ...] | None = None, chat_template: str | None = None,
                log_requests: bool = False, cors: CORSPolicy | None = None,
+               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                tool_calls: ToolCallSettings = ToolCallSettings()) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
@@ -96,7 +99,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     `default_max_tokens` caps chats that name no max_tokens (None: the rest of the context);
     `allowed_hosts` (None: any) are the Host header values answered, e.g. LOCAL_HOSTS;
     `chat_template` replaces the model's own; `log_requests` logs one line per generation request;
-    `cors` (None: no cross-origin access) lets web pages of other origins call the API;
+    `cors` (None: no cross-origin access) lets web pages of other origins call the API. With the
+    engine's fine-tuning on, OpenAI's files and fine-tuning routes too (uploads up to max_upload_bytes).
     `tool_calls`: the tool-call parser and whether "auto" tool choice is on.
     """
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
@@ -147,6 +151,9 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
         return models.card(model)
 
     install_lora_routes(v1, models)
+    if async_engine.engine.fine_tuning is not None:
+        install_fine_tuning_routes(v1, FineTuningRoutes(async_engine, served_model_name))
+        metrics.registry.register(FineTuningJobsCollector(async_engine.engine.fine_tuning, served_model_name))
 
     app.include_router(v1)
 
@@ -199,7 +206,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
 
     # Added last = outermost: the Host and the key are checked before the body is even read. CORS
     # sits outside the key: a browser's preflight carries no key, and a 401 needs CORS headers too.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes,
+                       limits_by_prefix={FILES_PATH: max(max_upload_bytes, max_body_bytes)})
     if api_key:
         protected = ("/v1", "/reset_prefix_cache", "/tokenize", "/detokenize", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)

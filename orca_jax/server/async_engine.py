@@ -197,6 +197,8 @@ class AsyncEngine:
         self._stop_requested = False
         self._num_in_flight = 0  # guarded by _cond
         self._thread: threading.Thread | None = None
+        if engine.fine_tuning is not None:  # a job's data or programs became ready on another thread
+            engine.fine_tuning.set_wakeup(self._wake)
 
     # ---- lifecycle (any thread) -----------------------------------------------------------------
 
@@ -271,6 +273,10 @@ class AsyncEngine:
             raise error
         return stream
 
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
     def _abort(self, request_id: str) -> None:
         with self._cond:
             self._commands.append(_Abort(request_id))
@@ -325,7 +331,7 @@ class AsyncEngine:
         shutdown_deadline: float | None = None
         while True:
             with self._cond:
-                while not (self._commands or self._stop_requested or self.engine.has_unfinished()):
+                while not (self._commands or self._stop_requested or self.engine.has_work()):
                     self._cond.wait()
                 if idle_backoff and not self._commands:
                     self._cond.wait(idle_backoff)
@@ -338,15 +344,17 @@ class AsyncEngine:
                 shutdown_deadline = shutdown_deadline or time.monotonic() + self.shutdown_grace_seconds
                 if not self.engine.has_unfinished() or time.monotonic() >= shutdown_deadline:
                     self._abort_all(tracked)
+                    if self.engine.fine_tuning is not None:  # a restart resumes the job from here
+                        self.engine.fine_tuning.suspend()
                     self.latest_stats = self.engine.stats()
                     return
-            if not self.engine.has_unfinished():
+            if not self.engine.has_work():
                 self.latest_stats = self.engine.stats()
                 continue
-            iterations_before = self.latest_stats.iterations
+            before = self.latest_stats
             outputs = self.engine.step()
             stats = self.latest_stats = self.engine.stats()
-            ran = stats.iterations > iterations_before
+            ran = stats.iterations > before.iterations or stats.fine_tuning_iterations > before.fine_tuning_iterations
             if ran:
                 for listener in self._iteration_listeners:
                     listener(stats)

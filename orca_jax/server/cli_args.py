@@ -14,12 +14,13 @@ import sys
 
 import jinja2
 
-from orca_jax.config import (DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
-                             SamplingConfig, SchedulerConfig, SchedulingPolicy)
+from orca_jax.config import (DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
+                             ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine_defaults import BatchDefaults, UsageContext, batch_defaults_for
 from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 from orca_jax.server.http_limits import HTTPLimits
+from orca_jax.server.fine_tuning import add_fine_tuning_arguments, fine_tuning_config_from_args
 from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 from orca_jax.server.structured import DEFAULT_TOOL_CALL_FORMAT, ToolCallSettings
@@ -207,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="no line per generation request (its id, prompt tokens and sampling settings)")
     add_lora_arguments(p)
+    add_fine_tuning_arguments(p)
     return p
 
 
@@ -317,6 +319,10 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
     """Raises ValueError (from the configs' own checks) on inconsistent flags. `defaults`: the device's
     batch (engine_defaults.batch_defaults, known once jax has started); the CPU's when None."""
     defaults = defaults or batch_defaults_for("cpu", 0.0, UsageContext.SERVER)
+    fine_tuning = fine_tuning_config_from_args(args)
+    lora = lora_config_from_args(args)
+    if fine_tuning is not None and lora is None:  # fine-tuned adapters are served from the LoRA slots
+        lora = LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
     return EngineConfig(
         model=args.model,
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages,
@@ -340,4 +346,4 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
-        lora=lora_config_from_args(args))
+        lora=lora, fine_tuning=fine_tuning)

@@ -77,10 +77,10 @@ def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
 
 
 def register_lora_modules(engine: Engine, modules: list[tuple[str, str]]) -> None:
-    """Start-up: every --lora-modules adapter registered with the engine (lora_int_id 1, 2, ...);
+    """Start-up: every --lora-modules adapter registered with the engine (new lora_int_ids, in order);
     LoRAError naming the first that cannot be served."""
-    for i, (name, path) in enumerate(modules, 1):
-        engine.add_lora(LoRARequest(name, i, path))
+    for name, path in modules:
+        engine.add_lora(LoRARequest(name, engine.lora.new_id(), path))
 
 
 # ---- the models a request may name ----------------------------------------------------------------
@@ -107,14 +107,15 @@ class ServedModels:
         engine = async_engine.engine
         # Registered before the engine thread started (--lora-modules), so read here without it.
         self._adapters: dict[str, LoRARequest] = {lora.lora_name: lora for lora in engine.list_loras()}
-        self._next_id = max((lora.lora_int_id for lora in self._adapters.values()), default=0) + 1
         self._loading: set[str] = set()
+        # Adapters fine-tuning jobs made (finished on the engine thread; read here under its lock).
+        self._fine_tuned = dict if engine.fine_tuning is None else engine.fine_tuning.served
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for anything else."""
         if model is None or model == self.base_name:
             return None
-        lora = self._adapters.get(model)
+        lora = self._adapters.get(model) or self._fine_tuned().get(model)
         if lora is None:
             served = ", ".join(repr(name) for name in [self.base_name, *self._adapters])
             raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
@@ -129,7 +130,8 @@ class ServedModels:
                          root=lora.lora_path, parent=self.base_name)
 
     def cards(self) -> list[ModelCard]:
-        return [self.card(None)] + [self.card(name) for name in self._adapters]
+        fine_tuned = [name for name in self._fine_tuned() if name not in self._adapters]
+        return [self.card(None)] + [self.card(name) for name in [*self._adapters, *fine_tuned]]
 
     async def load(self, body: LoadLoRAAdapterRequest) -> str:
         engine = self.async_engine.engine
@@ -137,11 +139,10 @@ class ServedModels:
         if engine.lora is None:
             raise APIError(400, "LoRA adapters are not enabled on this server (start it with --enable-lora)",
                            code="lora_not_enabled")
-        if name in self._adapters or name in self._loading or name == self.base_name:
+        if name in self._adapters or name in self._loading or name == self.base_name or name in self._fine_tuned():
             raise APIError(400, f"the LoRA adapter {name!r} has already been loaded", param="lora_name",
                            code="lora_already_loaded")
-        lora = LoRARequest(name, self._next_id, body.lora_path)
-        self._next_id += 1
+        lora = LoRARequest(name, engine.lora.new_id(), body.lora_path)
         self._loading.add(name)
         try:  # read and checked off the event loop and off the engine thread, which keeps serving
             adapter = await asyncio.to_thread(load_adapter, lora.lora_path, name, engine.model_config,

@@ -84,6 +84,15 @@ class _EngineStatsCollector(Collector):
              stats.prefix_cache_hits),
             ("generation_tokens", "Tokens generated", stats.generated_tokens_total),
             ("iterations", "Engine iterations run", stats.iterations),
+            ("fine_tuning_iterations", "Fine-tuning iterations run (one micro-batch's forward and backward)",
+             stats.fine_tuning_iterations),
+            ("fine_tuning_tokens", "Tokens fine-tuning iterations ran over (their rate: fine-tuning tokens/s)",
+             stats.fine_tuning_tokens_total),
+            ("fine_tuning_seconds", "Seconds fine-tuning iterations took", stats.fine_tuning_seconds_total),
+            ("inference_deferrals", "Fine-tuning iterations run while inference requests waited (deferred)",
+             stats.inference_deferrals_total),
+            ("inference_deferral_seconds", "Seconds of those iterations: what waiting requests were "
+             "deferred for", stats.inference_deferral_seconds_total),
         )
         for name, documentation, value in counters:
             family = CounterMetricFamily(PREFIX + name, documentation, labels=("model_name",))

@@ -81,23 +81,27 @@ def host_name(header: bytes) -> str:
 
 
 class BodyLimitMiddleware:
-    """Answers 413 to bodies over `max_body_bytes`; buffers smaller ones and replays them."""
+    """Answers 413 to bodies over `max_body_bytes` (or the limit of the longest prefix of
+    `limits_by_prefix` the path starts with: file uploads); buffers smaller ones and replays them."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, limits_by_prefix: dict[str, int] | None = None):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.limits_by_prefix = sorted((limits_by_prefix or {}).items(), key=lambda item: -len(item[0]))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = next((n for prefix, n in self.limits_by_prefix if scope["path"].startswith(prefix)),
+                     self.max_body_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 await _send_error(send, 400, "invalid Content-Length header", code="invalid_request")
                 return
-            if int(declared) > self.max_body_bytes:
-                await self._too_large(send)
+            if int(declared) > limit:
+                await self._too_large(send, limit)
                 return
         chunks: list[bytes] = []
         size = 0
@@ -107,17 +111,16 @@ class BodyLimitMiddleware:
                 return  # client left before sending its body: nobody to answer
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                await self._too_large(send)
+            if size > limit:
+                await self._too_large(send, limit)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _too_large(self, send: Send) -> None:
-        await _send_error(send, 413, f"request body larger than {self.max_body_bytes} bytes",
-                          code="request_too_large")
+    async def _too_large(self, send: Send, limit: int) -> None:
+        await _send_error(send, 413, f"request body larger than {limit} bytes", code="request_too_large")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

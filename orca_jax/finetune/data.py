@@ -1,0 +1,216 @@
+"""Fine-tuning datasets: JSONL checked line by line, tokenized with completion masks, packed into
+micro-batches (numpy; no jax).
+
+A line is a chat, {"messages": [{"role": "system" | "user" | "assistant", "content": str,
+"weight": 0 | 1 (assistant only, optional)}, ...]}, rendered by the model's chat template (the tokens
+of each assistant message with weight 1 are learned), or {"prompt": str, "completion": str} (the
+completion's tokens and an end-of-sequence token are learned; the prompt is encoded as the completions
+API encodes it). The first bad line fails the whole file with DatasetError naming it (the HTTP 400).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Iterable, Sequence
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant")
+ROW_MULTIPLE = 64  # a packed row's length is the longest example rounded up to this
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be trained on; the message names the first bad line."""
+
+    def __init__(self, message: str, line: int | None = None):
+        super().__init__(message if line is None else f"line {line}: {message}")
+        self.line = line
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Example:
+    """One training sequence: its tokens and which of them are learned (predicted from the ones before)."""
+
+    token_ids: tuple[int, ...]
+    learned: tuple[bool, ...]  # learned[i]: token i is a completion token the loss covers
+
+    @property
+    def num_learned(self) -> int:
+        return sum(self.learned[1:])  # the first token has nothing before it to be predicted from
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string")
+        unknown = set(message) - {"role", "content", "weight", "name"}
+        if unknown:
+            raise ValueError(f"messages[{i}] has unknown field {sorted(unknown)[0]!r}")
+        if "weight" in message and (role != "assistant" or message["weight"] not in (0, 1)):
+            raise ValueError(f"messages[{i}].weight must be 0 or 1, on an assistant message")
+    if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in messages):
+        raise ValueError("no assistant message to learn (one with weight 1 is needed)")
+
+
+def _chat_example(messages: list[dict], tokenizer) -> Example:
+    """The whole conversation's tokens, learned where an assistant message (weight 1) is: each one's
+    span is what rendering it adds to the conversation before it with the generation prompt."""
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    full = tokenizer.encode_chat(plain, add_generation_prompt=False)
+    learned = [False] * len(full)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or message.get("weight", 1) == 0:
+            continue
+        before = tokenizer.encode_chat(plain[:i], add_generation_prompt=True) if i else []
+        upto = tokenizer.encode_chat(plain[:i + 1], add_generation_prompt=False)
+        if full[:len(upto)] != upto or upto[:len(before)] != before or len(upto) <= len(before):
+            raise ValueError("the chat template does not render this conversation as a growing prefix, "
+                             "so the assistant's tokens cannot be told apart")
+        learned[len(before):len(upto)] = [True] * (len(upto) - len(before))
+    return Example(tuple(full), tuple(learned))
+
+
+def _completion_example(prompt: str, completion: str, tokenizer) -> Example:
+    prompt_ids = tokenizer.encode_prompt(prompt)
+    completion_ids = tokenizer.encode(completion) + list(tokenizer.eos_token_ids[:1])
+    return Example(tuple(prompt_ids + completion_ids), (False,) * len(prompt_ids) + (True,) * len(completion_ids))
+
+
+def parse_line(text: str, tokenizer, max_len: int) -> Example:
+    """One JSONL line -> an Example; ValueError saying what is wrong with it."""
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError("expected a JSON object")
+    if "messages" in record:
+        _check_messages(record["messages"])
+        try:
+            example = _chat_example(record["messages"], tokenizer)
+        except ValueError:
+            raise
+        except Exception as err:  # the template's own raise_exception, or a rendering error
+            raise ValueError(f"the chat template refused it: {err}") from None
+    elif "prompt" in record or "completion" in record:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+            raise ValueError("'prompt' must be a string and 'completion' a non-empty string")
+        example = _completion_example(prompt, completion, tokenizer)
+    else:
+        raise ValueError("needs 'messages' (a chat) or 'prompt' and 'completion'")
+    if len(example.token_ids) > max_len:
+        raise ValueError(f"{len(example.token_ids)} tokens, more than the model's {max_len} (max_model_len)")
+    if example.num_learned == 0:
+        raise ValueError("no token to learn")
+    return example
+
+
+def read_jsonl(data: bytes | str, tokenizer, max_len: int) -> list[Example]:
+    """Every line of a JSONL file as an Example (blank lines skipped); DatasetError at the first bad one."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DatasetError(f"the file is not UTF-8 (byte {err.start})") from None
+    examples = []
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            examples.append(parse_line(line, tokenizer, max_len))
+        except ValueError as err:
+            raise DatasetError(str(err), number) from None
+    if not examples:
+        raise DatasetError("the file holds no examples")
+    return examples
+
+
+def examples_from_records(records: Iterable[dict], tokenizer, max_len: int) -> list[Example]:
+    """read_jsonl for records already in memory (LLM.fine_tune's list of dicts); lines count from 1."""
+    return read_jsonl("\n".join(json.dumps(record) for record in records), tokenizer, max_len)
+
+
+# ---- micro-batches -----------------------------------------------------------------------------------
+
+def row_length(examples: Sequence[Example], max_len: int) -> int:
+    """The packed rows' length: the longest example rounded up to ROW_MULTIPLE, at most max_len's."""
+    longest = max(len(e.token_ids) for e in examples)
+    return min(-(-longest // ROW_MULTIPLE) * ROW_MULTIPLE, max(longest, max_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingPlan:
+    """Which examples each optimizer step takes (shuffled per epoch by the seed), packed into
+    micro-batches of `rows` rows of `length` tokens. Deterministic: a resumed job repeats it."""
+
+    examples: tuple[Example, ...]
+    batch_size: int
+    n_epochs: int
+    seed: int
+    length: int  # L: tokens per row
+    rows: int  # B: rows per micro-batch
+
+    @classmethod
+    def make(cls, examples: Sequence[Example], batch_size: int, n_epochs: int, seed: int,
+             micro_batch_tokens: int, max_len: int) -> "TrainingPlan":
+        length = row_length(examples, max_len)
+        return cls(tuple(examples), batch_size, n_epochs, seed, length, max(1, micro_batch_tokens // length))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.examples) // self.batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.n_epochs
+
+    def step_examples(self, step: int) -> list[Example]:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+        return [self.examples[i] for i in order[index * self.batch_size:(index + 1) * self.batch_size]]
+
+    def micro_batches(self, step: int) -> list[dict[str, np.ndarray]]:
+        """Step `step`'s examples packed into rows (first fit, longest first) and cut into micro-batches
+        of `rows` rows (the last one padded with empty rows): the TrainBatch fields as numpy arrays."""
+        rows: list[list[Example]] = []
+        room: list[int] = []
+        for example in sorted(self.step_examples(step), key=lambda e: -len(e.token_ids)):
+            n = len(example.token_ids)
+            at = next((i for i, free in enumerate(room) if free >= n), None)
+            if at is None:
+                rows.append([])
+                room.append(self.length)
+                at = len(rows) - 1
+            rows[at].append(example)
+            room[at] -= n
+        return [self._arrays(rows[i:i + self.rows]) for i in range(0, len(rows), self.rows)]
+
+    def _arrays(self, rows: list[list[Example]]) -> dict[str, np.ndarray]:
+        shape = (self.rows, self.length)
+        out = {name: np.zeros(shape, np.int32) for name in ("token_ids", "positions", "segment_ids", "labels")}
+        out["weights"] = np.zeros(shape, np.float32)
+        for r, row in enumerate(rows):
+            at = 0
+            for s, example in enumerate(row, 1):
+                ids, n = example.token_ids, len(example.token_ids)
+                out["token_ids"][r, at:at + n] = ids
+                out["positions"][r, at:at + n] = np.arange(n)
+                out["segment_ids"][r, at:at + n] = s
+                out["labels"][r, at:at + n - 1] = ids[1:]
+                out["weights"][r, at:at + n - 1] = example.learned[1:]
+                at += n
+        return out
+
+
+def count_tokens(examples: Sequence[Example]) -> int:
+    """Tokens the forward runs over per epoch (OpenAI's trained_tokens counts these)."""
+    return sum(len(e.token_ids) for e in examples)

@@ -1,0 +1,184 @@
+"""The LoRA trainer on the serving device: the adapter's fp32 master weights, AdamW's state and the
+gradient accumulator, and the two compiled programs that move them.
+
+- micro step (one fine-tuning iteration, the unit the engine interleaves with inference):
+  (adapter, accumulator donated, the served params, a micro-batch) -> accumulator + d loss_sum,
+  loss_sum, completion tokens;
+- apply step (once per optimizer step): (adapter, optimizer state, accumulator, all donated; the step's
+  completion tokens) -> the updated adapter and state, a zeroed accumulator, the gradient's norm.
+Dividing the summed gradient by the step's completion tokens once makes accumulation exact: a step
+equals one batch of all its micro-batches. Both programs are compiled off the engine thread
+(`start_compiling`), so serving goes on while they compile; nothing compiles mid-iteration.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from orca_jax.config import ModelConfig
+from orca_jax.finetune.adapter_params import module_shapes
+from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters
+from orca_jax.finetune.model import TrainBatch, grad_fn
+from orca_jax.models.decoder import Decoder
+
+
+def make_schedule(hp: TrainingHyperparameters, total_steps: int) -> optax.Schedule:
+    """Linear warm-up from 0 over warmup_ratio of the steps, then cosine decay to 0."""
+    warmup = math.floor(hp.warmup_ratio * total_steps)
+    return optax.warmup_cosine_decay_schedule(0.0, hp.learning_rate, warmup, max(total_steps, warmup + 1))
+
+
+def make_optimizer(hp: TrainingHyperparameters, total_steps: int) -> optax.GradientTransformation:
+    """AdamW on make_schedule's learning rate, after clipping by global norm (the usual LoRA recipe,
+    and transformers' Trainer defaults for the AdamW part)."""
+    adamw = optax.adamw(make_schedule(hp, total_steps), b1=hp.adam_beta1, b2=hp.adam_beta2, eps=hp.adam_eps,
+                        weight_decay=hp.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(hp.max_grad_norm), adamw) if hp.max_grad_norm else adamw
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainerMemory:
+    """Device bytes a job needs besides the served model: kept for the whole job, and transient (XLA's
+    temporaries of one micro step, allocated while it runs)."""
+
+    state_bytes: int  # adapter + AdamW moments + gradient accumulator
+    temp_bytes: int  # the micro step's temporaries (activations, recomputed layer, loss chunk)
+    batch_bytes: int  # one micro-batch's inputs
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.temp_bytes + self.batch_bytes
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+class LoRATrainer:
+    """One job's training state on one device and its compiled programs."""
+
+    def __init__(self, decoder: Decoder, params, spec: LoRASpec, hp: TrainingHyperparameters,
+                 micro_batch_shape: tuple[int, int], total_steps: int, sharding, remat: bool = True):
+        """`params`: the served params tree (a stage's, on its devices); `sharding`: where the
+        adapter and batches go (the stage's replicated sharding)."""
+        self.spec, self.hp, self.total_steps = spec, hp, total_steps
+        self.micro_batch_shape = micro_batch_shape  # (rows B, row length L)
+        self._params = params
+        self._sharding = sharding
+        self._tx = make_optimizer(hp, total_steps)
+        grad = grad_fn(decoder, spec.scaling, remat)
+
+        def micro(adapter, acc, params, batch):
+            (loss, count), g = grad(adapter, params, batch)
+            return jax.tree_util.tree_map(jnp.add, acc, g), loss, count
+
+        schedule = make_schedule(hp, total_steps)
+
+        def apply(adapter, opt_state, acc, num_tokens, step):
+            grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(num_tokens, 1.0), acc)
+            updates, opt_state = self._tx.update(grads, opt_state, adapter)
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, acc)
+            return (optax.apply_updates(adapter, updates), opt_state, zeros,
+                    jnp.stack([optax.global_norm(grads), schedule(step)]))
+
+        self._micro_fn = jax.jit(micro, donate_argnums=(1,))
+        self._apply_fn = jax.jit(apply, donate_argnums=(0, 1, 2))
+        self._micro = self._apply = None
+        self.adapter = self.opt_state = self._acc = None
+        self.step = 0  # optimizer steps taken
+
+    # ---- shapes and compilation ------------------------------------------------------------------
+    def _spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)
+
+    def _specs(self, model_config: ModelConfig):
+        widths = module_shapes(model_config, self.spec.target_modules)
+        r = self.spec.rank
+        layer = {key: {"a": self._spec((r, fan_in), jnp.float32), "b": self._spec((fan_out, r), jnp.float32)}
+                 for key, (fan_in, fan_out) in widths.items()}
+        adapter = {"layers": [layer] * model_config.num_layers}
+        opt = jax.tree_util.tree_map(lambda s: self._spec(s.shape, s.dtype), jax.eval_shape(self._tx.init, adapter))
+        b, l = self.micro_batch_shape
+        batch = TrainBatch(*(self._spec((b, l), jnp.int32) for _ in range(4)), self._spec((b, l), jnp.float32))
+        params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                        self._params)
+        return adapter, opt, batch, params
+
+    def start_compiling(self, model_config: ModelConfig) -> concurrent.futures.Future:
+        """Compile both programs (for `model_config`'s adapter shapes) on a thread of their own; the
+        future gives TrainerMemory."""
+        adapter, opt, batch, params = self._specs(model_config)
+        scalar = self._spec((), jnp.float32)
+
+        def compile_both() -> TrainerMemory:
+            self._micro = self._micro_fn.lower(adapter, adapter, params, batch).compile()
+            self._apply = self._apply_fn.lower(adapter, opt, adapter, scalar, self._spec((), jnp.int32)).compile()
+            stats = self._micro.memory_analysis()
+            temp = int(getattr(stats, "temp_size_in_bytes", 0) or 0)
+            return TrainerMemory(2 * _nbytes(adapter) + _nbytes(opt), temp, _nbytes(batch))
+
+        pool = concurrent.futures.ThreadPoolExecutor(1, "orca-finetune-compile")
+        future = pool.submit(compile_both)
+        pool.shutdown(wait=False)
+        return future
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def init_state(self, adapter: dict, opt_leaves: list[np.ndarray] | None = None, step: int = 0) -> None:
+        """Put the adapter (host, fp32 peft layout) on the device with a fresh optimizer state, or the
+        saved one (`opt_leaves`, from state_to_host) at optimizer step `step`."""
+        self.adapter = jax.device_put(jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), adapter),
+                                      self._sharding)
+        fresh = jax.jit(self._tx.init, out_shardings=self._sharding)(self.adapter)
+        if opt_leaves is not None:
+            treedef = jax.tree_util.tree_structure(fresh)
+            if len(opt_leaves) != treedef.num_leaves:
+                raise ValueError(f"a saved optimizer state of {len(opt_leaves)} arrays; this one has "
+                                 f"{treedef.num_leaves}")
+            fresh = jax.device_put(jax.tree_util.tree_unflatten(treedef, list(opt_leaves)), self._sharding)
+        self.opt_state = fresh
+        self._acc = jax.device_put(jax.tree_util.tree_map(np.zeros_like, jax.device_get(self.adapter)),
+                                   self._sharding)
+        self.step = step
+
+    def state_to_host(self) -> tuple[dict, list[np.ndarray]]:
+        """(the adapter, the optimizer state's arrays) as numpy, for a checkpoint."""
+        return jax.device_get(self.adapter), [np.asarray(x) for x in jax.tree_util.tree_leaves(self.opt_state)]
+
+    def release(self) -> None:
+        """Free the device state (the job yields or ends); init_state puts it back."""
+        for tree in (self.adapter, self.opt_state, self._acc):
+            for x in jax.tree_util.tree_leaves(tree):
+                x.delete()
+        self.adapter = self.opt_state = self._acc = None
+
+    # ---- iterations ----------------------------------------------------------------------------------
+    def micro_step(self, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
+        """One fine-tuning iteration (dispatched, not waited for): (loss_sum, completion tokens)."""
+        batch = jax.device_put(batch, self._sharding)
+        self._acc, loss, count = self._micro(self.adapter, self._acc, self._params, batch)
+        return loss, count
+
+    def warm_up(self) -> None:
+        """Run the micro step once on a batch of padding (zero weights: the accumulator stays as it is)
+        and wait: a program's first run pays one-off costs that no iteration should be timed with."""
+        b, l = self.micro_batch_shape
+        zeros = np.zeros((b, l), np.int32)
+        jax.block_until_ready(self.micro_step(TrainBatch(zeros, zeros, zeros, zeros, np.zeros((b, l), np.float32))))
+
+    def apply_step(self, num_tokens: float) -> tuple[float, float]:
+        """The optimizer step over the micro-batches since the last one (waited for); returns the
+        gradient's norm and the learning rate used."""
+        tokens = jax.device_put(np.float32(num_tokens), self._sharding)
+        step = jax.device_put(np.int32(self.step), self._sharding)
+        self.adapter, self.opt_state, self._acc, out = self._apply(self.adapter, self.opt_state, self._acc,
+                                                                   tokens, step)
+        self.step += 1
+        norm, rate = np.asarray(out).tolist()
+        return norm, rate

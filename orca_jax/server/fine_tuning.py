@@ -1,0 +1,258 @@
+"""OpenAI's files and fine-tuning API over the engine's fine-tuning jobs, and serve's flags for them.
+
+POST /v1/files (multipart: file, purpose "fine-tune"; the JSONL checked line by line, a 400 naming the
+first bad line), GET /v1/files/{id}; POST /v1/fine_tuning/jobs ({"model": the base or a served
+adapter to train further, "training_file", "hyperparameters": {"n_epochs", "batch_size",
+"learning_rate_multiplier"} ("auto" or a value; extensions: warmup_ratio, weight_decay,
+micro_batch_tokens, checkpoint_every), "suffix", "seed", and the extension {"lora": {"rank", "alpha",
+"target_modules"}}), GET /v1/fine_tuning/jobs[/{id}[/events|/checkpoints]], POST
+/v1/fine_tuning/jobs/{id}/cancel. All under /v1, so behind the API key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import TYPE_CHECKING, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, ConfigDict, Field
+
+from orca_jax.config import FineTuningConfig
+from orca_jax.finetune.data import DatasetError, read_jsonl
+from orca_jax.finetune.hparams import TrainingHyperparameters
+from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
+from orca_jax.server.errors import APIError
+from orca_jax.server.metrics import PREFIX
+
+if TYPE_CHECKING:
+    from orca_jax.finetune.tuner import FineTuner
+
+DEFAULT_MAX_UPLOAD_BYTES = 64 * 2**20
+FILES_PATH = "/v1/files"
+
+
+# ---- flags ----------------------------------------------------------------------------------------
+
+def add_fine_tuning_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = FineTuningConfig()
+    group = parser.add_argument_group("fine-tuning (LoRA adapters trained while serving)")
+    group.add_argument("--enable-fine-tuning", action="store_true",
+                       help="serve OpenAI's files and fine-tuning API; jobs train LoRA adapters on the served "
+                       "model between inference iterations, and their results are served at once (implies "
+                       "--enable-lora)")
+    group.add_argument("--fine-tuning-dir", default=None,
+                       help="uploaded files, jobs and checkpoints (default: $ORCA_JAX_FINE_TUNING_DIR or "
+                       "~/.cache/orca_jax/fine_tuning); a restart resumes unfinished jobs from here")
+    group.add_argument("--fine-tuning-deferral-bound-s", type=float, default=defaults.deferral_bound_s,
+                       help="the longest a waiting request is held back while a fine-tuning iteration runs")
+    group.add_argument("--fine-tuning-memory-gib", type=float, default=defaults.memory_gib,
+                       help="device memory held back from the KV pool for a job (a job needing more is refused)")
+    group.add_argument("--fine-tuning-keep-checkpoints", type=int, default=defaults.keep_checkpoints,
+                       help="newest checkpoints kept per job")
+    group.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
+                       help="largest file POST /v1/files accepts")
+
+
+def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig | None:
+    if not args.enable_fine_tuning:
+        return None
+    return FineTuningConfig(directory=args.fine_tuning_dir, deferral_bound_s=args.fine_tuning_deferral_bound_s,
+                            memory_gib=args.fine_tuning_memory_gib,
+                            keep_checkpoints=args.fine_tuning_keep_checkpoints)
+
+
+# ---- bodies ---------------------------------------------------------------------------------------
+
+Auto = Literal["auto"]
+
+
+class Hyperparameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    n_epochs: Auto | int = "auto"
+    batch_size: Auto | int = "auto"
+    learning_rate_multiplier: Auto | float = "auto"
+    warmup_ratio: float | None = None
+    weight_decay: float | None = None
+    micro_batch_tokens: int | None = None
+    checkpoint_every: int | None = None
+
+
+class LoRAOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rank: int | None = None  # None: 16, or the server's --max-lora-rank if lower
+    alpha: float | None = None  # None: 2 x rank
+    target_modules: list[str] | None = None  # None: every projection
+
+
+class Supervised(BaseModel):
+    hyperparameters: Hyperparameters = Hyperparameters()
+
+
+class Method(BaseModel):
+    type: Literal["supervised"] = "supervised"
+    supervised: Supervised = Supervised()
+
+
+class CreateJobRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1, max_length=256)
+    training_file: str = Field(min_length=1, max_length=256)
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    suffix: str | None = Field(default=None, max_length=64)
+    seed: int | None = None
+    validation_file: None = None  # not supported: only null is accepted
+    lora: LoRAOptions = LoRAOptions()
+
+
+def hyperparameters_of(body: CreateJobRequest) -> TrainingHyperparameters:
+    """The job's settings: the request's values where given, the defaults for "auto" (ValueError if bad)."""
+    given = body.hyperparameters or (body.method.supervised.hyperparameters if body.method else Hyperparameters())
+    values = {name: value for name, value in given.model_dump().items() if value not in ("auto", None)}
+    if body.seed is not None:
+        values["seed"] = body.seed
+    return TrainingHyperparameters(**values)
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+
+def _listing(items: list[dict], after: str | None, limit: int) -> dict:
+    """OpenAI's cursor pages: items after the one with id `after`, at most `limit`."""
+    if after is not None:
+        index = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        items = [] if index is None else items[index + 1:]
+    return {"object": "list", "data": items[:limit], "has_more": len(items) > limit}
+
+
+class FineTuningRoutes:
+    """The handlers; the engine's FineTuner is read directly (its reads are thread-safe) and changed
+    only on the engine thread (run_in_engine)."""
+
+    def __init__(self, async_engine: AsyncEngine, served_model_name: str):
+        self.async_engine = async_engine
+        self.served_model_name = served_model_name
+
+    @property
+    def tuner(self) -> FineTuner:
+        tuner = self.async_engine.engine.fine_tuning
+        if tuner is None:
+            raise APIError(400, "fine-tuning is not enabled on this server (start it with --enable-fine-tuning)",
+                           code="fine_tuning_not_enabled")
+        return tuner
+
+    async def upload(self, request: Request) -> dict:
+        tuner = self.tuner
+        try:
+            form = await request.form()
+        except Exception as error:  # not multipart/form-data, or a malformed one
+            raise APIError(400, f"expected a multipart/form-data body with 'file' and 'purpose' ({error})",
+                           code="invalid_request") from None
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose != "fine-tune":
+            raise APIError(400, f"purpose must be 'fine-tune' (this server keeps files for fine-tuning only), "
+                                f"got {purpose!r}", param="purpose", code="invalid_purpose")
+        if upload is None or isinstance(upload, str):
+            raise APIError(400, "a 'file' part is needed", param="file", code="invalid_request")
+        data = await upload.read()
+        engine = self.async_engine.engine
+        try:  # tokenized off the event loop: a large file takes a while
+            await asyncio.to_thread(read_jsonl, data, engine.tokenizer, engine.max_model_len)
+        except DatasetError as error:
+            raise APIError(400, f"invalid training file: {error}", param="file", code="invalid_file") from None
+        return await asyncio.to_thread(tuner.store.save_file, data, upload.filename or "file.jsonl", purpose)
+
+    def file(self, file_id: str) -> dict:
+        info = self.tuner.store.file_info(file_id)
+        if info is None:
+            raise APIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+        return info
+
+    async def create(self, body: CreateJobRequest) -> dict:
+        tuner = self.tuner
+        try:
+            hp = hyperparameters_of(body)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, f"hyperparameters: {error}", param="hyperparameters", code="invalid_request") from None
+        model = None if body.model == self.served_model_name else body.model
+        lora = body.lora
+        targets = None if lora.target_modules is None else tuple(lora.target_modules)
+        return await self._in_engine(lambda engine: tuner.create_job(
+            body.training_file, hp, model=model, rank=lora.rank, alpha=lora.alpha, target_modules=targets,
+            suffix=body.suffix))
+
+    def job(self, job_id: str) -> dict:
+        job = self.tuner.job(job_id)
+        if job is None:
+            raise APIError(404, f"no fine-tuning job {job_id!r}", param="fine_tuning_job_id", code="job_not_found")
+        return job
+
+    async def cancel(self, job_id: str) -> dict:
+        tuner = self.tuner
+        self.job(job_id)
+        return await self._in_engine(lambda engine: tuner.cancel(job_id))
+
+    async def _in_engine(self, fn):
+        try:
+            return await self.async_engine.run_in_engine(fn)
+        except ValueError as error:
+            raise APIError(400, str(error), code="invalid_request") from None
+        except EngineUnavailableError as error:
+            raise APIError(503, str(error), code="engine_unavailable") from None
+
+
+def install_fine_tuning_routes(v1: APIRouter, routes: FineTuningRoutes) -> None:
+    @v1.post("/files")
+    async def upload_file(request: Request) -> JSONResponse:
+        return JSONResponse(await routes.upload(request))
+
+    @v1.get("/files/{file_id}")
+    async def get_file(file_id: str) -> JSONResponse:
+        return JSONResponse(routes.file(file_id))
+
+    @v1.post("/fine_tuning/jobs")
+    async def create_job(body: CreateJobRequest) -> JSONResponse:
+        return JSONResponse(await routes.create(body))
+
+    @v1.get("/fine_tuning/jobs")
+    async def list_jobs(after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> JSONResponse:
+        return JSONResponse(_listing(routes.tuner.jobs(), after, limit))
+
+    @v1.get("/fine_tuning/jobs/{job_id}")
+    async def get_job(job_id: str) -> JSONResponse:
+        return JSONResponse(routes.job(job_id))
+
+    @v1.get("/fine_tuning/jobs/{job_id}/events")
+    async def list_events(job_id: str, after: str | None = None, limit: int = Query(20, ge=1, le=1000)) -> JSONResponse:
+        routes.job(job_id)
+        events = await asyncio.to_thread(routes.tuner.store.events, job_id)
+        return JSONResponse(_listing(events[::-1], after, limit))
+
+    @v1.get("/fine_tuning/jobs/{job_id}/checkpoints")
+    async def list_checkpoints(job_id: str, after: str | None = None,
+                               limit: int = Query(10, ge=1, le=100)) -> JSONResponse:
+        routes.job(job_id)
+        checkpoints = [{k: v for k, v in c.items() if k != "path"} for c in routes.tuner.checkpoints(job_id)]
+        return JSONResponse(_listing(checkpoints, after, limit))
+
+    @v1.post("/fine_tuning/jobs/{job_id}/cancel")
+    async def cancel_job(job_id: str) -> JSONResponse:
+        return JSONResponse(await routes.cancel(job_id))
+
+
+class FineTuningJobsCollector(Collector):
+    """orca_jax:fine_tuning_jobs{status=...}: jobs by state, read at scrape time."""
+
+    def __init__(self, tuner: FineTuner, model_name: str):
+        self._tuner, self._model_name = tuner, model_name
+
+    def collect(self):
+        family = GaugeMetricFamily(PREFIX + "fine_tuning_jobs", "Fine-tuning jobs by state",
+                                   labels=("model_name", "status"))
+        for status, count in self._tuner.jobs_by_status().items():
+            family.add_metric((self._model_name, status), count)
+        yield family
+

@@ -1,0 +1,27 @@
+"""`bench finetune` end to end on a tiny model (CPU): capacity, inference alone at three rates, the job
+alone, inference with the job, and the summary against the issue's targets."""
+
+import json
+
+import pytest
+
+from orca_jax.bench import __main__ as bench_cli
+
+
+@pytest.mark.slow  # ~45 s: the engine's programs, the job's, and seven short runs
+def test_bench_finetune_runs_end_to_end(tmp_path):
+    bench_cli.main(["finetune", "--model", "tiny-llama", "--dtype", "float32", "--max-num-seqs", "4",
+                    "--max-num-batched-tokens", "32", "--duration-s", "1", "--num-prompts", "8",
+                    "--ft-alone-s", "1", "--rank", "4", "--micro-batch-tokens", "128", "--example-tokens", "16,16",
+                    "--uniform-input-range", "8:16", "--uniform-output-range", "1:8", "--memory-gib", "1",
+                    "--result-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "tiny-llama_finetune.json").read_text())["finetune"]
+    assert result["capacity_rps"] > 0 and result["job_alone"]["tokens_per_s"] > 0
+    assert result["job_memory"]["temp_bytes"] > 0
+    for runs in (result["alone"], result["with_job"]):
+        assert len(runs) == 3 and all(run["ttft_s"]["n"] == run["num_requests"] for run in runs)
+    assert all(run["fine_tuning_tokens"] == 0 for run in result["alone"])
+    assert sum(run["fine_tuning_tokens"] for run in result["with_job"]) > 0
+    summary = result["summary"]
+    assert len(summary["rows"]) == 3 and summary["medium_tpot_p99_ratio"] > 0
+    assert isinstance(summary["light_ft_met"], bool)

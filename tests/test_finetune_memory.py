@@ -1,0 +1,53 @@
+"""The job's memory: held back from a pool sized from free memory, and a job that needs more than
+that is refused with the figures (checked by hand, and on a tiny model)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+from finetune_helpers import FAST, RECORDS, drive, engine_config, upload
+from hf_dirs import write_hf_dir
+from orca_jax.config import CacheConfig
+from orca_jax.engine import Engine
+from orca_jax.kv_pool import GPU_KV_FRACTION, num_pages_for
+from orca_jax.models.loader import load_model
+from orca_jax.models.presets import PRESETS
+
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class FakeGPU:
+    platform: str = "gpu"
+
+    def memory_stats(self):
+        return {"bytes_limit": 80 * GIB, "bytes_in_use": 1 * GIB}
+
+
+def test_the_reserve_comes_out_of_a_pool_sized_from_free_memory():
+    tiny = PRESETS["tiny-llama"]
+    page_bytes = tiny.kv_bytes_per_token * 16
+    cache = CacheConfig(page_size=16)
+
+    def pages(budget):
+        pages = int(budget * GPU_KV_FRACTION // page_bytes)
+        return pages - pages % 256
+
+    assert num_pages_for(tiny, cache, 10 * GIB, FakeGPU()) == pages(69 * GIB)
+    assert num_pages_for(tiny, cache, 10 * GIB, FakeGPU(), reserve_bytes=4 * GIB) == pages(65 * GIB)
+    explicit = CacheConfig(page_size=16, num_pages=100)  # asked for: kept
+    assert num_pages_for(tiny, explicit, 10 * GIB, FakeGPU(), reserve_bytes=4 * GIB) == 100
+
+
+def test_a_job_that_cannot_fit_is_refused_with_the_figures(tmp_path):
+    directory = str(tmp_path / "model")
+    write_hf_dir(directory, "llama")
+    engine = Engine(engine_config(str(tmp_path / "jobs"), memory_gib=1e-4), load_model(directory))
+    tuner = engine.fine_tuning
+    job_id = tuner.create_job(upload(tuner, RECORDS), FAST, rank=4)["id"]
+    drive(engine, lambda: tuner.job(job_id)["status"] == "failed")
+    error = tuner.job(job_id)["error"]
+    assert error["code"] == "insufficient_memory"
+    assert "GiB of device memory" in error["message"] and "0.00 GiB is held back for fine-tuning" in error["message"]
+    assert not engine.has_work()

@@ -28,3 +28,7 @@ def test_bench_sampling_runs_every_variant_on_the_same_work(tmp_path):
     assert schema["masked_rows"] == trace.num_generated_tokens and schema["mask_ms_per_masked_batch"] > 0
     assert schema["deferred_batches"] > 0
     assert result["num_compiled_programs_after"] == result["engine"]["num_compiled_programs"]
+    # The report reads it back: one row per variant.
+    bench_cli.main(["report", str(tmp_path), "--no-plots"])
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## sampling: tiny-llama" in summary and "| json_schema |" in summary and "Not results" not in summary

@@ -78,3 +78,16 @@ def run(args: argparse.Namespace) -> Results:
               f"per masked batch ({last['masked_batches']} masked, {last['deferred_batches']} waited)", flush=True)
     results.section("num_compiled_programs_after", engine.runner.compilation.num_compiled_programs)
     return results
+
+
+def tables(result: dict) -> dict[str, list[dict]]:
+    rows = []
+    for name, variant in result.get("variants", {}).items():
+        last = variant["runs"][-1]
+        ratio = next((v for k, v in last.items() if k.startswith("over_")), None)
+        rows.append({"variant": name, "tok/s": last["tokens_per_s"], "over baseline": ratio,
+                     "ms/iteration": last["ms_per_iteration"], "masked batches": last["masked_batches"] or None,
+                     "mask ms/batch": last["mask_ms_per_masked_batch"] if last["masked_batches"] else None,
+                     "mask share": last["mask_fraction_of_run"] if last["masked_batches"] else None,
+                     "sampling waited": last["deferred_batches"] or None})
+    return {"variants (last run each)": rows}

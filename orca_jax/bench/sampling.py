@@ -34,8 +34,8 @@ RECORDS_SCHEMA = {
         "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
                        "score": {"type": "number"},
                        "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["new", "old", "vip"]}}}}}}}
-SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=50)
-PENALTIES = dict(SAMPLED, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+PENALTIES = SAMPLED | {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 VARIANTS: dict[str, Callable[[int], SamplingParams]] = {
     "greedy": lambda n: SamplingParams(max_tokens=n, ignore_eos=True),
     "sampled": lambda n: SamplingParams(max_tokens=n, ignore_eos=True, **SAMPLED),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from orca_jax.server.protocol_base import StrictBody
 
@@ -61,8 +61,8 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputs(StrictBody):
     """vLLM's structured_outputs: exactly one of its kinds is given (not null)."""
 
-    model_config = {"json_schema_extra": {"oneOf": [
-        {"required": [kind], "properties": {kind: {"not": {"type": "null"}}}} for kind in STRUCTURED_KINDS]}}
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": [kind], "properties": {kind: {"not": {"type": "null"}}}} for kind in STRUCTURED_KINDS]})
 
     json_: JsonSchema | str | None = Field(None, alias="json")  # a schema, or a schema as JSON text
     regex: str | None = None

@@ -18,6 +18,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop_str = include_stop_str
         self.text = ""  # all decoded text so far (cut at a stop string once one is seen)
+        self.stop_string: str | None = None  # the stop string that was found, once one is
         self.num_emitted_chars = 0
         self._new_text = ""  # emitted but not yet taken by take_new_text()
         self._num_decoded_tokens = 0
@@ -54,6 +55,7 @@ class IncrementalDetokenizer:
         if not hits:
             return False
         index, stop = min(hits)
+        self.stop_string = stop
         self.text = self.text[:index + (len(stop) if self.include_stop_str else 0)]
         return True
 

@@ -21,6 +21,7 @@ from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
+from orca_jax.engine_stats import EngineStats
 from orca_jax.finetune.tuner import FineTuner
 from orca_jax.kv_cache import KVCacheManager
 from orca_jax.lora.manager import LoRAManager
@@ -31,66 +32,20 @@ from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.request import Request, RequestStatus, SamplingParams
 from orca_jax.runner import ModelRunner, StepResult
 from orca_jax.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
+from orca_jax.structured.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class EngineStats:
-    """Counters since the engine started, plus the last iteration's shape."""
-
-    iterations: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_pages_used: int = 0
-    kv_pages_reserved: int = 0
-    kv_pages_total: int = 0
-    last_batch_size: int = 0
-    last_num_tokens: int = 0
-    last_iteration_seconds: float = 0.0
-    num_compiled_programs: int = 0
-    prompt_tokens_total: int = 0
-    generated_tokens_total: int = 0
-    batch_size_total: int = 0  # sum over iterations, for the mean
-    scheduled_tokens_total: int = 0
-    host_seconds_total: float = 0.0  # scheduling + batch building + output handling
-    device_wait_seconds_total: float = 0.0  # blocked on the device's tokens
-    # Batches dispatched and not yet fetched when the oldest one's tokens are fetched (ORCA keeps up
-    # to n_stages in flight, so every pipeline stage has one): the most seen, and the sum for the mean.
-    peak_in_flight: int = 0
-    in_flight_total: int = 0
-    num_preemptions: int = 0  # requests whose KV was freed to make room (recomputed later)
-    kv_pages_evictable: int = 0  # cached pages no request holds (count as free)
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
-    deadline_hits: int = 0  # requests with a deadline that finished by it
-    deadline_misses: int = 0  # ... that finished after it, or were dropped ("deadline")
-    # Fine-tuning (finetune/deferral.py's counters): iterations, their seconds and tokens, and those
-    # that ran while inference requests waited (deferred), with their seconds.
-    fine_tuning_iterations: int = 0
-    fine_tuning_seconds_total: float = 0.0
-    fine_tuning_tokens_total: int = 0
-    inference_deferrals_total: int = 0
-    inference_deferral_seconds_total: float = 0.0
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.batch_size_total / max(self.iterations, 1)
-
-    @property
-    def mean_tokens_per_iteration(self) -> float:
-        return self.scheduled_tokens_total / max(self.iterations, 1)
-
-    @property
-    def mean_in_flight(self) -> float:
-        return self.in_flight_total / max(self.iterations, 1)
 
 
 @dataclasses.dataclass(slots=True)
 class _InFlight:
     output: SchedulerOutput
     batch: RaggedBatch
-    packed: object  # the device array the runner returned
+    packed: object  # the device array the runner returned; None while its sampling waits (below)
+    # Constrained rows whose masks wait for the previous batch's tokens: the forward pass's logits
+    # on the device (None: nothing dispatched yet, with several processes), and the rows to fill.
+    logits: object = None
+    mask_rows: list[int] = dataclasses.field(default_factory=list)
 
 
 # (kv, max_model_len, max_in_flight) -> the scheduler an engine drives; Scheduler's own signature after
@@ -140,9 +95,12 @@ class Engine:
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
                                   lora=config.lora, sampling=config.sampling,
                                   reserve_bytes=0 if config.fine_tuning is None else int(config.fine_tuning.memory_gib * 2**30))
-        # token_masks: per-step allowed tokens from outside the sampler (structured output), applied on device.
+        # Structured outputs' masks as wide as the logits (the vocabulary padded for tensor parallelism);
+        # token_masks: more per-step allowed tokens from outside the sampler, applied on device too.
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks)
         self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
-                                         config.sampling.logit_table_width, config.sampling.max_logprobs, token_masks)
+                                         config.sampling.logit_table_width, config.sampling.max_logprobs,
+                                         self.structured)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
         # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
@@ -192,7 +150,8 @@ class Engine:
                     request_id: str | None = None, priority: int = 0,
                     deadline: float | None = None, arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> str:
-        """Queue a request; raises ValueError if it can never run, QueueFullError if the pool is full.
+        """Queue a request; raises ValueError if it can never run (or its structured_outputs do not
+        compile), QueueFullError if the pool is full.
 
         deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
         scheduler counts iterations); arrival_time None: now. lora_request: the adapter to run with
@@ -222,6 +181,7 @@ class Engine:
                                                              sampling.skip_special_tokens),
                           logits_rules=rules, lora_int_id=lora_int_id)
         try:
+            self.structured.attach(request)
             self.scheduler.add_request(request)
         except BaseException:
             if lora_int_id:  # refused: its adapter need not stay in host memory for it
@@ -293,15 +253,23 @@ class Engine:
     # ---- one iteration ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: fill the pipeline, then take the oldest batch's tokens; or, while no
-        request runs, a fine-tuning iteration if Deferred Continuous Batching allows (finetune/deferral.py)."""
+        """Run one iteration: fill the pipeline, then take the oldest batch's tokens.
+
+        A batch whose constrained rows' masks need a token still on the device (async scheduling)
+        dispatches its forward pass now and its sampling once the previous batch's tokens are in and
+        its masks filled (_dispatch_waiting); no later batch is planned before that, so the device's
+        last samples stay in order.
+
+        While no request runs, a fine-tuning iteration runs instead if Deferred Continuous Batching
+        allows (finetune/deferral.py).
+        """
         if self.fine_tuning is not None and not self._in_flight and not self.scheduler.num_running \
                 and self.fine_tuning.has_work() \
                 and self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
             return []
         start = phase_start = time.perf_counter()
         dropped: list[RequestOutput] = []
-        while self.scheduler.can_schedule:
+        while self.scheduler.can_schedule and not (self._in_flight and self._in_flight[-1].packed is None):
             output = self.scheduler.schedule()
             scheduled_at = time.perf_counter()
             self._schedule_s += scheduled_at - phase_start
@@ -312,7 +280,7 @@ class Engine:
                 break
             batch = build_batch(output, self.buckets, self._sampling)
             built_at = time.perf_counter()
-            self._in_flight.append(_InFlight(output, batch, self.runner.execute(batch)))
+            self._in_flight.append(self._dispatch(output, batch))
             phase_start = time.perf_counter()
             timing = DispatchTiming(self._schedule_s, built_at - scheduled_at, phase_start - built_at)
             self._schedule_s = 0.0
@@ -322,15 +290,40 @@ class Engine:
             return dropped
         in_flight = len(self._in_flight)
         flight = self._in_flight.popleft()
+        if flight.packed is None:  # its sampling waits for a batch planned before it, which returned first
+            raise RuntimeError("the oldest batch in flight was never sampled")
         wait_start = time.perf_counter()
         result = self.runner.fetch(flight.packed, flight.batch)
         wait_end = time.perf_counter()
         outputs = self._process(flight, result)
+        self._dispatch_waiting()
         end = time.perf_counter()
         self._record(flight.output, end - start, wait_end - wait_start)
         self._stats.peak_in_flight = max(self._stats.peak_in_flight, in_flight)
         self._stats.in_flight_total += in_flight
         return dropped + outputs
+
+    def _dispatch(self, output: SchedulerOutput, batch: RaggedBatch) -> _InFlight:
+        rows = self.structured.rows(output.scheduled)
+        if rows and not self.structured.ready(output.scheduled, rows):
+            # Single process: the forward pass runs while the previous batch's tokens come back.
+            logits = self.runner.forward(batch) if self.runner.can_forward_alone else None
+            self._stats.structured_deferred_batches += 1
+            return _InFlight(output, batch, None, logits, rows)
+        if rows:
+            self.structured.fill(batch.allowed_mask, output.scheduled, rows)
+        return _InFlight(output, batch, self.runner.execute(batch))
+
+    def _dispatch_waiting(self) -> None:
+        """Fill the masks of the batch whose sampling waits, once they can be, and dispatch it."""
+        flight = self._in_flight[-1] if self._in_flight else None
+        if flight is None or flight.packed is not None \
+                or not self.structured.ready(flight.output.scheduled, flight.mask_rows):
+            return
+        self.structured.fill(flight.batch.allowed_mask, flight.output.scheduled, flight.mask_rows)
+        flight.packed = self.runner.execute(flight.batch) if flight.logits is None else \
+            self.runner.sample(flight.logits, flight.batch)
+        flight.logits = None
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
         scheduled = flight.output.scheduled
@@ -384,7 +377,8 @@ class Engine:
             finish_reason=request.status.value if request.status.finished else None,
             new_logprobs=new_logprobs,
             queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
-            num_cached_tokens=request.num_cached_tokens)
+            num_cached_tokens=request.num_cached_tokens,
+            stop_reason=request.stop_reason if request.status.finished else None)
         return output
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:
@@ -410,6 +404,9 @@ class Engine:
         stats.prefix_cache_queries = self.kv.num_prefix_cache_queries
         stats.prefix_cache_hits = self.kv.num_prefix_cache_hits
         stats.num_compiled_programs = self.runner.compilation.num_compiled_programs
+        stats.structured_mask_seconds_total = self.structured.mask_seconds_total
+        stats.structured_masked_batches = self.structured.num_masked_batches
+        stats.structured_masked_rows = self.structured.num_masked_rows
         if self.fine_tuning is not None:
             counters = self.fine_tuning.policy.stats
             stats.fine_tuning_iterations = counters.iterations

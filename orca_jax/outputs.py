@@ -29,3 +29,6 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None  # when SamplingParams.logprobs is set
     queue_seconds: float | None = None  # arrival to first admission; None while never admitted
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    # vLLM's stop_reason once finished: the stop string or stop token id that ended the output;
+    # None for EOS, max_tokens, a completed grammar or an abort.
+    stop_reason: int | str | None = None

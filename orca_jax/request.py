@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import math
 import time
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
     from orca_jax.detokenizer import IncrementalDetokenizer
+    from orca_jax.structured.constraint import Constraint
+    from orca_jax.structured.matcher import GrammarMatcher
     from orca_jax.logits_rules import LogitsRules
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,6 +55,9 @@ class SamplingParams:
     # vocabularies (every tokenizer here) decode a special token to its own text without spaces either
     # way, as vLLM's fast detokenizer does.
     spaces_between_special_tokens: bool = True
+    # What the output must match (a JSON schema, a regex, a choice, a grammar; vLLM's name); every
+    # token is sampled from those the grammar allows next. None: anything.
+    structured_outputs: Constraint | None = None
 
     MAX_TOP_LOGPROBS = 20  # the default cap on logprobs (SamplingConfig.max_logprobs, vLLM's --max-logprobs)
 
@@ -94,6 +102,12 @@ class SamplingParams:
         for field, ok, must in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{field} must be {must}, got {getattr(self, field)!r}")
+        if self.structured_outputs is not None:
+            from orca_jax.structured.constraint import Constraint  # llguidance only for those who use it
+
+            if not isinstance(self.structured_outputs, Constraint):
+                raise ValueError("SamplingParams.structured_outputs must be a Constraint, got "
+                                 f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -197,6 +211,10 @@ class Request:
     page_keys: list[int] = dataclasses.field(default_factory=list)
     page_tokens: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it (vLLM's)
+    # SamplingParams.structured_outputs' matcher (the engine's StructuredOutputManager attaches it),
+    # advanced by stop_status over every output token; None: unconstrained.
+    grammar: GrammarMatcher | None = None
 
     @property
     def kv_salt(self) -> tuple[int, str | None]:
@@ -253,9 +271,10 @@ class Request:
 def stop_status(request: Request) -> RequestStatus | None:
     """The one stop check, run once per newly appended output token; the finished status, or None.
 
-    EOS and stop tokens stop (the stop token's text is never emitted), then max_tokens, then a stop
-    string the detokenizer finds in the new text. The detokenizer is fed here, so stop strings are
-    decided in the same iteration as every other stop condition. Below min_tokens outputs nothing
+    EOS and stop tokens stop (the stop token's text is never emitted), then a grammar that is
+    complete (its output can only end here), then max_tokens, then a stop string the detokenizer
+    finds in the new text. The detokenizer and the grammar are fed here, so stop strings and
+    grammars are decided in the same iteration as every other stop condition. Below min_tokens outputs nothing
     stops but max_tokens (as vLLM: stop tokens count from the min_tokens-th output on, a stop string
     only once it ends after it; the sampler bans EOS and stop tokens until then anyway).
     """
@@ -268,10 +287,23 @@ def stop_status(request: Request) -> RequestStatus | None:
     if request.detokenizer is not None:
         hit_stop_string = request.detokenizer.add(ids[:-1] if hit_stop_token else ids,
                                                   find_stop=len(ids) > sampling.min_tokens)
+    grammar_complete = False
+    if request.grammar is not None and not hit_stop_token:
+        if not request.grammar.accept(token):  # the mask allowed it, so this is a bug: end loudly
+            log.error("request %s: output token %d is not allowed by its %s; aborted", request.request_id,
+                      token, request.grammar.constraint.kind.value)
+            return RequestStatus.FINISHED_ABORTED
+        grammar_complete = request.grammar.is_terminated()
     if hit_stop_token:
+        # EOS comes first, as in vLLM: a stop token is named only when it is not the model's own EOS.
+        if sampling.ignore_eos or token not in request.eos_token_ids:
+            request.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED
+    if grammar_complete:
         return RequestStatus.FINISHED_STOPPED
     if len(ids) >= sampling.max_tokens:
         return RequestStatus.FINISHED_LENGTH
     if hit_stop_string:
+        request.stop_reason = request.detokenizer.stop_string
         return RequestStatus.FINISHED_STOPPED
     return None

@@ -231,6 +231,11 @@ class ModelRunner:
 
     # ---- one iteration ----
 
+    @property
+    def can_forward_alone(self) -> bool:
+        """Whether forward() may run apart from sample(): in one process (several mirror execute)."""
+        return self._mirror is None
+
     def forward(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch the forward pass through every stage (asynchronous); returns f32[S, V] logits on
         the last stage's devices. Single process only (execute is what other processes mirror)."""

@@ -355,7 +355,8 @@ class Scheduler:
         A request in no unreturned batch plans from its own state. With async scheduling, one in the
         batch planned last (and in no other) plans as if that batch had run: past its tokens, and when
         that batch samples its next token, feeding that token from the device; unless that token
-        may be its last (max_tokens), which would waste a row on a finished request.
+        may be its last (max_tokens), which would waste a row on a finished request. (A request with a
+        grammar is planned so too: the engine samples its row once that token is in, see Engine.step.)
         """
         rows = self._in_flight_rows.get(request)
         if not rows:

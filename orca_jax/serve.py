@@ -24,7 +24,8 @@ from orca_jax.kv_pool import XLA_MEM_FRACTION_ENV
 from orca_jax.server.app import CORSPolicy
 from orca_jax.server.lora import parse_lora_modules, register_lora_modules
 from orca_jax.server.cli_args import (PROG, allowed_hosts_from_args, build_parser, engine_config_from_args,
-                                      http_limits_from_args, parse_args, read_chat_template)
+                                      http_limits_from_args, parse_args, read_chat_template,
+                                      tool_call_settings_from_args)
 
 __all__ = ["allowed_hosts_from_args", "build_parser", "engine_config_from_args", "main"]
 log = logging.getLogger("orca_jax.serve")
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                      allow_special_tokens_in_text=args.allow_special_tokens_in_text,
                      allowed_hosts=allowed_hosts_from_args(args), chat_template=read_chat_template(args.chat_template),
                      max_upload_bytes=args.max_upload_bytes,
-                     log_requests=not args.disable_log_requests, cors=cors)
+                     log_requests=not args.disable_log_requests, cors=cors,
+                     tool_calls=tool_call_settings_from_args(args))
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port,
                                     log_level=args.uvicorn_log_level or args.log_level,
                                     access_log=not args.disable_uvicorn_access_log,

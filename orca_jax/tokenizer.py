@@ -12,18 +12,15 @@ Both expose `token_bytes(id)`, so a stream can be detokenized without cutting UT
 from __future__ import annotations
 
 import copy
-import datetime
 import functools
 import json
 import os
-import uuid
 from typing import Protocol, Sequence
 
-import jinja2
-import jinja2.sandbox
 import tokenizers
-from jinja2.ext import loopcontrols
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
+from orca_jax.chat_template import content_spans, overlaps, render_chat_template
 
 # llama.cpp's tokenizer.ggml.token_type values.
 _GGUF_TOKEN_CONTROL = 3
@@ -73,27 +70,6 @@ def unicode_to_byte() -> dict[str, int]:
     return {char: byte for byte, char in byte_to_unicode().items()}
 
 
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Jinja's own tojson escapes HTML characters; templates expect plain JSON, as transformers gives.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_chat_template(template: str) -> jinja2.Template:
-    # The same environment transformers renders chat templates in, so whitespace handling matches.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    # Llama 3.1+ templates print today's date with it (and fall back to a fixed date without it).
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
 class BaseTokenizer(Protocol):
     """What the engine and server rely on; both tokenizers below satisfy it."""
 
@@ -105,9 +81,10 @@ class BaseTokenizer(Protocol):
                split_special_tokens: bool = False) -> list[int]: ...
     def encode_prompt(self, text: str, split_special_tokens: bool = False) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None) -> str: ...
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    split_special_tokens: bool = True) -> list[int]: ...
+                    split_special_tokens: bool = True, tools: list[dict] | None = None) -> list[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def is_special(self, token_id: int) -> bool: ...
 
@@ -215,7 +192,7 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=True, split_special_tokens=split_special_tokens)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    split_special_tokens: bool = True) -> list[int]:
+                    split_special_tokens: bool = True, tools: list[dict] | None = None) -> list[int]:
         """Token ids of the chat prompt; control tokens typed in message content stay plain text.
 
         Only the template's own control tokens become control tokens, so no message can forge a
@@ -223,11 +200,12 @@ class Tokenizer:
         callers). ControlTokenError when the template rewrites content so that it cannot be found
         in the prompt and some content holds a control token.
         """
-        prompt = self.apply_chat_template(messages, add_generation_prompt)
+        prompt = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
         encoding = self.backend.encode(prompt, add_special_tokens=False)
         if not split_special_tokens:
             return encoding.ids
-        spans = _content_spans(self, messages, add_generation_prompt, prompt)
+        spans = content_spans(
+            lambda marked: self.apply_chat_template(marked, add_generation_prompt, tools=tools), messages, prompt)
         if spans is None:
             typed = next((token for m in messages for token in self._special_texts
                           if token in (m.get("content") or "")), None)
@@ -239,14 +217,14 @@ class Tokenizer:
             return encoding.ids
         specials = [(token_id, start, end) for token_id, (start, end) in zip(encoding.ids, encoding.offsets)
                     if token_id in self._special_ids]
-        if not any(_overlaps(start, end, spans) for _, start, end in specials):
+        if not any(overlaps(start, end, spans) for _, start, end in specials):
             return encoding.ids
         # Added tokens cut the text before BPE runs, so the pieces between the template's own control
         # tokens encode independently; in them, typed control tokens are plain text.
         ids: list[int] = []
         cursor = 0
         for token_id, start, end in specials:
-            if not _overlaps(start, end, spans):
+            if not overlaps(start, end, spans):
                 ids += self._plain_backend.encode(prompt[cursor:start], add_special_tokens=False).ids
                 ids.append(token_id)
                 cursor = end
@@ -267,12 +245,13 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered from the model's own template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for a conversation (and the tools it may call), from the model's own template."""
         if self.chat_template is None:
             raise TokenizerError(f"{self.source}: this tokenizer has no chat template")
-        return _compile_chat_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+        return render_chat_template(
+            self.chat_template, messages, add_generation_prompt, tools=tools,
             bos_token=self._token_text(self.bos_token_id),
             eos_token=self._token_text(self.eos_token_ids[0] if self.eos_token_ids else None))
 
@@ -319,16 +298,16 @@ class ByteTokenizer:
         return self.encode(text)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    split_special_tokens: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+                    split_special_tokens: bool = True, tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         kept = [i for i in ids if not (skip_special_tokens and self.is_special(i))]
         return b"".join(self.token_bytes(i) for i in kept).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return _compile_chat_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None) -> str:
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools=tools)
 
     def id_to_token(self, token_id: int) -> str | None:
         return byte_to_unicode().get(token_id)
@@ -375,43 +354,6 @@ class StreamDecoder:
     def flush(self) -> str:
         text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
         return text
-
-
-def _content_spans(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool,
-                   prompt: str) -> list[tuple[int, int]] | None:
-    """Where each message's content lies in `prompt` as [start, end) character spans, or None.
-
-    Renders the template once more with a unique marker in place of each content, then checks that
-    putting the contents back (as is, or stripped, for templates that `trim`) gives `prompt`
-    exactly. None when it does not: the template rewrites content in a way we cannot follow.
-    """
-    nonce = uuid.uuid4().hex
-    markers = [f"\ue000{nonce}:{index}\ue001" for index in range(len(messages))]
-    marked = [{**message, "content": marker} for message, marker in zip(messages, markers)]
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt)
-    places = []
-    for marker, message in zip(markers, messages):
-        if rendered.count(marker) > 1:
-            return None
-        at = rendered.find(marker)
-        if at >= 0:
-            places.append((at, marker, message.get("content") or ""))
-    places.sort()
-    for transform in (lambda text: text, str.strip):
-        spans, pieces, cursor, shift = [], [], 0, 0
-        for at, marker, content in places:
-            content = transform(content)
-            pieces += [rendered[cursor:at], content]
-            spans.append((at + shift, at + shift + len(content)))
-            shift += len(content) - len(marker)
-            cursor = at + len(marker)
-        if "".join(pieces) + rendered[cursor:] == prompt:
-            return spans
-    return None
-
-
-def _overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
-    return any(start < span_end and span_start < end for span_start, span_end in spans)
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int], pre: str,

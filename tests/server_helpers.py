@@ -1,7 +1,8 @@
 """Helpers for the server tests: a fake engine you can check by hand, and ways to run an app.
 
 FakeEngine follows JetStream's mock engine: no model, just arithmetic. Each generated token is the
-letter after the previous token ('a'..'z', wrapping), so a prompt ending in "e" continues "fghij...".
+letter after the previous token ('a'..'z', wrapping), so a prompt ending in "e" continues "fghij...";
+or, given a `reply` (ASCII), each request generates its bytes and then stops as at EOS.
 It keeps the real Engine's contract (add_request/abort/step/has_unfinished/stats, ValueError and
 QueueFullError, ORCA's KV reservation of all max_tokens on first scheduling, priority order), so the
 server's orchestration can be tested exactly and fast. Real-engine tests live in
@@ -65,7 +66,7 @@ class FakeEngine:
 
     def __init__(self, *, max_num_seqs: int = 8, max_waiting: int = 64, num_pages: int = 256,
                  page_size: int = 4, max_model_len: int = 128, step_seconds: float = 0.0,
-                 fail_at_iteration: int | None = None, tokenizer=None):
+                 fail_at_iteration: int | None = None, tokenizer=None, reply: str | None = None):
         self.config = EngineConfig(
             model="fake", cache=CacheConfig(page_size=page_size, num_pages=num_pages),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_waiting=max_waiting,
@@ -76,6 +77,7 @@ class FakeEngine:
         self.tokenizer = tokenizer or ByteTokenizer(eos_token_ids=(EOS,), bos_token_id=1)
         self.max_model_len = max_model_len
         self.step_seconds = step_seconds
+        self.reply = reply
         self.fail_at_iteration = fail_at_iteration
         self.num_pages = num_pages
         self.page_size = page_size
@@ -207,20 +209,22 @@ class FakeEngine:
 
     def _advance(self, request: _FakeRequest) -> RequestOutput:
         last = request.output[-1] if request.output else request.prompt[-1]
-        token = next_letter(last)
+        token = next_letter(last) if self.reply is None else ord(self.reply[len(request.output)])
         request.output.append(token)
         self._stats.generated_tokens_total += 1
         new_text = chr(token)
-        finish_reason = None
+        finish_reason = stop_reason = None
         text = request.text + new_text
         for stop in request.sampling.stop:
             if stop in text:
                 cut = text.index(stop)
                 new_text = text[len(request.text):cut] if cut >= len(request.text) else ""
-                text, finish_reason = text[:cut], "stop"
+                text, finish_reason, stop_reason = text[:cut], "stop", stop
                 break
         if finish_reason is None and len(request.output) >= request.sampling.max_tokens:
             finish_reason = "length"
+        if finish_reason is None and self.reply is not None and len(request.output) == len(self.reply):
+            finish_reason = "stop"  # as if EOS came next
         request.text = text
         logprobs = None
         if request.sampling.logprobs is not None:
@@ -231,7 +235,8 @@ class FakeEngine:
         return RequestOutput(
             request_id=request.request_id, new_token_ids=[token], new_text=new_text,
             output_token_ids=list(request.output), text=text, num_prompt_tokens=len(request.prompt),
-            finished=finish_reason is not None, finish_reason=finish_reason, new_logprobs=logprobs)
+            finished=finish_reason is not None, finish_reason=finish_reason, new_logprobs=logprobs,
+            stop_reason=stop_reason)
 
 
 CHATML_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

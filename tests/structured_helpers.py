@@ -75,3 +75,53 @@ def random_walk(matcher: GrammarMatcher, rng: np.random.Generator, weights: np.n
         assert matcher.accept(token), f"the matcher refused token {token}, which its mask allowed"
         ids.append(token)
     return ids, False
+
+
+# Twenty JSON schemas of what extraction and agent requests ask for: nested objects, arrays, enums,
+# numbers with bounds, required and optional fields. Strings are bounded, so even a small model at
+# temperature 1 finishes each within a few dozen tokens.
+_NAME = {"type": "string", "minLength": 1, "maxLength": 12}
+ENGINE_SCHEMAS = [
+    {"type": "object", "properties": {"name": _NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": _NAME, "celsius": {"type": "number"}}, "required": ["city", "celsius"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                               "maxItems": 3}}, "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                                                               "email": _NAME},
+                                               "required": ["id", "email"], "additionalProperties": False}},
+     "required": ["user"], "additionalProperties": False},
+    {"type": "boolean"},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "code": {"type": "integer", "minimum": 100,
+                                                                          "maximum": 599}},
+     "required": ["ok", "code"], "additionalProperties": False},
+    {"type": "object", "properties": {"title": _NAME, "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+                                      "genre": {"enum": ["drama", "comedy", "horror"]}},
+     "required": ["title", "year", "genre"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "array", "items": {"type": "number"}, "minItems": 2,
+                                                "maxItems": 2}}, "required": ["point"], "additionalProperties": False},
+    {"enum": ["north", "south", "east", "west"]},
+    {"type": "object", "properties": {"first": _NAME, "middle": _NAME, "last": _NAME}, "required": ["first", "last"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"sku": _NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["sku", "qty"], "additionalProperties": False}}}, "required": ["items"],
+     "additionalProperties": False},
+    {"type": "integer", "minimum": -50, "maximum": 50},
+    {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative"]},
+                                      "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["sentiment", "confidence"], "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
+        "c": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["c"], "additionalProperties": False}}, "required": ["b"],
+        "additionalProperties": False}}, "required": ["a"], "additionalProperties": False},
+    {"type": "string", "maxLength": 10},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}}, "required": ["id"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer", "minimum": -9, "maximum": 9}, {"type": "null"}]}},
+     "required": ["value"], "additionalProperties": False},
+    {"type": "object", "properties": {"function": {"const": "search"}, "query": _NAME,
+                                      "limit": {"type": "integer", "minimum": 1, "maximum": 5}},
+     "required": ["function", "query", "limit"], "additionalProperties": False},
+]

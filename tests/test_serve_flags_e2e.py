@@ -83,3 +83,54 @@ def test_serve_with_the_front_door_flags(tmp_path):
     request_lines = [line for line in output.splitlines() if "orca_jax.requests" in line]
     assert len(request_lines) == 1 and "chatcmpl-" in request_lines[0]
     assert '"POST /v1/chat/completions HTTP/1.1" 200' not in output  # no access log
+
+
+@pytest.mark.slow
+def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
+    """--enable-auto-tool-choice --tool-call-parser hermes --max-logprobs 5 on tiny-llama: a forced
+    call's arguments fit its tool, auto is accepted, top_logprobs above 5 is refused, and the
+    tokenizer routes answer."""
+    import json
+
+    port = _free_port()
+    command = [sys.executable, "-m", "orca_jax.serve", "--model", "tiny-llama", "--port", str(port),
+               "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "512", "--page-size", "16",
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", "5",
+               "--compilation-cache-dir", str(tmp_path / "xla")]
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"],
+        "additionalProperties": False}}}
+    chat = {"messages": [{"role": "user", "content": "pick"}], "temperature": 0}
+    try:
+        deadline = time.monotonic() + 300
+        lines = []
+        while not any("ready at" in line for line in lines):
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+            lines.append(process.stdout.readline())
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            forced = client.post("/v1/chat/completions", json={**chat, "tools": [tool], "tool_choice": "required",
+                                                               "parallel_tool_calls": False, "max_tokens": 400})
+            auto = client.post("/v1/chat/completions", json={**chat, "tools": [tool], "max_tokens": 4})
+            top5 = client.post("/v1/chat/completions", json={**chat, "max_tokens": 2, "logprobs": True,
+                                                             "top_logprobs": 5})
+            top6 = client.post("/v1/chat/completions", json={**chat, "max_tokens": 2, "logprobs": True,
+                                                             "top_logprobs": 6})
+            tokens = client.post("/tokenize", json={"prompt": "hi"}).json()
+            ping = client.get("/ping")
+        process.send_signal(signal.SIGTERM)
+        output = "".join(lines) + process.communicate(timeout=60)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+    assert forced.status_code == 200, forced.text
+    choice = forced.json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "pick"
+    assert json.loads(call["function"]["arguments"])["side"] in ("left", "right")
+    assert auto.status_code == 200, auto.text
+    assert len(top5.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 5
+    assert top6.status_code == 400 and top6.json()["error"]["param"] == "top_logprobs"
+    assert tokens["tokens"] == [104, 105] and ping.status_code == 200

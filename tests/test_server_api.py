@@ -155,8 +155,8 @@ async def test_models_endpoint_and_unknown_model():
     ({"prompt": "x", "n": 129}, "n"),
     ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
-    ({"prompt": "x", "max_token": 5}, "max_token"),
-    ({"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}}, "stream_options"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
     ({"prompt": "\ud800"}, "prompt"),
     ({"prompt": ["ok", "bad \udfff"]}, "prompt"),
     ({"prompt": "x", "stop": ["\ud800"]}, "stop"),
@@ -164,8 +164,25 @@ async def test_models_endpoint_and_unknown_model():
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop": 3}, "stop"),
-    ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"300": 1}}, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": [1, 300]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": [""]}, "bad_words"),
+    ({"prompt": "x", "echo": True, "logprobs": 0}, None),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "response_format": {"type": "json"}}, "response_format"),
+    ({"prompt": "x", "guided_regex": "[a-z]+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"prompt": "x", "guided_regex": "("}, "guided_regex"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"json": {"type": "object", "minProperties": "two"}}},
+     "structured_outputs"),
     ({"prompt": "x", "priority": 2**40}, "priority"),
     ({"prompt": []}, "prompt"),
     ({"prompt": ["a", ""]}, "prompt"),
@@ -181,6 +198,9 @@ async def test_invalid_completion_fields_are_400_naming_the_param(body, param):
         _assert_openai_error(await _post(client, "/v1/completions", body), 400, param)
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
@@ -193,11 +213,15 @@ async def test_invalid_completion_fields_are_400_naming_the_param(body, param):
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
     ({"messages": [{"role": "user", "content": "\ud800"}], "stream": True}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udbff"}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "temprature": 0.5}, "temprature"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL], "tool_choice": "required",
+      "guided_json": {"type": "object"}}, "guided_json"),
 ])
 async def test_invalid_chat_fields_are_400(body, param):
     async with asgi_client(_app()) as client:

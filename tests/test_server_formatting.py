@@ -6,7 +6,7 @@ import pytest
 
 from orca_jax.outputs import RequestOutput
 from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
-from orca_jax.server.protocol import (
+from orca_jax.server.responses import (
     ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice, CompletionResponse,
 )
 from orca_jax.tokenizer import ByteTokenizer

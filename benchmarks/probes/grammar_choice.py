@@ -9,7 +9,7 @@ packed bitmask row and of accepting the sampled token. It also counts tokens wit
 mask ever allows (they can never be part of a match).
 
     PYTHONPATH=.:<dir with the three libraries> python benchmarks/probes/grammar_choice.py \
-        [--out benchmarks/results/cpu/grammar_choice.json] [--walks 3] [--steps 200]
+        [--out benchmarks/probes/grammar_choice.json] [--walks 3] [--steps 200]
 
 xgrammar and outlines-core are not project dependencies: install them into a side directory
 (`pip install --no-deps --target DIR xgrammar==0.2.8 apache-tvm-ffi outlines-core==0.2.14`).
@@ -307,7 +307,7 @@ def pct(values, q):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/cpu/grammar_choice.json")
+    parser.add_argument("--out", default="benchmarks/probes/grammar_choice.json")
     parser.add_argument("--walks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--libs", default="llguidance,xgrammar,outlines-core")

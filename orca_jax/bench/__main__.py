@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "peer": ("peer", "transformers' continuous batching on the same trace (run it in its own process)"),
     "multiturn": ("multiturn", "a multi-turn chat trace (and no-sharing and ORCA traces) with prefix caching on and off"),
     "lora": ("lora", "multi-LoRA serving: adapter terms per form, the ORCA trace over adapters vs the base"),
+    "sampling": ("sampling", "the ORCA trace greedy, sampled, with penalties and under a JSON schema; host mask time"),
     "finetune": ("finetune", "inference and a LoRA fine-tuning job on one device (Deferred Continuous Batching): "
                  "TTFT/TPOT at three Poisson rates with and without the job, fine-tuning tokens/s"),
 }

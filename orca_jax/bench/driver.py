@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import math
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -178,8 +179,11 @@ class TraceRun:
 
 
 def run_trace(engine: Engine, trace: Trace, *, realtime: bool = True, clock: IterationClock | None = None,
-              max_seconds: float | None = None, ignore_eos: bool = True) -> TraceRun:
+              max_seconds: float | None = None, ignore_eos: bool = True,
+              sampling: Callable[[int], SamplingParams] | None = None) -> TraceRun:
     """Feed the trace to the engine and step it until every request finishes.
+
+    `sampling(max_tokens)`: each request's SamplingParams (None: greedy, EOS ignored unless told).
 
     A request is added once its arrival has passed (checked before every iteration; the loop sleeps only
     while the engine is idle), or all at once unless `realtime`. A trace timed in iterations needs the
@@ -206,8 +210,9 @@ def run_trace(engine: Engine, trace: Trace, *, realtime: bool = True, clock: Ite
                 while added < n and arrival[added] <= now():
                     spec = trace.requests[added]
                     deadline = None if spec.deadline is None or clock is None else spec.arrival + spec.deadline
-                    engine.add_request(trace.prompt_ids(added, vocab),
-                                       SamplingParams(max_tokens=spec.max_tokens, ignore_eos=ignore_eos),
+                    params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=ignore_eos) if sampling is None \
+                        else sampling(spec.max_tokens)
+                    engine.add_request(trace.prompt_ids(added, vocab), params,
                                        request_id=str(added), deadline=deadline,
                                        arrival_time=spec.arrival if clock is not None else None)
                     added += 1
@@ -241,7 +246,13 @@ def run_trace(engine: Engine, trace: Trace, *, realtime: bool = True, clock: Ite
              "host_s": after.host_seconds_total - before.host_seconds_total,
              "device_wait_s": after.device_wait_seconds_total - before.device_wait_seconds_total,
              "preemptions": after.num_preemptions - before.num_preemptions,
-             "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits}
+             "prefix_cache_hits": after.prefix_cache_hits - before.prefix_cache_hits,
+
+             # structured outputs: host seconds filling masks, batches masked, batches whose sampling waited
+             "mask_s": after.structured_mask_seconds_total - before.structured_mask_seconds_total,
+             "masked_batches": after.structured_masked_batches - before.structured_masked_batches,
+             "masked_rows": after.structured_masked_rows - before.structured_masked_rows,
+             "deferred_batches": after.structured_deferred_batches - before.structured_deferred_batches}
     return TraceRun(trace, arrival, np.array(first), np.array(finish), reasons, np.array(tokens, np.int64),
                     np.array(steps), wall, stats, probe.records, probe.decode_batch)
 

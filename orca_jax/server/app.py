@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -20,11 +21,13 @@ from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, F
 from orca_jax.server.lora import ServedModels, install_lora_routes
 from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
-from orca_jax.server.protocol import (
-    ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse,
-    ModelCard, ModelList,
+from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from orca_jax.server.responses import (
+    ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+    TokenizeResponse, VersionResponse,
 )
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS, OpenAIServing
+from orca_jax.server.structured import AUTO_TOOL_CHOICE_DISABLED, INVALID, ToolCallSettings
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine
@@ -42,9 +45,19 @@ _RUNTIME_RULES = (
     "A body the schema accepts can still get a 400 for limits of the served model: prompt tokens "
     "plus max_tokens beyond the context (code context_length_exceeded); a token id outside the "
     "vocabulary (code token_id_out_of_range); more prompts x n than the server runs at once (code "
-    "too_many_choices); best_of other than n (param best_of: candidates are not ranked).")
+    "too_many_choices); best_of other than n (param best_of: candidates are not ranked); logit_bias or "
+    "allowed_token_ids naming a token outside the vocabulary (code token_id_out_of_range); more logprobs "
+    "than the server's --max-logprobs (param logprobs; param top_logprobs in a chat); min_tokens above "
+    "max_tokens (param min_tokens); more logit_bias and bad_words entries than the engine's logit table "
+    "holds (param logit_bias); a JSON "
+    "schema, regex or grammar the grammar library cannot compile, or more than one of "
+    f"response_format, structured_outputs and guided_* (code {INVALID}). Fields the server does not "
+    "know are ignored (and logged once per name).")
 _CHAT_RULES = (" The model's chat template may refuse a conversation, e.g. roles out of order "
-               "(param messages).")
+               "(param messages). tool_choice \"required\" or a function needs tools naming it, and excludes the fields above; a tool's parameters must be "
+               f"a schema the grammar library compiles (code {INVALID}); tools with tool_choice \"auto\" "
+               "(their default) need a server started with --enable-auto-tool-choice (code "
+               f"{AUTO_TOOL_CHOICE_DISABLED}).")
 
 # With "stream": true the 200 is server-sent events (the schema describes one event): each `data:` a
 # chunk object as JSON (or an error object), the last one [DONE].
@@ -78,7 +91,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                allow_special_tokens_in_text: bool = False,
                allowed_hosts: tuple[str, ...] | None = None, chat_template: str | None = None,
                log_requests: bool = False, cors: CORSPolicy | None = None,
-               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES) -> FastAPI:
+               max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+               tool_calls: ToolCallSettings = ToolCallSettings()) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
     A bare Engine is wrapped in an AsyncEngine. Only one app at a time may drive one engine.
@@ -87,6 +101,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     `chat_template` replaces the model's own; `log_requests` logs one line per generation request;
     `cors` (None: no cross-origin access) lets web pages of other origins call the API. With the
     engine's fine-tuning on, OpenAI's files and fine-tuning routes too (uploads up to max_upload_bytes).
+    `tool_calls`: the tool-call parser and whether "auto" tool choice is on.
     """
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     served_model_name = served_model_name or async_engine.engine.config.model
@@ -98,7 +113,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     serving = OpenAIServing(async_engine, metrics, served_model_name=served_model_name,
                             default_max_tokens=default_max_tokens,
                             allow_special_tokens_in_text=allow_special_tokens_in_text,
-                            chat_template=chat_template, log_requests=log_requests, models=models)
+                            chat_template=chat_template, log_requests=log_requests, tool_calls=tool_calls,
+                            models=models)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -141,6 +157,21 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
 
     app.include_router(v1)
 
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES,
+              description="vLLM's: a prompt's token ids, or a conversation's as the chat template renders it.")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return serving.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES,
+              description="vLLM's: the text of token ids, special tokens included "
+              "(an id outside the vocabulary: code token_id_out_of_range).")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return serving.detokenize(body)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=importlib.metadata.version("orca_jax"))
+
     @app.get("/health", response_model=HealthStatus, response_model_exclude_none=True,
              responses={503: {"model": HealthStatus, "description": "starting or unhealthy"}})
     async def health() -> JSONResponse:
@@ -154,6 +185,12 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
         reason = ("engine loop failed" if async_engine.error is not None
                   else "shutting down or not started")
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+    @app.get("/ping", response_model=HealthStatus, response_model_exclude_none=True,
+             responses={503: {"model": HealthStatus, "description": "starting or unhealthy"}})
+    async def ping() -> JSONResponse:
+        """vLLM's (and SageMaker's) liveness route: /health's answer."""
+        return await health()
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -172,7 +209,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes,
                        limits_by_prefix={FILES_PATH: max(max_upload_bytes, max_body_bytes)})
     if api_key:
-        protected = ("/v1", "/reset_prefix_cache", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
+        protected = ("/v1", "/reset_prefix_cache", "/tokenize", "/detokenize", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)
     if cors is not None:
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,

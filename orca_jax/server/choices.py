@@ -19,7 +19,7 @@ from orca_jax.request import SamplingParams
 from orca_jax.server.async_engine import AsyncEngine, RequestStream
 from orca_jax.server.formatting import Final
 from orca_jax.server.metrics import RequestTimer
-from orca_jax.server.protocol import Usage
+from orca_jax.server.responses import Usage
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ import sys
 
 import jinja2
 
-from orca_jax.config import (LoRAConfig, DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
-                             SchedulerConfig, SchedulingPolicy)
+from orca_jax.config import (DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
+                             ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine_defaults import BatchDefaults, UsageContext, batch_defaults_for
 from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
@@ -23,6 +23,8 @@ from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.fine_tuning import add_fine_tuning_arguments, fine_tuning_config_from_args
 from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
+from orca_jax.server.structured import DEFAULT_TOOL_CALL_FORMAT, ToolCallSettings
+from orca_jax.structured.tool_parsers import TOOL_PARSERS
 
 PROG = "python -m orca_jax.serve"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -79,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--chat-template", default=None,
                        help="a jinja chat template, as a file or inline; the model's own when not given")
     model.add_argument("--seed", type=int, default=0, help="seed of random weights and unseeded sampling")
+    model.add_argument("--max-logprobs", type=int, default=_default(SamplingConfig, "max_logprobs"),
+                       help="the most logprobs (top_logprobs) a request may ask for; sizes the sampling programs")
 
     sched = p.add_argument_group("scheduling")
     sched.add_argument("--max-num-seqs", type=int, default=None,
@@ -167,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "tokens; only for trusted callers, who can then forge conversation turns")
     api.add_argument("--shutdown-grace-seconds", type=float, default=0.0,
                      help="on SIGTERM, let in-flight requests run this long before aborting them")
+
+    tools = p.add_argument_group("tool calls")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default with tools): the model decides, and its '
+                       "calls are read out of its text by --tool-call-parser; without it such requests get 400")
+    tools.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the model family's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama "
+                       "3.1-3.3), mistral; also the format tool_choice \"required\" or a named function forces "
+                       f"({DEFAULT_TOOL_CALL_FORMAT} when not given)")
 
     limits, defaults = p.add_argument_group("HTTP limits (each refusal closes the connection)"), HTTPLimits()
     limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -260,6 +273,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         engine_config_from_args(args)
         parse_lora_modules(args.lora_modules)
         http_limits_from_args(args)
+        tool_call_settings_from_args(args)
     except (ValueError, jinja2.TemplateSyntaxError) as error:
         parser.error(str(error))
 
@@ -288,6 +302,10 @@ def allowed_hosts_from_args(args: argparse.Namespace) -> tuple[str, ...] | None:
     if args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127."):
         return LOCAL_HOSTS + (args.host,) + extra
     return extra or None
+
+
+def tool_call_settings_from_args(args: argparse.Namespace) -> ToolCallSettings:
+    return ToolCallSettings(parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
@@ -324,6 +342,7 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
                                 tensor_parallel=args.tensor_parallel_size,
                                 coordinator_address=args.coordinator_address,
                                 num_processes=args.num_processes, process_id=args.process_id),
+        sampling=SamplingConfig(max_logprobs=args.max_logprobs),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,

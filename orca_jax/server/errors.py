@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orca_jax.server.protocol import ErrorDetail, ErrorResponse
+from orca_jax.server.responses import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ _TYPE_BY_STATUS = {
 }
 # Union member tags pydantic puts in an error's location; they are not field names.
 _PLAIN_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "TextPart", "StreamOptions",
-                               "ResponseFormat"})
+                               "NamedToolChoice"})
 
 
 def _is_union_tag(part: str) -> bool:

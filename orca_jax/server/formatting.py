@@ -1,7 +1,9 @@
 """RequestOutputs -> OpenAI response bodies and streaming chunks (JSON strings).
 
 One formatter serves one HTTP response, which may hold several choices (n > 1, or several
-prompts): every method takes the choice's index, and per-choice state is kept by index.
+prompts): every method takes the choice's index, and per-choice state is kept by index. A chat
+request with tools reads its tool calls out of each choice's text with the plan's parser; a stream
+feeds it each delta, so calls go out as `delta.tool_calls` once their JSON is complete.
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 import json
 
 from orca_jax.outputs import RequestOutput, TokenLogprob
-from orca_jax.server.protocol import (
+from orca_jax.server.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatDelta, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-    TopLogprob, Usage,
+    DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall, TopLogprob, Usage,
 )
+from orca_jax.server.structured import ToolPlan
+from orca_jax.structured.tool_parsers import ParsedDelta, StreamingToolParser, ToolCallDelta
 
 # JSON has no -inf; OpenAI clients expect a number, so a vanishing probability becomes this.
 MIN_LOGPROB = -9999.0
@@ -26,9 +30,14 @@ def _clamp(logprob: float) -> float:
     return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
-def _json(value: str | None) -> str:
+def _json(value: str | int | None) -> str:
     # ensure_ascii=False writes text as pydantic does (UTF-8, not \u escapes).
     return "null" if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def _ends(output: RequestOutput) -> tuple[str | None, str | int | None]:
+    """(finish_reason, stop_reason) of a chunk: both None until the output has finished."""
+    return (output.finish_reason, output.stop_reason) if output.finished else (None, None)
 
 
 class _ChunkFrame:
@@ -66,12 +75,17 @@ class _Formatter:
 
 
 class CompletionFormatter(_Formatter):
-    """Bodies of /v1/completions (object "text_completion", streamed or not)."""
+    """Bodies of /v1/completions (object "text_completion", streamed or not).
 
-    def __init__(self, *args, **kwargs):
+    `echo_texts` (echo: true): each choice's prompt text, put before its completion.
+    """
+
+    def __init__(self, *args, echo_texts: list[str] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._text_offsets: dict[int, int] = {}  # choice -> where its next token's text starts
         self._frame = _ChunkFrame(self._response([], usage=None).model_dump_json())
+        self._echo_texts = echo_texts
+        self._unechoed = set(range(len(echo_texts))) if echo_texts else set()  # streamed choices yet to echo
 
     def logprobs(self, index: int, items: list[TokenLogprob]) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -90,13 +104,17 @@ class CompletionFormatter(_Formatter):
         return []
 
     def chunks(self, index: int, output: RequestOutput) -> list[str]:
-        if not (output.new_text or output.finished or output.new_logprobs):
+        text = output.new_text
+        if index in self._unechoed:
+            self._unechoed.discard(index)
+            text = self._echo_texts[index] + text
+        if not (text or output.finished or output.new_logprobs):
             return []  # text held back (a stop string may be forming): nothing to say yet
-        finish_reason = output.finish_reason if output.finished else None
+        finish_reason, stop_reason = _ends(output)
         if output.new_logprobs is None:  # the common case, written by hand: see _ChunkFrame
-            return [self._frame.around(f'{{"index":{index},"text":{_json(output.new_text)},'
-                                       f'"logprobs":null,"finish_reason":{_json(finish_reason)}}}')]
-        choice = CompletionChoice(index=index, text=output.new_text, finish_reason=finish_reason,
+            return [self._frame.around(f'{{"index":{index},"text":{_json(text)},"logprobs":null,'
+                                       f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(stop_reason)}}}')]
+        choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
                                   logprobs=self.logprobs(index, output.new_logprobs))
         return [self._frame.around(choice.model_dump_json())]
 
@@ -104,7 +122,8 @@ class CompletionFormatter(_Formatter):
         return self._response([], usage=usage).model_dump_json()
 
     def response(self, finals: list[Final], usage: Usage) -> CompletionResponse:
-        choices = [CompletionChoice(index=index, text=final.text, finish_reason=final.finish_reason,
+        choices = [CompletionChoice(index=index, text=(self._echo_texts[index] if self._echo_texts else "") + final.text,
+                                    finish_reason=final.finish_reason, stop_reason=final.stop_reason,
                                     logprobs=self.logprobs(index, logprobs) if logprobs is not None else None)
                    for index, (final, logprobs) in enumerate(finals)]
         return self._response(choices, usage=usage)
@@ -115,12 +134,18 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    """Bodies of /v1/chat/completions ("chat.completion" and "chat.completion.chunk")."""
+    """Bodies of /v1/chat/completions ("chat.completion" and "chat.completion.chunk").
 
-    def __init__(self, *args, **kwargs):
+    `tools` (a chat with tools): how tool calls are read out of each choice's text.
+    """
+
+    def __init__(self, *args, tools: ToolPlan | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._frame = _ChunkFrame(ChatCompletionChunk(id=self.response_id, created=self.created,
                                                       model=self.model, choices=[]).model_dump_json())
+        self._tools = tools
+        self._parsers: dict[int, StreamingToolParser] = {}  # streamed choice -> its tool-call parser
+        self._num_calls: dict[int, int] = {}  # streamed choice -> calls sent so far
 
     def logprobs(self, items: list[TokenLogprob]) -> ChatLogprobs:
         return ChatLogprobs(content=[
@@ -139,29 +164,74 @@ class ChatFormatter(_Formatter):
                 for index in range(num_choices)]
 
     def chunks(self, index: int, output: RequestOutput) -> list[str]:
+        if self._tools is not None:
+            return self._tool_chunks(index, output)
         if not (output.new_text or output.finished or output.new_logprobs):
             return []
-        finish_reason = output.finish_reason if output.finished else None
+        finish_reason, stop_reason = _ends(output)
         if output.new_logprobs is None:  # the common case, written by hand: see _ChunkFrame
             delta = f'{{"content":{_json(output.new_text)}}}' if output.new_text else "{}"
             return [self._frame.around(f'{{"index":{index},"delta":{delta},"logprobs":null,'
-                                       f'"finish_reason":{_json(finish_reason)}}}')]
+                                       f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(stop_reason)}}}')]
         delta = ChatDelta(content=output.new_text) if output.new_text else ChatDelta()
-        return [self._chunk(index, delta, self.logprobs(output.new_logprobs), finish_reason)]
+        return [self._chunk(index, delta, self.logprobs(output.new_logprobs), finish_reason, stop_reason)]
+
+    def _tool_chunks(self, index: int, output: RequestOutput) -> list[str]:
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = self._tools.parser.streaming()
+        parsed = parser.feed(output.new_text)
+        if output.finished:
+            last = parser.finish()
+            parsed = ParsedDelta(parsed.content + last.content, parsed.tool_calls + last.tool_calls)
+        calls = _delta_tool_calls(parsed.tool_calls)
+        self._num_calls[index] = self._num_calls.get(index, 0) + sum(call.id is not None for call in calls)
+        if not (parsed.content or calls or output.finished or output.new_logprobs):
+            return []
+        finish_reason, stop_reason = _ends(output)
+        if output.finished:
+            finish_reason = self._tools.finish_reason(finish_reason, self._num_calls[index])
+        delta = ChatDelta(content=parsed.content or None, tool_calls=calls or None)
+        logprobs = self.logprobs(output.new_logprobs) if output.new_logprobs is not None else None
+        return [self._chunk(index, delta, logprobs, finish_reason, stop_reason)]
 
     def usage_chunk(self, usage: Usage) -> str:
         return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
                                    choices=[], usage=usage).model_dump_json()
 
     def response(self, finals: list[Final], usage: Usage) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=index, message=AssistantMessage(content=final.text),
-                              finish_reason=final.finish_reason,
-                              logprobs=self.logprobs(logprobs) if logprobs is not None else None)
-                   for index, (final, logprobs) in enumerate(finals)]
+        choices = []
+        for index, (final, logprobs) in enumerate(finals):
+            message, finish_reason = AssistantMessage(content=final.text), final.finish_reason
+            if self._tools is not None:
+                content, calls = self._tools.parser.parse(final.text)
+                message = AssistantMessage(content=content, tool_calls=[
+                    ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                    for call in calls] or None)
+                finish_reason = self._tools.finish_reason(finish_reason, len(calls))
+            choices.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
+                                      stop_reason=final.stop_reason,
+                                      logprobs=self.logprobs(logprobs) if logprobs is not None else None))
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                       choices=choices, usage=usage)
 
     def _chunk(self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None,
-               finish_reason: str | None) -> str:
-        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+               finish_reason: str | None, stop_reason: str | int | None = None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                 stop_reason=stop_reason)
         return self._frame.around(choice.model_dump_json())
+
+
+def _delta_tool_calls(pieces: tuple[ToolCallDelta, ...]) -> list[DeltaToolCall]:
+    """A chunk's tool-call pieces, one entry per call: its id, type and name (when this chunk
+    starts it) with the arguments that came with them."""
+    calls: dict[int, DeltaToolCall] = {}
+    for piece in pieces:
+        call = calls.get(piece.index)
+        if call is None:
+            calls[piece.index] = DeltaToolCall(
+                index=piece.index, id=piece.id, type="function" if piece.id is not None else None,
+                function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))
+        else:
+            call.function.arguments = (call.function.arguments or "") + piece.arguments
+    return list(calls.values())

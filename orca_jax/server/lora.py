@@ -22,7 +22,7 @@ from orca_jax.lora.adapter import LoRAError, load_adapter
 from orca_jax.lora.request import LoRARequest
 from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
 from orca_jax.server.errors import APIError
-from orca_jax.server.protocol import ModelCard, unix_now
+from orca_jax.server.responses import ErrorResponse, ModelCard, unix_now
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine
@@ -172,10 +172,17 @@ class ServedModels:
 def install_lora_routes(v1: APIRouter, models: ServedModels) -> None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes and answers)."""
 
-    @v1.post("/load_lora_adapter", response_class=PlainTextResponse)
+    # The answer is text, but refusals are OpenAI's JSON error bodies: say so per status.
+    errors = {status: {"model": ErrorResponse, "content": {"application/json": {}}} for status in (400, 401, 404, 413, 503)}
+
+    @v1.post("/load_lora_adapter", response_class=PlainTextResponse, responses=errors,
+             description="A body the schema accepts can still get a 400: LoRA off (code lora_not_enabled), the "
+             "name taken (code lora_already_loaded), no adapter at lora_path (code invalid_lora_adapter).")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         return PlainTextResponse(await models.load(body))
 
-    @v1.post("/unload_lora_adapter", response_class=PlainTextResponse)
+    @v1.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=errors,
+             description="A body the schema accepts can still get a 400 or 404: LoRA off (code "
+             "lora_not_enabled), no adapter of that name (code lora_not_found).")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         return PlainTextResponse(await models.unload(body))

@@ -1,94 +1,57 @@
-"""OpenAI-compatible bodies of /v1/completions and /v1/chat/completions, plus our few extensions.
+"""Request bodies of /v1/completions, /v1/chat/completions, /tokenize and /detokenize.
 
-Requests are strict (a string is not an int, NaN is not a float), and an unknown field is a 400
-rather than silently ignored: a misspelt `max_token` should not quietly fall back to a default.
-Ranges mirror SamplingParams so that most mistakes are caught here, with the offending field named,
-before the engine is involved.
+OpenAI's fields, vLLM's extensions (structured_outputs and the guided_* aliases, top_k,
+stop_token_ids, ...) and our few (priority, deadlines). Values are strict and unknown fields are
+ignored (protocol_base.py). Ranges mirror SamplingParams so that most mistakes are caught here,
+with the offending field named, before the engine is involved. A field we parse but cannot honour
+is a 400 that names it, and the schema documents its only accepted value.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
+import json
 from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer,
-                      model_validator)
+from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from orca_jax.request import SamplingParams
+from orca_jax.server.protocol_base import StrictBody
+from orca_jax.server.protocol_structured import (JsonSchema, MessageToolCall, ResponseFormat, StructuredOutputs,
+                                                 Tool, ToolChoice)
 
-MAX_TOP_LOGPROBS = SamplingParams.MAX_TOP_LOGPROBS
 MAX_SEED = 2**32 - 1  # the engine keeps seeds as uint32
 MAX_INT32 = 2**31 - 1
 MAX_N = 128  # OpenAI's own bound on choices per request
 # Fields accepted only at their "off" value, as OpenAI clients send them: the schema says exactly that
 # (JSON Schema's own words), the field validators below give the friendlier message.
-_ONLY_ZERO = {"minimum": 0, "maximum": 0}
 _ONLY_EMPTY_OBJECT = {"maxProperties": 0}
 _ONLY_EMPTY_LIST = {"maxItems": 0}
+_ONLY_NULL = {"enum": [None]}
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# The structured-output fields a request may give, at most one of them (response_format "text" aside).
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def _check_encodable(value: object) -> None:
-    """ValueError for a string JSON allows but UTF-8 does not (a lone surrogate like "\\ud800")."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(f"the text is not valid Unicode: a lone surrogate {value[error.start]!r} "
-                             f"at character {error.start}") from None
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            if not isinstance(item, int):  # a prompt's hundreds of token ids need no call each
-                _check_encodable(item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_encodable(key)
-            _check_encodable(item)
-
-
-def _integral_floats_to_int(value: object) -> object:
-    """1.0 -> 1, in lists and objects too: JSON does not tell 1.0 from 1 (nor does JSON Schema's
-    "integer"), but a strict int field would refuse the float. Float fields take ints as they are."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_integral_floats_to_int(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _integral_floats_to_int(item) for key, item in value.items()}
-    return value
-
-
-class _StrictBody(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _json_numbers(cls, data: object) -> object:
-        return _integral_floats_to_int(data)
-
-    @field_validator("*")
-    @classmethod
-    def _encodable(cls, value: object) -> object:
-        # Nested bodies (messages, content parts) check their own fields, so the error names them.
-        _check_encodable(value)
-        return value
-
-
-class StreamOptions(_StrictBody):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-# The two deadline fields exclude each other (the model validator below); in the schema's own terms.
+# Rules across fields, each in the schema's own terms (the validators below enforce them).
 _ONE_DEADLINE = {"not": {"required": ["deadline", "deadline_ms"],
                          "properties": {"deadline": {"type": "number"}, "deadline_ms": {"type": "integer"}}}}
+_SOME_STREAM_OPTIONS = {"required": ["stream_options"],
+                        "properties": {"stream_options": {"type": "object", "minProperties": 1}}}
+# stream_options (non-empty) needs stream: true, as OpenAI and vLLM say.
+_STREAM_OPTIONS_NEED_STREAM = [
+    {"not": {"allOf": [_SOME_STREAM_OPTIONS, {"not": {"required": ["stream"]}}]}},
+    {"not": {"allOf": [_SOME_STREAM_OPTIONS, {"required": ["stream"], "properties": {"stream": {"const": False}}}]}},
+]
 
 
-class _GenerationRequest(_StrictBody):
-    """Fields both endpoints share: sampling, stopping, streaming and our extensions."""
+class _GenerationRequest(StrictBody):
+    """Fields both endpoints share: sampling, stopping, streaming, output shape and our extensions."""
 
-    model_config = ConfigDict(json_schema_extra=_ONE_DEADLINE)
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_DEADLINE, *_STREAM_OPTIONS_NEED_STREAM]})
 
     model: str | None = None  # None: the one served model
     max_tokens: int | None = Field(None, ge=1)
@@ -97,19 +60,39 @@ class _GenerationRequest(_StrictBody):
     top_k: int = Field(0, ge=-1, le=MAX_INT32)  # extension; 0 or -1 disables
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # vLLM's; each ends the output
+    include_stop_str_in_output: bool = False  # vLLM's
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)  # choices; each is its own engine request
     user: str | None = None  # accepted and ignored
-    presence_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
-    frequency_penalty: float = Field(0.0, json_schema_extra=_ONLY_ZERO)
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=_ONLY_EMPTY_OBJECT)
-    ignore_eos: bool = False  # extension
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # vLLM's; 1 is off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's; 0 is off
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)  # vLLM's: EOS and stop tokens wait until this many
+    # Token id (as JSON object keys are strings) -> added to its logit, as OpenAI takes it.
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100.0, le=100.0)]] \
+        | None = None
+    bad_words: list[NonEmptyStr] | None = None  # vLLM's: never generated
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None  # vLLM's
+    skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
+    spaces_between_special_tokens: bool = True  # vLLM's
+    prompt_logprobs: int | None = Field(None, json_schema_extra=_ONLY_NULL)
+    ignore_eos: bool = False  # vLLM's
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)  # extension; higher runs first
     # Extension: milliseconds from arrival. A request still waiting when it passes is dropped (504,
     # or an error event when streamed), as TCB drops requests that can no longer be served in time.
     deadline_ms: int | None = Field(None, gt=0, le=86_400_000)
     deadline: float | None = Field(None, gt=0.0, le=86400.0)  # the same in seconds (the older name)
+    # What the output must match (server/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs, or one of vLLM's older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _one_deadline(self):
@@ -117,23 +100,24 @@ class _GenerationRequest(_StrictBody):
             raise ValueError("give deadline_ms or deadline (seconds), not both")
         return self
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
+        if value is not None and value.model_fields_set | set(value.model_extra or {}) \
+                and not info.data.get("stream"):
+            raise ValueError("stream_options can only be given with stream: true")
+        return value
+
     @property
     def deadline_seconds(self) -> float | None:
         """Seconds from arrival to the request's deadline, whichever field gave it; None: none."""
         return self.deadline_ms / 1000 if self.deadline_ms is not None else self.deadline
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("prompt_logprobs")
     @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; leave at 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("prompt_logprobs is not supported: the server computes no logprobs of prompt tokens")
         return value
 
     @property
@@ -146,25 +130,42 @@ class _GenerationRequest(_StrictBody):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def structured_fields_given(self) -> list[str]:
+        """The output-shaping fields this request sets (response_format "text" shapes nothing)."""
+        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if self.structured_outputs is not None:
+            given.append("structured_outputs")
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        return given
+
+
+# echo repeats the prompt's text; its logprobs would be prompt logprobs, which are not computed.
+_NO_ECHO_WITH_LOGPROBS = {"not": {"required": ["echo", "logprobs"],
+                                  "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}}
+
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_DEADLINE, *_STREAM_OPTIONS_NEED_STREAM,
+                                                           _NO_ECHO_WITH_LOGPROBS]})
+
     # One prompt (text or token ids) or a list of them; each prompt gets n choices.
     prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1)]
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    logprobs: int | None = Field(None, ge=0, le=MAX_INT32)  # at most the server's --max-logprobs
+    echo: bool = False  # the prompt's text before each choice's
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n when given: the server "
                                 "does not rank candidates")
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported: it would need the prompt tokens' "
+                             "logprobs, which the server does not compute")
+        return self
 
     @field_validator("suffix")
     @classmethod
@@ -190,28 +191,28 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)
 
 
-class TextPart(_StrictBody):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_StrictBody):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls, sent back
+    tool_call_id: str | None = None  # a tool turn: the call it answers
     # OpenAI's other message fields, as clients echo an earlier reply back: accepted while empty.
     refusal: str | None = None
-    tool_calls: list[dict] | None = Field(None, json_schema_extra=_ONLY_EMPTY_LIST)
-    tool_call_id: str | None = None
     function_call: dict | None = Field(None, json_schema_extra=_ONLY_EMPTY_OBJECT)
     audio: dict | None = Field(None, json_schema_extra=_ONLY_EMPTY_OBJECT)
     annotations: list[dict] | None = Field(None, json_schema_extra=_ONLY_EMPTY_LIST)
 
-    @field_validator("tool_calls", "function_call", "audio", "annotations")
+    @field_validator("function_call", "audio", "annotations")
     @classmethod
     def _empty(cls, value: list | dict | None) -> list | dict | None:
         if value:
-            raise ValueError("tool calls, audio and annotations are not supported")
+            raise ValueError("function_call (use tool_calls), audio and annotations are not supported")
         return value
 
     def text(self) -> str:
@@ -221,36 +222,44 @@ class ChatMessage(_StrictBody):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def template_message(self) -> dict:
+        """The message as chat templates take it (transformers' form): tool-call arguments parsed
+        from their JSON text (kept as text when they are not JSON)."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": _parsed(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
 
-class ResponseFormat(_StrictBody):
-    """Only plain text so far."""
 
-    type: Literal["text"]
+def _parsed(arguments: str) -> object:
+    try:
+        return json.loads(arguments)
+    except (json.JSONDecodeError, RecursionError):
+        return arguments
 
 
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     # top_logprobs > 0 needs logprobs true (the model validator below); in the schema's own terms.
-    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_DEADLINE, {"not": {
+    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_DEADLINE, *_STREAM_OPTIONS_NEED_STREAM, {"not": {
         "required": ["top_logprobs"],
         "properties": {"top_logprobs": {"type": "integer", "minimum": 1}, "logprobs": {"enum": [False]}}}}]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict] | None = Field(None, json_schema_extra=_ONLY_EMPTY_LIST)
-    tool_choice: Literal["none", "auto"] | None = None  # with no tools, both mean plain text
-    parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)
-    response_format: ResponseFormat | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict] | None) -> list[dict] | None:
-        if value:
-            raise ValueError("tools are not supported")
-        return value
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_INT32)  # at most the server's --max-logprobs
+    tools: list[Tool] | None = None  # rendered by the chat template
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -267,146 +276,52 @@ class ChatCompletionRequest(_GenerationRequest):
         """SamplingParams.logprobs: None for none, else how many alternatives per token."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict]:
+        return [m.template_message() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them: OpenAI's objects, as sent."""
+        return [tool.model_dump(by_alias=True, exclude_none=True) for tool in self.tools] if self.tools else None
 
 
-# ---- responses ----------------------------------------------------------------------------------
+# ---- /tokenize and /detokenize (vLLM's bodies) ----------------------------------------------------
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def unix_now() -> int:
-    return int(time.time())
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+class TokenizeCompletionRequest(StrictBody):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # what the tokenizer adds to a prompt (Llama's BOS)
+    return_token_strs: bool | None = False
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    # OpenAI's field; present when some prompt tokens were cached (vLLM's counting).
-    prompt_tokens_details: PromptTokensDetails | None = None
+class TokenizeChatRequest(StrictBody):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, json_schema_extra={"enum": [False]})
+    add_special_tokens: bool = False  # the template writes the model's own
+    return_token_strs: bool | None = False
 
+    @field_validator("continue_final_message")
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
-        details = PromptTokensDetails(cached_tokens=num_cached_tokens) if num_cached_tokens else None
-        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens, prompt_tokens_details=details)
-
-    @model_serializer(mode="wrap")
-    def _omit_absent_details(self, handler):
-        data = handler(self)
-        if data.get("prompt_tokens_details") is None:
-            data.pop("prompt_tokens_details", None)
-        return data
+    def _no_continue(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("continue_final_message is not supported")
+        return value
 
 
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
-    text_offset: list[int] = []
+def _tokenize_form(value: object) -> str:
+    has_messages = "messages" in value if isinstance(value, dict) else hasattr(value, "messages")
+    return "TokenizeRequest[chat]" if has_messages else "TokenizeRequest[prompt]"
 
 
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+# A body with `messages` is the chat form, any other the prompt form (so errors name the right fields).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeRequest[prompt]")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeRequest[chat]")], Discriminator(_tokenize_form)]
 
 
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None  # always set on full responses; on streams only in the usage chunk
+class DetokenizeRequest(StrictBody):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] = []
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    # OpenAI leaves absent keys out of deltas (the last chunk's delta is {}), rather than nulls.
-    role: Literal["assistant"] | None = Field(None, exclude_if=lambda value: value is None)
-    content: str | None = Field(None, exclude_if=lambda value: value is None)
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "orca_jax"
-    max_model_len: int
-    root: str | None = None  # a LoRA adapter's path (vLLM's field)
-    parent: str | None = None  # a LoRA adapter's base model
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail

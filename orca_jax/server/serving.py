@@ -23,7 +23,12 @@ from orca_jax.server.errors import APIError, error_body
 from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
 from orca_jax.server.lora import ServedModels
 from orca_jax.server.metrics import ServerMetrics
-from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest, new_id, unix_now
+from orca_jax.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                                      TokenizeChatRequest, TokenizeCompletionRequest)
+from orca_jax.server.protocol_base import StrictBody, ignored_fields
+from orca_jax.server.responses import DetokenizeResponse, TokenizeResponse, new_id, unix_now
+from orca_jax.server.structured import ToolCallSettings, output_constraint, tool_plan
+from orca_jax.structured.constraint import Constraint
 
 RETRY_AFTER_SECONDS = "1"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -34,6 +39,8 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
 DEADLINE = "deadline"  # RequestStatus.FINISHED_DEADLINE's finish reason
 DEADLINE_MESSAGE = "the deadline ({:g} s after arrival) passed before the request could start; it was dropped"
 request_log = logging.getLogger("orca_jax.requests")
+log = logging.getLogger(__name__)
+MAX_WARNED_FIELDS = 1000  # distinct ignored field names logged; a client inventing names cannot grow it further
 # SamplingParams names the failing field in its ValueError ("SamplingParams.top_p must be ...");
 # its fields share the request's names, so that name is the param to report.
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
@@ -45,12 +52,14 @@ class OpenAIServing:
     `default_max_tokens` caps chat completions that name no max_tokens (None: the rest of the
     context). `allow_special_tokens_in_text` lets control tokens typed in prompts and message
     content act as control tokens; by default they are plain text, so no caller can forge a turn.
+    `tool_calls`: how chats with tools are answered (server/structured.py).
     """
 
     def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, *, served_model_name: str,
                  default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  allow_special_tokens_in_text: bool = False, chat_template: str | None = None,
-                 log_requests: bool = False, models: ServedModels | None = None):
+                 log_requests: bool = False, tool_calls: ToolCallSettings = ToolCallSettings(),
+                 models: ServedModels | None = None):
         self.async_engine = async_engine
         self.metrics = metrics
         self.served_model_name = served_model_name
@@ -59,37 +68,92 @@ class OpenAIServing:
         self.default_max_tokens = default_max_tokens
         self.split_special_tokens = not allow_special_tokens_in_text
         self.log_requests = log_requests
+        self.tool_calls = tool_calls
+        self._warned_fields: set[str] = set()
         engine = async_engine.engine
         self.tokenizer = (engine.tokenizer if chat_template is None
                           else with_chat_template(engine.tokenizer, chat_template))
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.max_logprobs = engine.config.sampling.max_logprobs
         self.page_size = engine.config.cache.page_size
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         lora = self.check_model(body.model)
+        self.warn_ignored_fields(body)
+        constraint = output_constraint(body)
+        texts = body.prompts()
         prompts = [self.tokenizer.encode_prompt(p, split_special_tokens=self.split_special_tokens)
-                   if isinstance(p, str) else list(p) for p in body.prompts()]
-        choices = self._choices(body, prompts, requested=body.max_tokens,
-                                default=COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=body.logprobs, param="prompt")
+                   if isinstance(p, str) else list(p) for p in texts]
+        choices = self._choices(body, prompts, requested=body.max_tokens, default=COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                logprobs=body.logprobs, param="prompt", constraint=constraint)
+        echo_texts = None
+        if body.echo:  # a prompt of token ids echoes as its text
+            texts = [t if isinstance(t, str) else self.tokenizer.decode(t, skip_special_tokens=False) for t in texts]
+            echo_texts = [texts[choice.prompt_index] for choice in choices]
         request_id = new_id("cmpl")
         formatter = CompletionFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
-                                        include_usage=body.include_usage_in_stream)
+                                        include_usage=body.include_usage_in_stream, echo_texts=echo_texts)
         return await self._generate(body, request, request_id, choices, formatter, lora)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         lora = self.check_model(body.model)
-        try:
-            prompt_ids = self.tokenizer.encode_chat(body.template_messages(), add_generation_prompt=True,
-                                                    split_special_tokens=self.split_special_tokens)
-        except (ValueError, jinja2.TemplateError) as error:  # e.g. a template that checks role order
-            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
+        self.warn_ignored_fields(body)
+        constraint = output_constraint(body)
+        tools, tool_constraint = tool_plan(body, self.tool_calls, self.tokenizer)
+        if constraint is not None and tool_constraint is not None:
+            given = body.structured_fields_given()[0]
+            raise APIError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
+                           f"already constrains the output; it cannot be combined with {given}",
+                           param=given, code="invalid_structured_output")
+        prompt_ids = self._chat_prompt_ids(body.messages, body.template_tools(), add_generation_prompt=True)
         choices = self._choices(body, [prompt_ids], requested=body.requested_max_tokens, default=None,
-                                logprobs=body.num_logprobs, param="messages")
+                                logprobs=body.num_logprobs, param="messages",
+                                constraint=constraint or tool_constraint,
+                                keep_special_tokens=tools is not None and tools.needs_special_tokens)
         request_id = new_id("chatcmpl")
         formatter = ChatFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
-                                  include_usage=body.include_usage_in_stream)
+                                  include_usage=body.include_usage_in_stream, tools=tools)
         return await self._generate(body, request, request_id, choices, formatter, lora)
+
+    def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None, *, add_generation_prompt: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode_chat([m.template_message() for m in messages],
+                                              add_generation_prompt=add_generation_prompt,
+                                              split_special_tokens=self.split_special_tokens, tools=tools)
+        except (ValueError, jinja2.TemplateError) as error:  # e.g. a template that checks role order
+            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
+
+    # ---- /tokenize and /detokenize (vLLM's) -----------------------------------------------------
+
+    def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        self.check_model(body.model)
+        self.warn_ignored_fields(body)
+        if isinstance(body, TokenizeChatRequest):
+            tools = [tool.model_dump(by_alias=True, exclude_none=True) for tool in body.tools] if body.tools else None
+            ids = self._chat_prompt_ids(body.messages, tools, add_generation_prompt=body.add_generation_prompt)
+            if body.add_special_tokens:  # what the tokenizer puts before any prompt (a BOS), again, as vLLM does
+                ids = self.tokenizer.encode_prompt("") + ids
+        elif body.add_special_tokens:
+            ids = self.tokenizer.encode_prompt(body.prompt, split_special_tokens=self.split_special_tokens)
+        else:
+            ids = self.tokenizer.encode(body.prompt, split_special_tokens=self.split_special_tokens)
+        strs = [self.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        self.warn_ignored_fields(body)
+        self._check_token_ids(body.tokens, param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+    def warn_ignored_fields(self, body: StrictBody) -> None:
+        """Log each body field this server does not know, once per name (vLLM logs them each time)."""
+        for name in ignored_fields(body):
+            if name not in self._warned_fields and len(self._warned_fields) < MAX_WARNED_FIELDS:
+                self._warned_fields.add(name)
+                log.warning("ignoring the request field %s, which this server does not know "
+                            "(said once per field name)", ascii(name))
 
     # ---- validation -----------------------------------------------------------------------------
 
@@ -101,8 +165,19 @@ class OpenAIServing:
         return self.served_model_name if lora is None else lora.lora_name
 
     def _choices(self, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], *,
-                 requested: int | None, default: int | None, logprobs: int | None, param: str) -> list[Choice]:
-        """n choices per prompt, each with its own max_tokens and seed; 400 on anything invalid."""
+                 requested: int | None, default: int | None, logprobs: int | None, param: str,
+                 constraint: Constraint | None, keep_special_tokens: bool = False) -> list[Choice]:
+        """n choices per prompt, each with its own max_tokens and seed; 400 on anything invalid.
+        `keep_special_tokens`: the text must hold them whatever skip_special_tokens says (a tool-call
+        parser reads its markers)."""
+        if logprobs is not None and logprobs > self.max_logprobs:
+            name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise APIError(400, f"{name} must be at most {self.max_logprobs} (the server's --max-logprobs), "
+                           f"got {logprobs}", param=name)
+        for name, ids in (("logit_bias", [int(t) for t in body.logit_bias or ()]),
+                          ("allowed_token_ids", body.allowed_token_ids or ())):
+            self._check_token_ids(ids, param=name)
+        skip_special_tokens = body.skip_special_tokens and not keep_special_tokens
         if len(prompts) * body.n > self.async_engine.max_in_flight:
             raise APIError(400, f"{len(prompts)} prompts x n={body.n} choices is more than the "
                            f"{self.async_engine.max_in_flight} requests this server runs at once",
@@ -112,14 +187,18 @@ class OpenAIServing:
             self._check_prompt_ids(prompt_ids, param=param)
             max_tokens = self._max_tokens(requested, len(prompt_ids), default, param=param)
             for number in range(body.n):
-                sampling = self._sampling(body, max_tokens, logprobs, derive_seed(body.seed, number))
+                sampling = self._sampling(body, max_tokens, logprobs, derive_seed(body.seed, number), constraint,
+                                          skip_special_tokens)
                 choices.append(Choice(len(choices), prompt_index, prompt_ids, sampling))
         return choices
 
     def _check_prompt_ids(self, prompt_ids: list[int], *, param: str) -> None:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param=param)
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        self._check_token_ids(prompt_ids, param=param)
+
+    def _check_token_ids(self, token_ids: list[int], *, param: str) -> None:
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
                            param=param, code="token_id_out_of_range")
@@ -143,12 +222,18 @@ class OpenAIServing:
         # front; on_demand grows into it and may preempt others, but never itself past the pool).
         return self.async_engine.latest_stats.kv_pages_total * self.page_size
 
-    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                  logprobs: int | None, seed: int | None) -> SamplingParams:
+    def _sampling(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None,
+                  seed: int | None, constraint: Constraint | None, skip_special_tokens: bool) -> SamplingParams:
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=body.temperature,
-                                  top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed,
-                                  stop=body.stop_strings, ignore_eos=body.ignore_eos, logprobs=logprobs)
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
+                min_p=body.min_p, seed=seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
+                include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
+                logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                logit_bias=body.logit_bias or None, bad_words=tuple(body.bad_words or ()),
+                allowed_token_ids=body.allowed_token_ids, skip_special_tokens=skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens, structured_outputs=constraint)
         except ValueError as error:
             match = _SAMPLING_FIELD.search(str(error))
             raise APIError(400, str(error), param=match.group(1) if match else None) from None
@@ -191,9 +276,11 @@ class OpenAIServing:
         except EngineUnavailableError as error:
             self.metrics.requests_rejected.labels(status="503", **self.metrics.labels).inc()
             raise APIError(503, str(error), code="engine_unavailable") from None
-        except ValueError as error:  # the engine cannot hold this request (length, KV pool, ids)
+        except ValueError as error:  # the engine cannot hold this request (length, KV pool, ids, tables)
             self.metrics.requests_rejected.labels(status="400", **self.metrics.labels).inc()
-            raise APIError(400, str(error), code="invalid_request") from None
+            match = _SAMPLING_FIELD.search(str(error))
+            raise APIError(400, str(error), param=match.group(1) if match else None,
+                           code="invalid_request") from None
 
     async def _sse(self, streams: ChoiceStreams, choices: list[Choice],
                    formatter: CompletionFormatter | ChatFormatter,

@@ -1,6 +1,6 @@
 """Structured outputs and tool calls: constraints, grammar matchers, bitmasks, tool-call parsers.
 
-The grammar library is llguidance (chosen by measurement: benchmarks/results/cpu/grammar_choice.json).
+The grammar library is llguidance (chosen by measurement: benchmarks/probes/grammar_choice.json).
 `bitmask.apply_token_bitmask` is the only part that imports jax; import it from its module.
 """
 

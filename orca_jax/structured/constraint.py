@@ -25,12 +25,18 @@ class ConstraintKind(enum.Enum):
     GRAMMAR = "grammar"  # Lark (llguidance's dialect, %json included) or GBNF/EBNF (`::=` rules)
 
 
+# What may stand between two JSON tokens with any_whitespace: a few blanks, then at most one line
+# break and an indentation (deep enough for pretty-printing ~16 levels of 2-space indents). Bounded,
+# so a model cannot loop on whitespace until max_tokens (small models do, with unbounded whitespace).
+JSON_WHITESPACE = r"[ \t]{0,8}(\r?\n[ \t]{0,32})?"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class JsonOptions:
     """How JSON is laid out; vLLM's `disable_any_whitespace` is `any_whitespace=False`."""
 
-    # True: any JSON whitespace between tokens (what models write: newlines, indentation);
-    # False: exactly `, ` and `: ` between items, as json.dumps writes.
+    # True: JSON whitespace between tokens as models write it (newlines, indentation), within
+    # JSON_WHITESPACE per gap; False: exactly `, ` and `: ` between items, as json.dumps writes.
     any_whitespace: bool = True
 
     def __post_init__(self):
@@ -39,7 +45,7 @@ class JsonOptions:
 
     def llguidance_overrides(self) -> dict:
         if self.any_whitespace:
-            return {"whitespace_flexible": True}
+            return {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
         return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 

@@ -3,7 +3,7 @@
 Built once per tokenizer (llguidance turns it into a token trie, ~0.1 s for 49k ids, ~0.4 s for
 128k). Ids the tokenizer has no bytes for -- the random-weight presets' ids past 256, a model's
 padding past the tokenizer's vocabulary -- get empty bytes, which llguidance never allows in a
-mask (measured: benchmarks/results/cpu/grammar_choice.json). Special tokens are marked as such, so
+mask (measured: benchmarks/probes/grammar_choice.json). Special tokens are marked as such, so
 their text (`<|im_end|>`) is never produced as a match for the same characters in a grammar; a
 grammar names them with llguidance's `<[id]>` syntax instead.
 """

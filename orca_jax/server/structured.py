@@ -1,0 +1,136 @@
+"""What a request's output-shaping fields become: the Constraint its output must match, and how
+tool calls are read back out of its text.
+
+- response_format json_object / json_schema, structured_outputs and the guided_* fields: a
+  Constraint (at most one of them per request);
+- tools with tool_choice "auto": no constraint; the parser of `--tool-call-parser` reads calls out
+  of the model's own format (refused unless `--enable-auto-tool-choice`, as vLLM does);
+- "required" or a named function: a grammar in that parser's format (hermes when none is set),
+  so the output is calls the same parser reads back (structured/tool_grammar.py);
+- "none", or no tools: plain text.
+Every refusal is an APIError 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from orca_jax.server.errors import APIError
+from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest
+from orca_jax.structured.constraint import Constraint, ConstraintKind, JsonOptions
+from orca_jax.structured.tool_grammar import tool_call_constraint
+from orca_jax.structured.tool_parsers import ToolParser, get_tool_parser
+from orca_jax.tokenizer import BaseTokenizer
+
+INVALID = "invalid_structured_output"  # the code of every refusal of an output constraint
+AUTO_TOOL_CHOICE_DISABLED = "auto_tool_choice_disabled"
+DEFAULT_TOOL_CALL_FORMAT = "hermes"  # the forced calls' format when no --tool-call-parser is set
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCallSettings:
+    """The server's `--tool-call-parser` and `--enable-auto-tool-choice`."""
+
+    parser: str | None = None  # hermes, llama3_json or mistral; None: forced calls in hermes' format
+    enable_auto_tool_choice: bool = False
+
+    def __post_init__(self):
+        if self.parser is not None:
+            get_tool_parser(self.parser)  # ValueError naming the known parsers
+        if self.enable_auto_tool_choice and self.parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    @property
+    def call_format(self) -> str:
+        return self.parser or DEFAULT_TOOL_CALL_FORMAT
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How one chat request's tool calls come out of its choices' text."""
+
+    parser: ToolParser
+    # A named function was forced: OpenAI and vLLM then keep finish_reason "stop"; otherwise a
+    # choice that called tools finishes with "tool_calls".
+    named: bool
+    # The parser needs special tokens in the text (llama3_json's <|python_tag|>, mistral's [TOOL_CALLS]).
+    needs_special_tokens: bool
+
+    def finish_reason(self, finish_reason: str | None, num_calls: int) -> str | None:
+        if num_calls and finish_reason == "stop" and not self.named:
+            return "tool_calls"
+        return finish_reason
+
+
+def output_constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
+    """The Constraint of response_format, structured_outputs or a guided_* field, or None."""
+    given = body.structured_fields_given()
+    if len(given) > 1:
+        raise APIError(400, f"give at most one of response_format, structured_outputs and the guided_* "
+                       f"fields; this request gives {', '.join(given)}", param=given[1], code=INVALID)
+    if not given:
+        return None
+    field = given[0]
+    try:
+        return _constraint_of(body, field)
+    except ValueError as error:
+        raise APIError(400, f"{field}: {error}", param=field, code=INVALID) from None
+
+
+def _constraint_of(body: CompletionRequest | ChatCompletionRequest, field: str) -> Constraint:
+    if field == "response_format":
+        response_format = body.response_format
+        if response_format.type == "json_object":
+            return Constraint(ConstraintKind.JSON_OBJECT)
+        schema = response_format.json_schema.schema_
+        return Constraint.json_schema({} if schema is None else schema)  # no schema: any JSON value
+    if field == "structured_outputs":
+        spec = body.structured_outputs
+        options = JsonOptions(any_whitespace=not spec.disable_any_whitespace)
+        kind = spec.kinds_given[0]
+        if kind == "json":
+            return Constraint.json_schema(spec.json_, options)
+        if kind == "json_object":
+            return Constraint(ConstraintKind.JSON_OBJECT, json_options=options)
+        return Constraint(ConstraintKind(kind), getattr(spec, kind))
+    if field == "guided_json":
+        return Constraint.json_schema(body.guided_json)
+    kind = {"guided_regex": ConstraintKind.REGEX, "guided_choice": ConstraintKind.CHOICE,
+            "guided_grammar": ConstraintKind.GRAMMAR}[field]
+    return Constraint(kind, getattr(body, field))
+
+
+def tool_plan(body: ChatCompletionRequest, settings: ToolCallSettings,
+              tokenizer: BaseTokenizer) -> tuple[ToolPlan | None, Constraint | None]:
+    """(how to read tool calls back, the grammar that forces them) of a chat request; (None, None)
+    when its output is plain text."""
+    tools = body.tools or []
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if choice == "none" or (choice == "auto" and not tools):
+        return None, None
+    if choice == "auto":
+        if not settings.enable_auto_tool_choice:
+            raise APIError(400, '"auto" tool choice (the default with tools) needs a server started with '
+                           '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
+                           '"required" or a named function', param="tool_choice", code=AUTO_TOOL_CHOICE_DISABLED)
+        return _plan(settings.parser, named=False), None
+    if not tools:
+        raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice",
+                       code=INVALID)
+    named = not isinstance(choice, str)
+    if named and choice.function.name not in {tool.function.name for tool in tools}:
+        raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among "
+                       f"the tools ({', '.join(tool.function.name for tool in tools)})",
+                       param="tool_choice", code=INVALID)
+    try:
+        constraint = tool_call_constraint(
+            [tool.model_dump(by_alias=True) for tool in tools],
+            choice.model_dump() if named else choice, settings.call_format,
+            parallel_tool_calls=body.parallel_tool_calls is not False, tokenizer=tokenizer)
+    except ValueError as error:
+        raise APIError(400, f"tools: {error}", param="tools", code=INVALID) from None
+    return _plan(settings.call_format, named=named), constraint
+
+
+def _plan(parser: str, *, named: bool) -> ToolPlan:
+    return ToolPlan(get_tool_parser(parser), named=named, needs_special_tokens=parser != "hermes")

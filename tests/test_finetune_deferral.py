@@ -11,6 +11,7 @@ import pytest
 from finetune_helpers import RECORDS, drive, engine_config, upload
 from hf_dirs import write_hf_dir
 from orca_jax.compilation import SampleKey
+from orca_jax.logits_rules import SampleMode
 from orca_jax.engine import Engine
 from orca_jax.finetune.deferral import DeferralPolicy
 from orca_jax.finetune.hparams import TrainingHyperparameters
@@ -74,7 +75,7 @@ def test_bound_holds_under_a_steady_stream(loaded, tmp_path):
     engine = Engine(engine_config(str(tmp_path), deferral_bound_s=BOUND_S), loaded)
     # No request may wait for a compile (the waits must be the deferral's): the stream's programs first.
     engine.runner.precompile([key for key in engine.program_keys() if not getattr(key, "lora", False)
-                              and not (isinstance(key, SampleKey) and (key.num_top_logprobs or not key.all_greedy))])
+                              and not (isinstance(key, SampleKey) and (key.num_top_logprobs or key.mode != SampleMode.GREEDY))])
     alone = run_stream(engine, interval_s=0.25)
     tuner = engine.fine_tuning
     file_id = upload(tuner, RECORDS * 8)

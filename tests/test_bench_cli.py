@@ -18,6 +18,7 @@ from orca_jax.bench.harness import engine_argv, engine_config, serve_flags
 from orca_jax.bench.plan import GIB, memory_plan
 from orca_jax.bench.sweep import compare_at_matched_latency, throughput_at_latency
 from orca_jax.models.presets import get_preset
+from orca_jax.sampler import sample_variants
 
 from mesh_helpers import ROOT, fake_device_env
 
@@ -180,9 +181,12 @@ def test_startup_cold_then_warm_from_the_executable_cache(tmp_path):
     small = ["--model", "tiny-llama", "--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--num-kv-pages", "64"]
     bench.main(["startup", *small, "--result-dir", str(tmp_path)])
     cold, warm = _result(tmp_path, "tiny-llama_startup.json")["runs"]
-    # Buckets 8 and 16: a forward and a stage-in each; sampling at S = 8 with 0 or 20 top logprobs, greedy or not.
-    assert cold["num_programs"] == warm["num_programs"] == 2 * 2 + 4
-    assert cold["executable_cache"] == {"hits": 0, "misses": 8} and warm["executable_cache"] == {"hits": 8, "misses": 0}
+    # Buckets 8 and 16: a forward and a stage-in each; at S = 8 the sampling family (plain greedy or not with
+    # 0 or 20 top logprobs, and each mode with logits processing: 8) and the penalty tables' fill.
+    programs = 2 * 2 + len(sample_variants(20)) + 1
+    assert cold["num_programs"] == warm["num_programs"] == programs == 13
+    assert cold["executable_cache"] == {"hits": 0, "misses": programs}
+    assert warm["executable_cache"] == {"hits": programs, "misses": 0}
     assert warm["compile_s"] < cold["compile_s"]
 
 

@@ -197,3 +197,9 @@ def summary(result: dict) -> dict:
             "medium_tpot_p99_ratio": tpot_ratio, "medium_tpot_target": TPOT_TARGET,
             "medium_tpot_met": tpot_ratio <= TPOT_TARGET,
             "light_ft_kept": ft_kept, "light_ft_target": FT_TARGET, "light_ft_met": ft_kept >= FT_TARGET}
+
+
+def tables(result: dict) -> dict[str, list[dict]]:
+    found = summary(result["finetune"])
+    return {"serving with and without the job": found["rows"],
+            "summary": [{k: v for k, v in found.items() if k != "rows"}]}

@@ -195,3 +195,19 @@ def decode_ms(engine: Engine, lora: LoRARequest | None, context: int = 512, step
     while engine.has_unfinished():
         engine.step()
     return {"context": context, "ms_per_iteration": 1e3 * statistics.median(times)}
+
+
+def tables(result: dict) -> dict[str, list[dict]]:
+    out = {}
+    if "ops" in result:
+        out["one layer's terms"] = result["ops"]
+    engine = result.get("engine")
+    if engine:
+        runs = [{"run": name, "tokens/s": engine[name][-1]["tokens_per_s"], "s": engine[name][-1]["seconds"],
+                 "iterations": engine[name][-1]["iterations"]} for name in ("base", "adapters", "one_adapter")
+                if name in engine]
+        runs += [{"run": name, "ms/iteration": engine[name]["ms_per_iteration"]}
+                 for name in ("decode_base", "decode_adapter") if name in engine]
+        out["engine"] = runs
+        out["summary"] = [engine["summary"]]
+    return out

@@ -132,6 +132,11 @@ class LogitsRules:
                              f"{table_width} (SamplingConfig.logit_table_width)")
         return rules
 
+    @property
+    def has_entries(self) -> bool:
+        """Whether any iteration can have logit-table entries (biases, bad words, min_tokens' bans)."""
+        return len(self.bias_ids) > 0 or bool(self.bad_word_sequences) or self.min_tokens > 0
+
     def entries(self, outputs: Sequence[int], step: int, pending: bool) -> tuple[list[int], list[float], list[int]]:
         """(token ids, values, conditions) of this iteration's logit-table entries.
 
@@ -295,15 +300,16 @@ class SamplingBatcher:
                 and (slot := self.slots.slot_of(scheduled[i].request)) is not None}
         fills: list[tuple[int, Request]] = []
         mask = None
+        penalized: list[tuple[int, int, SamplingParams]] = []  # (row, slot, its parameters)
         for i in processed:
             item = scheduled[i]
-            request, rules, sp = item.request, rules_of[i], item.sampling
+            request, rules = item.request, rules_of[i]
             pending = item.token_source >= 0
-            out["sampled_source"][i] = item.token_source
-            ids, values, conditions = rules.entries(request.output_token_ids, item.step, pending)
-            out["bias_token_ids"][i, :len(ids)] = ids
-            out["bias_values"][i, :len(ids)] = values
-            out["bias_conditions"][i, :len(ids)] = conditions
+            if rules.has_entries:  # most rows (penalties alone) have no table entries: skip the work
+                ids, values, conditions = rules.entries(request.output_token_ids, item.step, pending)
+                out["bias_token_ids"][i, :len(ids)] = ids
+                out["bias_values"][i, :len(ids)] = values
+                out["bias_conditions"][i, :len(ids)] = conditions
             row_masks = [m for m in (rules.allowed_mask, masks.get(i)) if m is not None]
             if row_masks:
                 if mask is None:
@@ -312,14 +318,18 @@ class SamplingBatcher:
             if rules.uses_penalties:
                 slot, fresh = self.slots.assign(request, busy)
                 busy.add(slot)
-                out["penalty_slot"][i] = slot
-                out["presence_penalty"][i] = sp.presence_penalty
-                out["frequency_penalty"][i] = sp.frequency_penalty
-                out["repetition_penalty"][i] = sp.repetition_penalty
+                penalized.append((i, slot, item.sampling))
                 if fresh:
                     if pending:  # a row fed from the device was in the last batch, with this slot
                         raise RuntimeError(f"request {request.request_id!r} lost its penalty slot while in flight")
                     fills.append((slot, request))
+        out["sampled_source"][processed] = [scheduled[i].token_source for i in processed]
+        if penalized:  # the per-row scalars in one assignment per column
+            rows = [i for i, _, _ in penalized]
+            out["penalty_slot"][rows] = [slot for _, slot, _ in penalized]
+            out["presence_penalty"][rows] = [sp.presence_penalty for _, _, sp in penalized]
+            out["frequency_penalty"][rows] = [sp.frequency_penalty for _, _, sp in penalized]
+            out["repetition_penalty"][rows] = [sp.repetition_penalty for _, _, sp in penalized]
         out["allowed_mask"] = mask
         out["penalty_resets"], out["penalty_fill"] = self._fill_calls(fills)
         return out

@@ -15,13 +15,16 @@ def test_bench_sampling_runs_every_variant_on_the_same_work(tmp_path):
     bench_cli.main(["sampling", "--model", "tiny-llama", "--num-prompts", "10", "--max-num-seqs", "8",
                     "--max-num-batched-tokens", "64", "--dtype", "float32", "--num-kv-pages", "256",
                     "--compilation-cache-dir", "none", "--uniform-input-range", "4:24", "--uniform-output-range",
-                    "1:12", "--variants", "greedy,sampled,penalties,json_schema", "--result-dir", str(tmp_path)])
+                    "1:12", "--variants", "greedy,sampled,penalties,json_schema", "--num-runs", "2",
+                    "--result-dir", str(tmp_path)])
     result = json.loads((tmp_path / "tiny-llama_sampling.json").read_text())
     trace = make_trace(DatasetName.UNIFORM, 10, None, 0, LengthSpec(prompt_range=(4, 24), gen_range=(1, 12)))
     for name, variant in result["variants"].items():
-        last = variant["runs"][-1]
-        assert last["generated_tokens"] == trace.num_generated_tokens, name
-        assert last["over_greedy"] > 0 and (last["masked_batches"] > 0) == (name == "json_schema")
+        assert [r["generated_tokens"] for r in variant["runs"]] == [trace.num_generated_tokens] * 2, name
+        assert (variant["runs"][-1]["masked_batches"] > 0) == (name == "json_schema")
+        median = (variant["runs"][0]["tokens_per_s"] + variant["runs"][1]["tokens_per_s"]) / 2
+        assert variant["median_tokens_per_s"] == pytest.approx(median)
+        assert variant["over_baseline"] == pytest.approx(median / result["variants"]["greedy"]["median_tokens_per_s"])
     schema = result["variants"]["json_schema"]["runs"][-1]
     # Every generated token was sampled under a mask; with async scheduling most batches' sampling
     # waited for the tokens of the batch before them while their forward pass ran.

@@ -4,9 +4,10 @@ Variants (--variants, the first is the baseline every ratio is over): greedy (a)
 temperature 0.8, top-p 0.95, top-k 50); penalties (c: b with presence 0.5, frequency 0.5 and
 repetition 1.1); json_schema (d: greedy under RECORDS_SCHEMA, an allowed-token mask on every row).
 All requests arrive at once and generate exactly their max_tokens (EOS ignored); each variant runs
---num-runs times and the last run is compared. For json_schema the host's mask time is reported:
-seconds filling bitmasks per masked batch, their share of the run, and how many batches' sampling
-waited for the previous batch's tokens while their forward pass ran (async scheduling).
+--num-runs times, the variants taking turns, and their median runs are compared. For json_schema the
+host's mask time is reported: seconds filling bitmasks per masked batch, their share of the run, and
+how many batches' sampling waited for the previous batch's tokens while their forward pass ran
+(async scheduling).
 
 The issue's comparison on llama-8b:
   python -m orca_jax.bench sampling --model llama-8b --variants greedy,sampled,penalties,json_schema \\
@@ -16,6 +17,7 @@ The issue's comparison on llama-8b:
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Callable
 
 from orca_jax.bench.datasets import DatasetName, add_dataset_arguments, lengths_from_args, make_trace
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataset_arguments(parser, lists=False, names=(DatasetName.UNIFORM,))
     parser.add_argument("--variants", default="greedy,json_schema",
                         help=f"comma list of {', '.join(VARIANTS)}; the first is the baseline")
-    parser.add_argument("--num-runs", type=int, default=2, help="runs per variant; the last is compared")
+    parser.add_argument("--num-runs", type=int, default=3, help="runs per variant, in turns; medians are compared")
     add_result_arguments(parser)
 
 
@@ -63,19 +65,26 @@ def run(args: argparse.Namespace) -> Results:
     engine, _, _ = measured_engine(args, results)
     trace = make_trace(DatasetName.UNIFORM, args.num_prompts, None, args.seed, lengths_from_args(args))
     results.section("schema", RECORDS_SCHEMA)
-    rows = {}
+    rows = {name: {"runs": []} for name in names}
+    # Variants take turns run by run (ABCD ABCD ...): a drift of the machine over the minutes of the
+    # bench then falls on every variant alike; each is summarized by its median run.
+    for run_index in range(args.num_runs):
+        for name in names:
+            summary = run_trace(engine, trace, realtime=False, sampling=VARIANTS[name]).summary()
+            summary["mask_ms_per_masked_batch"] = 1e3 * summary["mask_s"] / max(summary["masked_batches"], 1)
+            summary["mask_fraction_of_run"] = summary["mask_s"] / summary["wall_s"]
+            rows[name]["runs"].append(summary)
+            print(f"run {run_index} {name}: {summary['tokens_per_s']:.0f} tok/s, {summary['ms_per_iteration']:.2f} "
+                  f"ms/iteration, mask {summary['mask_ms_per_masked_batch']:.3f} ms per masked batch "
+                  f"({summary['masked_batches']} masked, {summary['deferred_batches']} waited)", flush=True)
+    base = statistics.median(r["tokens_per_s"] for r in rows[names[0]]["runs"])
     for name in names:
-        runs = [run_trace(engine, trace, realtime=False, sampling=VARIANTS[name]).summary() for _ in range(args.num_runs)]
-        last = runs[-1]
-        last["mask_ms_per_masked_batch"] = 1e3 * last["mask_s"] / max(last["masked_batches"], 1)
-        last["mask_fraction_of_run"] = last["mask_s"] / last["wall_s"]
-        rows[name] = {"runs": runs}
-        base = rows[names[0]]["runs"][-1]
-        last["over_" + names[0]] = last["tokens_per_s"] / base["tokens_per_s"]
-        results.section("variants", rows)
-        print(f"{name}: {last['tokens_per_s']:.0f} tok/s, {last['over_' + names[0]]:.3f} of {names[0]}, "
-              f"{last['ms_per_iteration']:.2f} ms/iteration, mask {last['mask_ms_per_masked_batch']:.3f} ms "
-              f"per masked batch ({last['masked_batches']} masked, {last['deferred_batches']} waited)", flush=True)
+        median = statistics.median(r["tokens_per_s"] for r in rows[name]["runs"])
+        rows[name].update(median_tokens_per_s=median, over_baseline=median / base,
+                          runs_over_baseline=[r["tokens_per_s"] / base for r in rows[name]["runs"]])
+        print(f"{name}: median {median:.0f} tok/s, {median / base:.3f} of {names[0]}", flush=True)
+    results.section("baseline", names[0])
+    results.section("variants", rows)
     results.section("num_compiled_programs_after", engine.runner.compilation.num_compiled_programs)
     return results
 
@@ -84,10 +93,10 @@ def tables(result: dict) -> dict[str, list[dict]]:
     rows = []
     for name, variant in result.get("variants", {}).items():
         last = variant["runs"][-1]
-        ratio = next((v for k, v in last.items() if k.startswith("over_")), None)
-        rows.append({"variant": name, "tok/s": last["tokens_per_s"], "over baseline": ratio,
+        rows.append({"variant": name, "median tok/s": variant.get("median_tokens_per_s"),
+                     "over baseline": variant.get("over_baseline"), "runs": len(variant["runs"]),
                      "ms/iteration": last["ms_per_iteration"], "masked batches": last["masked_batches"] or None,
                      "mask ms/batch": last["mask_ms_per_masked_batch"] if last["masked_batches"] else None,
                      "mask share": last["mask_fraction_of_run"] if last["masked_batches"] else None,
                      "sampling waited": last["deferred_batches"] or None})
-    return {"variants (last run each)": rows}
+    return {"variants (median run; the mask columns from the last)": rows}

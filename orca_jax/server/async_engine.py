@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.request import SamplingParams
-
 from orca_jax.scheduler import QueueFullError
+from orca_jax.server.request_stream import RequestStream
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine, EngineStats
@@ -43,83 +43,6 @@ class EngineUnavailableError(Exception):
 
 class EngineDeadError(EngineUnavailableError):
     """The engine loop raised; every request in flight fails with this."""
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator or in batches; the engine thread feeds it."""
-
-    def __init__(self, request_id: str, num_prompt_tokens: int, loop: asyncio.AbstractEventLoop,
-                 abort: Callable[[str], None]):
-        self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
-        self.loop = loop
-        self.finished = False
-        self._abort = abort
-        # None ends the stream (abort). A deque and one waiter rather than an asyncio.Queue, whose
-        # bookkeeping (task counts, putters) is paid per token on the event loop.
-        self._pending: collections.deque[RequestOutput | BaseException | None] = collections.deque()
-        self._waiter: asyncio.Future | None = None
-
-    def put(self, item: RequestOutput | BaseException | None) -> None:
-        """Event-loop side of a delivery from the engine thread."""
-        self._pending.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def abort(self) -> None:
-        """Stop this request (client gone); the engine frees its KV before its next iteration."""
-        if self.finished:
-            return
-        self.finished = True
-        self._abort(self.request_id)
-        self.put(None)  # wakes a consumer blocked in __anext__
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished and not self._pending:
-            raise StopAsyncIteration
-        await self._wait_for_delivery()
-        output = self._take()
-        if output is None:
-            raise StopAsyncIteration
-        return output
-
-    async def next_outputs(self) -> list[RequestOutput]:
-        """Every output delivered by now, in order (waiting for the first); [] once the stream ended.
-
-        A handler that fell behind the engine gets all it missed at once and can send it in one
-        write, so it catches up instead of paying a wake-up and a send per token.
-        """
-        if self.finished and not self._pending:
-            return []
-        await self._wait_for_delivery()
-        outputs = []
-        while self._pending and not (outputs and isinstance(self._pending[0], BaseException)):
-            output = self._take()  # raises a delivered error that comes first
-            if output is None:
-                break
-            outputs.append(output)
-        return outputs
-
-    async def _wait_for_delivery(self) -> None:
-        while not self._pending:
-            self._waiter = self.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-
-    def _take(self) -> RequestOutput | None:
-        """The next delivery: an output, None at the end (abort), or its error raised."""
-        item = self._pending.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item is not None and item.finished:
-            self.finished = True
-        return item
 
 
 @dataclasses.dataclass(slots=True)
@@ -454,7 +377,6 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> No
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     if not future.done():
         future.set_result(error)
-
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:

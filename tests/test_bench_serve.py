@@ -82,10 +82,11 @@ def server():
 
 
 def _check_distributions(summary):
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms", "normalized_latency_ms"):
         dist = summary[key]
         assert dist["count"] > 0 and 0 < dist["min"] <= dist["p50"] <= dist["p90"] <= dist["p99"] <= dist["max"]
     assert summary["ttft_ms"]["max"] <= summary["e2e_latency_ms"]["max"]
+    assert summary["normalized_latency_ms"]["max"] <= summary["e2e_latency_ms"]["max"]
 
 
 def test_run_against_our_server(server):

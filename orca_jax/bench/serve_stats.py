@@ -115,6 +115,8 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo = Slo())
         "tpot_ms": distribution_ms(tpots),
         "itl_ms": distribution_ms([gap for r in done for gap in r.itls]),
         "e2e_latency_ms": distribution_ms([r.latency for r in done]),
+        # ORCA's latency metric (Figure 10): each request's end-to-end latency over its generated tokens.
+        "normalized_latency_ms": distribution_ms([r.latency / r.output_tokens for r in done if r.output_tokens]),
         "slo": dataclasses.asdict(slo),
         "good_requests": good,
         "goodput": good / duration_s if duration_s > 0 else 0.0,
@@ -129,8 +131,8 @@ def format_summary(summary: dict) -> str:
              f"{'output throughput (tok/s)':<28}{summary['output_throughput']:.1f}",
              f"{'goodput (req/s)':<28}{summary['goodput']:.2f}  (SLO {summary['slo']})"]
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
-                       ("e2e_latency_ms", "E2E latency")):
-        dist = summary[key]
+                       ("e2e_latency_ms", "E2E latency"), ("normalized_latency_ms", "E2E per output token")):
+        dist = summary.get(key, {})
         if dist.get("count"):
             lines.append(f"{label + ' (ms)':<28}mean {dist['mean']:.1f}  "
                          + "  ".join(f"p{p} {dist[f'p{p}']:.1f}" for p in PERCENTILES))

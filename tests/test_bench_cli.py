@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from orca_jax.bench import __main__ as bench
+from orca_jax.bench import harness
 from orca_jax.bench.datasets import LengthSpec, make_trace
 from orca_jax.bench.harness import engine_argv, engine_config, serve_flags
 from orca_jax.bench.plan import GIB, memory_plan
@@ -215,3 +216,12 @@ def test_throughput_and_latency_on_a_tensor_and_pipeline_mesh(tmp_path):
     assert one["mean_in_flight"] == 1 and 1 < two["mean_in_flight"] <= 2  # pipelined: two batches in flight
     (row,) = _result(tmp_path, "tiny-llama_latency.json")["rows"]
     assert row["ms_per_iteration"] > 0 and row["weight_bound_ms"] > 0
+
+
+def test_results_name_the_commit_given_for_a_copied_tree(monkeypatch):
+    # A tree copied to another machine keeps a stale .git there: the caller names the commit instead.
+    monkeypatch.delenv("ORCA_JAX_COMMIT", raising=False)
+    own = harness.source_commit()
+    assert own == "unknown" or len(own.split("-")[0]) == 12
+    monkeypatch.setenv("ORCA_JAX_COMMIT", "0123456789ab")
+    assert harness.source_commit() == "0123456789ab"

@@ -44,7 +44,10 @@ def add_result_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def source_commit() -> str:
-    """The checkout's commit (with -dirty when files differ), or 'unknown' outside a git checkout."""
+    """$ORCA_JAX_COMMIT when set (a copy of the tree run elsewhere, whose own git state may be stale),
+    else the checkout's commit (with -dirty when files differ), or 'unknown' outside a git checkout."""
+    if os.environ.get("ORCA_JAX_COMMIT"):
+        return os.environ["ORCA_JAX_COMMIT"]
     try:
         def git(*argv: str) -> str:
             return subprocess.run(["git", "-C", PACKAGE_DIR, *argv], capture_output=True, text=True,

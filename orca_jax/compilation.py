@@ -3,8 +3,9 @@
 An iteration dispatches compiled programs back to back: per token bucket and pipeline stage a
 stage-in (the batch's packed inputs into a buffer that stays put, stage.py) and a forward; then one
 sampling program (after penalty-table fills when a batch brings some); with LoRA adapters, a
-slot-update program per stage. Their keys are typed (ForwardKey, StageInKey, SampleKey,
-PenaltyFillKey, LoRAUpdateKey). `precompile` compiles
+slot-update program per stage; with prompt logprobs enabled, one prompt-logprobs forward per prompt
+length bucket. Their keys are typed (ForwardKey, StageInKey, SampleKey, PenaltyFillKey,
+LoRAUpdateKey, PromptLogprobsKey). `precompile` compiles
 them on a thread pool (XLA compiles outside the GIL), each one first looked up in the executable
 cache (executable_cache.py: serialized executables, loaded without tracing) and in jax's persistent
 compilation cache, so nothing compiles while serving. A key that was not precompiled still runs,
@@ -83,8 +84,16 @@ class PenaltyFillKey:
     """Filling penalty slots of the token-count tables from the host's tokens (one shape)."""
 
 
-ProgramKey = ForwardKey | StageInKey | SampleKey | PenaltyFillKey | LoRAUpdateKey
-_KEY_TYPES = {cls.__name__: cls for cls in (ForwardKey, StageInKey, SampleKey, PenaltyFillKey, LoRAUpdateKey)}
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class PromptLogprobsKey:
+    """The prompt-logprobs forward over one prompt padded to `length` tokens (prompt_logprobs.py)."""
+
+    length: int
+
+
+ProgramKey = ForwardKey | StageInKey | SampleKey | PenaltyFillKey | LoRAUpdateKey | PromptLogprobsKey
+_KEY_TYPES = {cls.__name__: cls for cls in (ForwardKey, StageInKey, SampleKey, PenaltyFillKey, LoRAUpdateKey,
+                                            PromptLogprobsKey)}
 
 
 def key_to_json(key: ProgramKey) -> list:
@@ -95,6 +104,8 @@ def key_to_json(key: ProgramKey) -> list:
         return [type(key).__name__]
     if isinstance(key, LoRAUpdateKey):
         return [type(key).__name__, key.stage]
+    if isinstance(key, PromptLogprobsKey):
+        return [type(key).__name__, key.length]
     if isinstance(key, ForwardKey):
         return [type(key).__name__, list(key.bucket), key.stage, key.lora]
     return [type(key).__name__, list(key.bucket), key.stage]
@@ -109,6 +120,8 @@ def key_from_json(data: list) -> ProgramKey:
         return PenaltyFillKey()
     if cls is LoRAUpdateKey:
         return LoRAUpdateKey(int(data[1]))
+    if cls is PromptLogprobsKey:
+        return PromptLogprobsKey(int(data[1]))
     if cls is ForwardKey:
         return ForwardKey(Bucket(*(int(x) for x in data[1])), int(data[2]), bool(data[3]))
     return cls(Bucket(*(int(x) for x in data[1])), int(data[2]))

@@ -287,6 +287,9 @@ class SamplingConfig:
     # Entries of the per-row logit table one request may use in one iteration: its logit_bias, its
     # bad words (one entry per tokenized word) and, below min_tokens, its stop and EOS tokens.
     logit_table_width: int = 64
+    # Requests may ask for prompt_logprobs (vLLM's SamplingParams field): one more program per prompt
+    # length bucket (prompt_logprobs.py), compiled at start-up only when this is on.
+    enable_prompt_logprobs: bool = False
 
     def __post_init__(self):
         if self.max_logprobs < 0:
@@ -341,6 +344,10 @@ class EngineConfig:
                              f"got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
+        if self.sampling.enable_prompt_logprobs and (self.parallel.num_stages > 1 or self.parallel.num_processes > 1):
+            raise ValueError("prompt logprobs run the model as one program on one stage's devices: they are not "
+                             "supported with pipeline parallelism (num_stages > 1) or several controller "
+                             "processes yet (SamplingConfig.enable_prompt_logprobs, --enable-prompt-logprobs)")
         if self.lora is not None and self.parallel.num_processes > 1:
             raise ValueError("LoRA adapters are not supported with several controller processes yet")
         if self.fine_tuning is not None:

@@ -162,6 +162,7 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         rules = self._logits_rules(sampling)
+        self._check_prompt_logprobs(sampling, lora_request)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
         seed = sampling.seed if sampling.seed is not None else \
@@ -187,6 +188,12 @@ class Engine:
             if lora_int_id:  # refused: its adapter need not stay in host memory for it
                 self.lora.request_done(request_id)
             raise
+        if sampling.prompt_logprobs is not None:  # once the scheduler took it: no prefill for a refused request
+            try:
+                request.prompt_logprobs = self.runner.prompt_logprobs(token_ids, sampling.prompt_logprobs)
+            except BaseException:
+                self.abort(request_id)
+                raise
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
 
@@ -200,6 +207,22 @@ class Engine:
         return LogitsRules.resolve(sampling, self.tokenizer, self.tokenizer.eos_token_ids,
                                    self.model_config.vocab_size, self.runner.config.vocab_size,
                                    self.config.sampling.logit_table_width)
+
+    def _check_prompt_logprobs(self, sampling: SamplingParams, lora_request: LoRARequest | None) -> None:
+        """ValueError (naming the SamplingParams field) if this engine cannot compute the prompt logprobs asked for."""
+        if sampling.prompt_logprobs is None:
+            return
+        if not self.config.sampling.enable_prompt_logprobs:
+            raise ValueError("SamplingParams.prompt_logprobs needs an engine started with prompt logprobs enabled "
+                             "(SamplingConfig.enable_prompt_logprobs, LLM(enable_prompt_logprobs=True), "
+                             "--enable-prompt-logprobs)")
+        max_logprobs = self.config.sampling.max_logprobs
+        if sampling.prompt_logprobs > max_logprobs:
+            raise ValueError(f"SamplingParams.prompt_logprobs must be between 0 and {max_logprobs} "
+                             f"(SamplingConfig.max_logprobs), got {sampling.prompt_logprobs}")
+        if lora_request is not None:
+            raise ValueError("SamplingParams.prompt_logprobs are not supported with a LoRA adapter yet: they are "
+                             "computed by the base model's forward without the adapter term")
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
@@ -370,6 +393,7 @@ class Engine:
                 ids[-num_new:], request.output_logprobs[-num_new:],
                 request.output_top_logprobs[-num_new:])]
         self._stats.generated_tokens_total += num_new
+        prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None  # the first output's only
         output = RequestOutput(
             request_id=request.request_id, new_token_ids=ids[len(ids) - num_new:], new_text=new_text,
             output_token_ids=list(ids), text=detok.text, num_prompt_tokens=request.num_prompt_tokens,
@@ -378,7 +402,8 @@ class Engine:
             new_logprobs=new_logprobs,
             queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
             num_cached_tokens=request.num_cached_tokens,
-            stop_reason=request.stop_reason if request.status.finished else None)
+            stop_reason=request.stop_reason if request.status.finished else None,
+            prompt_logprobs=prompt_logprobs)
         return output
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:

@@ -9,14 +9,14 @@ from typing import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation,
-                             LoRAConfig, ParallelConfig, SchedulerConfig, SchedulingPolicy)
+                             LoRAConfig, ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
 from orca_jax.engine_defaults import UsageContext, batch_defaults
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel
-from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
 
 Prompt = str | list[int]
@@ -43,6 +43,7 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (vLLM's name)
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs was set
 
     @property
     def text(self) -> str:
@@ -61,6 +62,9 @@ class LLM:
     enable_lora serves peft adapters (generate's lora_request) from max_loras device slots of
     max_lora_rank, keeping up to max_cpu_loras more in host memory. enable_fine_tuning (LoRA implied)
     lets fine_tune train adapters on the served model, keeping its jobs under fine_tuning_dir.
+    enable_prompt_logprobs lets SamplingParams.prompt_logprobs be asked for (up to max_logprobs, which
+    also caps logprobs; None: SamplingConfig's default); each such request costs one more forward over
+    its prompt (prompt_logprobs.py).
     max_num_seqs and max_num_batched_tokens default to the device's (engine_defaults.py).
     """
 
@@ -72,8 +76,8 @@ class LLM:
                  pipeline_parallel_size: int = 1, seed: int = 0, enable_prefix_caching: bool = True,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, enable_fine_tuning: bool = False,
-                 fine_tuning_dir: str | None = None,
-                 engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+                 fine_tuning_dir: str | None = None, enable_prompt_logprobs: bool = False,
+                 max_logprobs: int | None = None, engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
             defaults = batch_defaults(UsageContext.OFFLINE)  # the device's (engine_defaults.py)
             max_num_seqs = max_num_seqs or defaults.max_num_seqs
@@ -88,7 +92,8 @@ class LLM:
                                       kv_allocation=KVAllocation(kv_allocation)),
             parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
             attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
-            seed=seed,
+            seed=seed, sampling=SamplingConfig(enable_prompt_logprobs=enable_prompt_logprobs,
+                                               **({} if max_logprobs is None else {"max_logprobs": max_logprobs})),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or enable_fine_tuning else None,
             fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None)
         self.engine = Engine(config, loaded)
@@ -117,7 +122,7 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         finished = self._run_to_completion(set(ids), use_tqdm)
-        return [_to_generation_output(finished[i], p, self.engine) for i, p in zip(ids, prompts)]
+        return [_to_generation_output(*finished[i], p, self.engine) for i, p in zip(ids, prompts)]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -165,14 +170,19 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def _run_to_completion(self, pending: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run_to_completion(self, pending: set[str], use_tqdm: bool) -> dict[str, tuple[RequestOutput, _Collected]]:
+        """Each request's final output, with what its earlier outputs carried."""
+        finished: dict[str, tuple[RequestOutput, _Collected]] = {}
+        collected = {request_id: _Collected() for request_id in pending}
         bar = tqdm(total=len(pending), desc="generating", unit="req", disable=not use_tqdm)
         try:
             while len(finished) < len(pending):
                 for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        finished[out.request_id] = out
+                    if out.request_id not in pending:
+                        continue
+                    collected[out.request_id].add(out)
+                    if out.finished:
+                        finished[out.request_id] = out, collected[out.request_id]
                         bar.update(1)
         except BaseException:
             for request_id in pending - finished.keys():
@@ -181,6 +191,21 @@ class LLM:
         finally:
             bar.close()
         return finished
+
+
+@dataclasses.dataclass(slots=True)
+class _Collected:
+    """What a request's outputs carry only once or piece by piece: its prompt logprobs (on the first)
+    and the logprobs of its tokens (with each output's new tokens)."""
+
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        if out.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.new_logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
@@ -209,10 +234,11 @@ def _per_prompt_lora(lora_request, n: int) -> list[LoRARequest | None]:
     return loras
 
 
-def _to_generation_output(out: RequestOutput, prompt: Prompt, engine: Engine) -> GenerationOutput:
+def _to_generation_output(out: RequestOutput, collected: _Collected, prompt: Prompt,
+                          engine: Engine) -> GenerationOutput:
     prompt_ids = engine.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
     completion = CompletionOutput(index=0, text=out.text, token_ids=out.output_token_ids,
-                                  finish_reason=out.finish_reason)
+                                  finish_reason=out.finish_reason, logprobs=collected.logprobs)
     return GenerationOutput(request_id=out.request_id, prompt=prompt if isinstance(prompt, str) else None,
                             prompt_token_ids=prompt_ids, outputs=[completion],
-                            num_cached_tokens=out.num_cached_tokens)
+                            num_cached_tokens=out.num_cached_tokens, prompt_logprobs=collected.prompt_logprobs)

@@ -14,6 +14,20 @@ class TokenLogprob:
     top: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> logprob
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's log-probability at one prompt position and its rank there (1: the most likely;
+    vLLM's Logprob, without the decoded text, which the server adds)."""
+
+    logprob: float
+    rank: int
+
+
+# vLLM's PromptLogprobs: per prompt position, None at the first (nothing precedes it), else the
+# prompt token's and the top-k tokens' Logprob by token id (the prompt token first).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
 @dataclasses.dataclass(slots=True)
 class RequestOutput:
     """The news of one request from one iteration: the delta, and the totals so far."""
@@ -32,3 +46,5 @@ class RequestOutput:
     # vLLM's stop_reason once finished: the stop string or stop token id that ended the output;
     # None for EOS, max_tokens, a completed grammar or an abort.
     stop_reason: int | str | None = None
+    # SamplingParams.prompt_logprobs' answer, on the request's first output only (None on the rest).
+    prompt_logprobs: PromptLogprobs | None = None

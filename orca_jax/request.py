@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
     from orca_jax.detokenizer import IncrementalDetokenizer
+    from orca_jax.outputs import PromptLogprobs
     from orca_jax.structured.constraint import Constraint
     from orca_jax.structured.matcher import GrammarMatcher
     from orca_jax.logits_rules import LogitsRules
@@ -38,6 +39,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: also the top N (EngineConfig caps N)
+    # None: none; k: at every prompt position after the first, the prompt token's logprob and rank and
+    # the k most likely tokens' (SamplingConfig.max_logprobs caps k; needs enable_prompt_logprobs).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # Subtracted from a token's logit once if it was generated (presence), per time generated (frequency).
     presence_penalty: float = 0.0
@@ -87,6 +91,8 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
              "an int >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0), "an int >= 0"),
             ("presence_penalty", _is_number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
              "in [-2, 2]"),
             ("frequency_penalty", _is_number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
@@ -189,6 +195,9 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    # SamplingParams.prompt_logprobs' answer, computed when the request was added; handed out with
+    # its first RequestOutput, then None.
+    prompt_logprobs: PromptLogprobs | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_iterations: int = 0  # iterations this request took part in

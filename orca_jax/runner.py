@@ -24,7 +24,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from orca_jax import multihost
 from orca_jax.batch import RaggedBatch, empty_batch, pack_forward_inputs
 from orca_jax.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PenaltyFillKey,
-                                  PrecompileReport, ProgramKey, ProgramSource, ProgressFn, SampleKey, StageInKey)
+                                  PrecompileReport, ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey,
+                                  SampleKey, StageInKey)
 from orca_jax.config import AttentionBackend, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SamplingConfig
 from orca_jax.executable_cache import ExecutableCache
 from orca_jax.kernels import ragged_attention as ragged
@@ -34,6 +35,8 @@ from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.logits_processing import tables_bytes
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
+from orca_jax.outputs import PromptLogprobs
+from orca_jax.prompt_logprobs import PromptLogprobsProgram
 from orca_jax.sampler import Sampler
 from orca_jax.sharding import rules, tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
@@ -120,6 +123,9 @@ class ModelRunner:
             stage.allocate_kv(self.num_pages, self.page_size)
         first, last = self.stages[0], self.stages[-1]
         self.sampler = Sampler(last.replicated, config.vocab_size, max_num_seqs, sampling)
+        # SamplingConfig.enable_prompt_logprobs: a forward over whole prompts (None: off, no programs).
+        self._prompt_logprobs = PromptLogprobsProgram(first, sampling.max_logprobs, config.max_seq_len) \
+            if sampling.enable_prompt_logprobs else None
         # The last sampled token of every row, on the first stage, for a batch dispatched before they
         # reach the host (see RaggedBatch.token_sources). Nothing sampled yet: zeros.
         self._next_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), first.replicated)
@@ -164,7 +170,9 @@ class ModelRunner:
         """What every program of this runner depends on beyond its own key and input arrays."""
         return (repr(self.config), backend.value, self.device.platform, self.tensor_plan.vocab_size,
                 self.max_num_seqs, repr(self.lora_config), [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
-                                    for s in self.stages], repr(self.sampler.config))
+                                    for s in self.stages],
+                # The flag adds programs of its own; the others do not depend on it.
+                repr(dataclasses.replace(self.sampler.config, enable_prompt_logprobs=False)))
 
     @property
     def params_seconds(self) -> float:
@@ -194,19 +202,26 @@ class ModelRunner:
     def program_keys(self, buckets: Iterable[Bucket]) -> list[ProgramKey]:
         """Every program an iteration over these buckets can need: per bucket a stage-in and a forward
         per stage (with LoRA, a second forward with the adapter term, and one slot update per stage),
-        and the sampling family per sequence width (sampler.py)."""
+        and the sampling family per sequence width (sampler.py); with prompt logprobs, their program per
+        length bucket (prompt_logprobs.py)."""
         buckets = list(buckets)
         keys: list[ProgramKey] = [cls(bucket, stage.index) for bucket in buckets
                                   for cls in (StageInKey, ForwardKey) for stage in self.stages]
         if self.lora_config is not None:
             keys += [ForwardKey(bucket, stage.index, True) for bucket in buckets for stage in self.stages]
             keys += [LoRAUpdateKey(stage.index) for stage in self.stages]
+        if self._prompt_logprobs is not None:
+            keys += [PromptLogprobsKey(length) for length in self._prompt_logprobs.lengths]
         return keys + self.sampler.program_keys(b.seqs for b in buckets)
 
     def _program_source(self, key: ProgramKey) -> ProgramSource:
         if isinstance(key, (SampleKey, PenaltyFillKey)):  # sampling runs on the last stage's mesh
             return ProgramSource(functools.partial(self.sampler.lower, key),
                                  list(self.stages[-1].mesh.devices.flat), ())
+        if isinstance(key, PromptLogprobsKey):
+            program = self._prompt_logprobs
+            return ProgramSource(functools.partial(program.lower, key.length), list(program.stage.mesh.devices.flat),
+                                 program.input_specs)
         stage = self.stages[key.stage]
         if isinstance(key, StageInKey):  # its only inputs are the packed vectors its key sizes
             return ProgramSource(functools.partial(stage.lower_stage_in, key.bucket),
@@ -278,6 +293,14 @@ class ModelRunner:
         if self._mirror is not None:
             self._mirror.execute(batch)
         return self.sample(self._forward(batch), batch)
+
+    def prompt_logprobs(self, token_ids: list[int], num_top: int) -> PromptLogprobs:
+        """The logprobs of a prompt's tokens with the top `num_top` at each position (prompt_logprobs.py):
+        one forward over the whole prompt, waited for (behind the batches already on the device)."""
+        if self._prompt_logprobs is None:
+            raise RuntimeError("this runner computes no prompt logprobs (SamplingConfig.enable_prompt_logprobs)")
+        key = PromptLogprobsKey(self._prompt_logprobs.length_for(len(token_ids)))
+        return self._prompt_logprobs.run(self.compilation.executable(key), token_ids, num_top)
 
     def stop_workers(self) -> None:
         """With several processes, end the others' worker loops (call on process 0; else a no-op)."""

@@ -174,8 +174,10 @@ async def test_models_endpoint_and_unknown_model():
     ({"prompt": "x", "allowed_token_ids": [1, 300]}, "allowed_token_ids"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "x", "bad_words": [""]}, "bad_words"),
-    ({"prompt": "x", "echo": True, "logprobs": 0}, None),
+    ({"prompt": "x", "echo": True, "logprobs": 0}, "echo"),  # prompt logprobs are not enabled
     ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, None),
     ({"prompt": "x", "response_format": {"type": "json"}}, "response_format"),
     ({"prompt": "x", "guided_regex": "[a-z]+", "guided_choice": ["a"]}, "guided_choice"),
     ({"prompt": "x", "guided_regex": "("}, "guided_regex"),

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from orca_jax.lora.request import LoRARequest
-from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
 from orca_jax.server.async_engine import AsyncEngine, RequestStream
 from orca_jax.server.formatting import Final
@@ -131,17 +131,23 @@ class ChoiceStreams:
         watcher = _abort_on_disconnect(request, self)
         finals: list[RequestOutput | None] = [None] * len(self.streams)
         logprobs: list[list[TokenLogprob] | None] = [None] * len(self.streams)
+        prompt_logprobs: list[PromptLogprobs | None] = [None] * len(self.streams)  # on each first output
         try:
             async for index, outputs in self.merged():
                 for output in outputs:
                     if output.new_logprobs is not None:
                         logprobs[index] = (logprobs[index] or []) + output.new_logprobs
+                    if output.prompt_logprobs is not None:
+                        prompt_logprobs[index] = output.prompt_logprobs
                     finals[index] = output
         finally:
             watcher.cancel()
             self.abort_all()  # no-op once finished; frees the KV when we were cancelled
         if any(final is None or not final.finished for final in finals):
             return None
+        # The final output answers for the whole request, its prompt logprobs included.
+        finals = [final if prompt is None else dataclasses.replace(final, prompt_logprobs=prompt)
+                  for final, prompt in zip(finals, prompt_logprobs)]
         return list(zip(finals, logprobs))
 
 

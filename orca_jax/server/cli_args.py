@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0, help="seed of random weights and unseeded sampling")
     model.add_argument("--max-logprobs", type=int, default=_default(SamplingConfig, "max_logprobs"),
                        help="the most logprobs (top_logprobs) a request may ask for; sizes the sampling programs")
+    model.add_argument("--enable-prompt-logprobs", action="store_true",
+                       help="let requests ask for prompt_logprobs (and completions for echo with logprobs): one "
+                       "more forward over the prompt of each request that asks, and one more program per "
+                       "prompt length bucket to compile at start")
 
     sched = p.add_argument_group("scheduling")
     sched.add_argument("--max-num-seqs", type=int, default=None,
@@ -342,7 +346,7 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
                                 tensor_parallel=args.tensor_parallel_size,
                                 coordinator_address=args.coordinator_address,
                                 num_processes=args.num_processes, process_id=args.process_id),
-        sampling=SamplingConfig(max_logprobs=args.max_logprobs),
+        sampling=SamplingConfig(max_logprobs=args.max_logprobs, enable_prompt_logprobs=args.enable_prompt_logprobs),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,

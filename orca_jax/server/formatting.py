@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 
-from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
+from orca_jax.server import responses
 from orca_jax.server.responses import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatDelta, ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionResponse,
-    DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall, TopLogprob, Usage,
+    DeltaFunctionCall, DeltaToolCall, FunctionCall, PromptLogprob, ToolCall, TopLogprob, Usage,
 )
 from orca_jax.server.structured import ToolPlan
 from orca_jax.structured.tool_parsers import ParsedDelta, StreamingToolParser, ToolCallDelta
@@ -22,7 +23,8 @@ from orca_jax.structured.tool_parsers import ParsedDelta, StreamingToolParser, T
 # JSON has no -inf; OpenAI clients expect a number, so a vanishing probability becomes this.
 MIN_LOGPROB = -9999.0
 
-# A finished choice: its last output and all of its logprobs (None when none were asked for).
+# A finished choice: its last output (with the request's prompt_logprobs, when asked for) and all of
+# its logprobs (None when none were asked for).
 Final = tuple[RequestOutput, list[TokenLogprob] | None]
 
 
@@ -61,31 +63,51 @@ class _ChunkFrame:
 
 
 class _Formatter:
-    """What both endpoints' formatters share: identity of the response and the tokenizer."""
+    """What both endpoints' formatters share: identity of the response and the tokenizer.
 
-    def __init__(self, response_id: str, model: str, created: int, tokenizer, *, include_usage: bool):
+    `prompt_logprobs`: the top k each prompt position shows in the prompt_logprobs field (the
+    request's own; the engine may have computed more for an echo), None when not asked for.
+    """
+
+    def __init__(self, response_id: str, model: str, created: int, tokenizer, *, include_usage: bool,
+                 prompt_logprobs: int | None = None):
         self.response_id = response_id
         self.model = model
         self.created = created
         self.tokenizer = tokenizer
         self.include_usage = include_usage
+        self.num_prompt_logprobs = prompt_logprobs
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def prompt_logprobs(self, positions: PromptLogprobs | None) -> responses.PromptLogprobs | None:
+        """vLLM's prompt_logprobs field: at each position the prompt token (first) and the top k."""
+        if self.num_prompt_logprobs is None or positions is None:
+            return None
+        return [None if position is None else {
+            str(token): PromptLogprob(logprob=_clamp(item.logprob), rank=item.rank, decoded_token=self.token_text(token))
+            for j, (token, item) in enumerate(position.items()) if j == 0 or item.rank <= self.num_prompt_logprobs}
+            for position in positions]
 
 
 class CompletionFormatter(_Formatter):
     """Bodies of /v1/completions (object "text_completion", streamed or not).
 
-    `echo_texts` (echo: true): each choice's prompt text, put before its completion.
+    `echo_texts` (echo: true): each choice's prompt text, put before its completion. `echo_logprobs`
+    (echo with logprobs: k): the top k of each prompt token go before the completion's logprobs, read
+    from the request's prompt logprobs; `prompt_ids` are then each choice's prompt.
     """
 
-    def __init__(self, *args, echo_texts: list[str] | None = None, **kwargs):
+    def __init__(self, *args, echo_texts: list[str] | None = None, echo_logprobs: int | None = None,
+                 prompt_ids: list[list[int]] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._text_offsets: dict[int, int] = {}  # choice -> where its next token's text starts
         self._frame = _ChunkFrame(self._response([], usage=None).model_dump_json())
         self._echo_texts = echo_texts
         self._unechoed = set(range(len(echo_texts))) if echo_texts else set()  # streamed choices yet to echo
+        self._echo_logprobs = echo_logprobs
+        self._prompt_ids = prompt_ids
 
     def logprobs(self, index: int, items: list[TokenLogprob]) -> CompletionLogprobs:
         result = CompletionLogprobs()
@@ -100,22 +122,49 @@ class CompletionFormatter(_Formatter):
         self._text_offsets[index] = offset
         return result
 
+    def _with_echo(self, index: int, output: RequestOutput, items: list[TokenLogprob] | None) -> CompletionLogprobs | None:
+        """The choice's logprobs, the echoed prompt's first when it carries them (OpenAI's legacy
+        completions: the first prompt token's logprob and top are null)."""
+        if self._echo_logprobs is None or output.prompt_logprobs is None:
+            return None if items is None else self.logprobs(index, items)
+        result = CompletionLogprobs()
+        offset = 0
+        for token, position in zip(self._prompt_ids[index], output.prompt_logprobs):
+            text = self.token_text(token)
+            result.tokens.append(text)
+            result.token_logprobs.append(None if position is None else _clamp(position[token].logprob))
+            result.top_logprobs.append(None if position is None else {
+                self.token_text(t): _clamp(item.logprob) for t, item in position.items()
+                if item.rank <= self._echo_logprobs})
+            result.text_offset.append(offset)
+            offset += len(text)
+        self._text_offsets[index] = offset
+        if items:
+            generated = self.logprobs(index, items)
+            for name in CompletionLogprobs.model_fields:
+                getattr(result, name).extend(getattr(generated, name))
+        return result
+
     def opening_chunks(self, num_choices: int) -> list[str]:
         return []
 
     def chunks(self, index: int, output: RequestOutput) -> list[str]:
         text = output.new_text
-        if index in self._unechoed:
+        logprobs = output.new_logprobs
+        echoing = index in self._unechoed
+        if echoing:
             self._unechoed.discard(index)
             text = self._echo_texts[index] + text
-        if not (text or output.finished or output.new_logprobs):
+        if not (text or output.finished or logprobs):
             return []  # text held back (a stop string may be forming): nothing to say yet
         finish_reason, stop_reason = _ends(output)
-        if output.new_logprobs is None:  # the common case, written by hand: see _ChunkFrame
+        if logprobs is None and not (echoing and self._echo_logprobs is not None):
+            # the common case, written by hand: see _ChunkFrame
             return [self._frame.around(f'{{"index":{index},"text":{_json(text)},"logprobs":null,'
                                        f'"finish_reason":{_json(finish_reason)},"stop_reason":{_json(stop_reason)}}}')]
         choice = CompletionChoice(index=index, text=text, finish_reason=finish_reason, stop_reason=stop_reason,
-                                  logprobs=self.logprobs(index, output.new_logprobs))
+                                  logprobs=self._with_echo(index, output, logprobs) if echoing
+                                  else self.logprobs(index, logprobs))
         return [self._frame.around(choice.model_dump_json())]
 
     def usage_chunk(self, usage: Usage) -> str:
@@ -124,7 +173,8 @@ class CompletionFormatter(_Formatter):
     def response(self, finals: list[Final], usage: Usage) -> CompletionResponse:
         choices = [CompletionChoice(index=index, text=(self._echo_texts[index] if self._echo_texts else "") + final.text,
                                     finish_reason=final.finish_reason, stop_reason=final.stop_reason,
-                                    logprobs=self.logprobs(index, logprobs) if logprobs is not None else None)
+                                    logprobs=self._with_echo(index, final, logprobs),
+                                    prompt_logprobs=self.prompt_logprobs(final.prompt_logprobs))
                    for index, (final, logprobs) in enumerate(finals)]
         return self._response(choices, usage=usage)
 
@@ -212,8 +262,10 @@ class ChatFormatter(_Formatter):
             choices.append(ChatChoice(index=index, message=message, finish_reason=finish_reason,
                                       stop_reason=final.stop_reason,
                                       logprobs=self.logprobs(logprobs) if logprobs is not None else None))
+        # One prompt for every choice: the first's prompt logprobs are all of theirs (vLLM's field).
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                      choices=choices, usage=usage)
+                                      choices=choices, usage=usage,
+                                      prompt_logprobs=self.prompt_logprobs(finals[0][0].prompt_logprobs))
 
     def _chunk(self, index: int, delta: ChatDelta, logprobs: ChatLogprobs | None,
                finish_reason: str | None, stop_reason: str | int | None = None) -> str:

@@ -25,7 +25,6 @@ MAX_N = 128  # OpenAI's own bound on choices per request
 # (JSON Schema's own words), the field validators below give the friendlier message.
 _ONLY_EMPTY_OBJECT = {"maxProperties": 0}
 _ONLY_EMPTY_LIST = {"maxItems": 0}
-_ONLY_NULL = {"enum": [None]}
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 # The structured-output fields a request may give, at most one of them (response_format "text" aside).
@@ -46,12 +45,16 @@ _STREAM_OPTIONS_NEED_STREAM = [
     {"not": {"allOf": [_SOME_STREAM_OPTIONS, {"not": {"required": ["stream"]}}]}},
     {"not": {"allOf": [_SOME_STREAM_OPTIONS, {"required": ["stream"], "properties": {"stream": {"const": False}}}]}},
 ]
+# prompt_logprobs are not streamed (vLLM refuses them with stream: true too).
+_NO_STREAMED_PROMPT_LOGPROBS = {"not": {"required": ["stream", "prompt_logprobs"], "properties": {
+    "stream": {"const": True}, "prompt_logprobs": {"type": "integer"}}}}
+_RULES = [_ONE_DEADLINE, *_STREAM_OPTIONS_NEED_STREAM, _NO_STREAMED_PROMPT_LOGPROBS]
 
 
 class _GenerationRequest(StrictBody):
     """Fields both endpoints share: sampling, stopping, streaming, output shape and our extensions."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_DEADLINE, *_STREAM_OPTIONS_NEED_STREAM]})
+    model_config = ConfigDict(json_schema_extra={"allOf": _RULES})
 
     model: str | None = None  # None: the one served model
     max_tokens: int | None = Field(None, ge=1)
@@ -78,7 +81,8 @@ class _GenerationRequest(StrictBody):
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None  # vLLM's
     skip_special_tokens: bool = True  # vLLM's: special tokens left out of the text
     spaces_between_special_tokens: bool = True  # vLLM's
-    prompt_logprobs: int | None = Field(None, json_schema_extra=_ONLY_NULL)
+    # vLLM's: the prompt tokens' logprobs with the top k at each position (needs --enable-prompt-logprobs).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_INT32)
     ignore_eos: bool = False  # vLLM's
     priority: int = Field(0, ge=-MAX_INT32, le=MAX_INT32)  # extension; higher runs first
     # Extension: milliseconds from arrival. A request still waiting when it passes is dropped (504,
@@ -100,6 +104,12 @@ class _GenerationRequest(StrictBody):
             raise ValueError("give deadline_ms or deadline (seconds), not both")
         return self
 
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available with stream: true")
+        return self
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo):
@@ -113,12 +123,10 @@ class _GenerationRequest(StrictBody):
         """Seconds from arrival to the request's deadline, whichever field gave it; None: none."""
         return self.deadline_ms / 1000 if self.deadline_ms is not None else self.deadline
 
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _no_prompt_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("prompt_logprobs is not supported: the server computes no logprobs of prompt tokens")
-        return value
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: the top k the answer shows at each prompt position."""
+        return self.prompt_logprobs
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -140,32 +148,30 @@ class _GenerationRequest(StrictBody):
         return given
 
 
-# echo repeats the prompt's text; its logprobs would be prompt logprobs, which are not computed.
-_NO_ECHO_WITH_LOGPROBS = {"not": {"required": ["echo", "logprobs"],
-                                  "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}}}}
-
-
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
-
-    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_DEADLINE, *_STREAM_OPTIONS_NEED_STREAM,
-                                                           _NO_ECHO_WITH_LOGPROBS]})
 
     # One prompt (text or token ids) or a list of them; each prompt gets n choices.
     prompt: NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr], Field(min_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=MAX_INT32)  # at most the server's --max-logprobs
-    echo: bool = False  # the prompt's text before each choice's
+    # The prompt's text before each choice's; with logprobs, its tokens' logprobs before the choice's
+    # (prompt logprobs: needs --enable-prompt-logprobs).
+    echo: bool = False
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="must equal n when given: the server "
                                 "does not rank candidates")
 
-    @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported: it would need the prompt tokens' "
-                             "logprobs, which the server does not compute")
-        return self
+    @property
+    def echo_logprobs(self) -> int | None:
+        """The top logprobs each echoed prompt token carries (echo with logprobs), else None."""
+        return self.logprobs if self.echo else None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: enough for the prompt_logprobs field and the echo's logprobs."""
+        wanted = [k for k in (self.prompt_logprobs, self.echo_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
     @field_validator("suffix")
     @classmethod
@@ -248,7 +254,7 @@ class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     # top_logprobs > 0 needs logprobs true (the model validator below); in the schema's own terms.
-    model_config = ConfigDict(json_schema_extra={"allOf": [_ONE_DEADLINE, *_STREAM_OPTIONS_NEED_STREAM, {"not": {
+    model_config = ConfigDict(json_schema_extra={"allOf": [*_RULES, {"not": {
         "required": ["top_logprobs"],
         "properties": {"top_logprobs": {"type": "integer", "minimum": 1}, "logprobs": {"enum": [False]}}}}]})
 

@@ -52,9 +52,22 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    # None at an echoed prompt's first token, which nothing precedes (OpenAI's legacy completions).
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob as its server writes it: one token at one prompt position."""
+
+    logprob: float
+    rank: int  # 1: the most likely token there
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt position, None at the first, else token id -> its PromptLogprob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -63,6 +76,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: StopReason = None
+    # vLLM's, when the request asked for them; the key is left out otherwise.
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent_if_none)
 
 
 class CompletionResponse(BaseModel):
@@ -121,6 +136,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's (one prompt for all choices), when the request asked for them; left out otherwise.
+    prompt_logprobs: PromptLogprobs | None = Field(None, exclude_if=_absent_if_none)
 
 
 class DeltaFunctionCall(BaseModel):

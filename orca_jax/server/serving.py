@@ -76,6 +76,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.max_logprobs = engine.config.sampling.max_logprobs
+        self.enable_prompt_logprobs = engine.config.sampling.enable_prompt_logprobs
         self.page_size = engine.config.cache.page_size
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -93,7 +94,9 @@ class OpenAIServing:
             echo_texts = [texts[choice.prompt_index] for choice in choices]
         request_id = new_id("cmpl")
         formatter = CompletionFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
-                                        include_usage=body.include_usage_in_stream, echo_texts=echo_texts)
+                                        include_usage=body.include_usage_in_stream, echo_texts=echo_texts,
+                                        echo_logprobs=body.echo_logprobs, prompt_ids=[c.prompt_ids for c in choices],
+                                        prompt_logprobs=body.prompt_logprobs)
         return await self._generate(body, request, request_id, choices, formatter, lora)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -113,7 +116,8 @@ class OpenAIServing:
                                 keep_special_tokens=tools is not None and tools.needs_special_tokens)
         request_id = new_id("chatcmpl")
         formatter = ChatFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
-                                  include_usage=body.include_usage_in_stream, tools=tools)
+                                  include_usage=body.include_usage_in_stream, tools=tools,
+                                  prompt_logprobs=body.prompt_logprobs)
         return await self._generate(body, request, request_id, choices, formatter, lora)
 
     def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None, *, add_generation_prompt: bool) -> list[int]:
@@ -174,6 +178,7 @@ class OpenAIServing:
             name = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
             raise APIError(400, f"{name} must be at most {self.max_logprobs} (the server's --max-logprobs), "
                            f"got {logprobs}", param=name)
+        self._check_prompt_logprobs(body)
         for name, ids in (("logit_bias", [int(t) for t in body.logit_bias or ()]),
                           ("allowed_token_ids", body.allowed_token_ids or ())):
             self._check_token_ids(ids, param=name)
@@ -191,6 +196,18 @@ class OpenAIServing:
                                           skip_special_tokens)
                 choices.append(Choice(len(choices), prompt_index, prompt_ids, sampling))
         return choices
+
+    def _check_prompt_logprobs(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """400 for prompt logprobs (asked for, or an echo's with logprobs) this server cannot give."""
+        if body.num_prompt_logprobs is None:
+            return
+        param = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
+        what = "prompt_logprobs" if param == "prompt_logprobs" else "echo with logprobs (the prompt's logprobs)"
+        if not self.enable_prompt_logprobs:
+            raise APIError(400, f"{what} needs a server started with --enable-prompt-logprobs", param=param)
+        if body.prompt_logprobs is not None and body.prompt_logprobs > self.max_logprobs:
+            raise APIError(400, f"prompt_logprobs must be at most {self.max_logprobs} (the server's --max-logprobs), "
+                           f"got {body.prompt_logprobs}", param=param)
 
     def _check_prompt_ids(self, prompt_ids: list[int], *, param: str) -> None:
         if not prompt_ids:
@@ -229,7 +246,7 @@ class OpenAIServing:
                 max_tokens=max_tokens, temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
                 min_p=body.min_p, seed=seed, stop=body.stop_strings, stop_token_ids=tuple(body.stop_token_ids or ()),
                 include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
-                logprobs=logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                logprobs=logprobs, prompt_logprobs=body.num_prompt_logprobs, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
                 logit_bias=body.logit_bias or None, bad_words=tuple(body.bad_words or ()),
                 allowed_token_ids=body.allowed_token_ids, skip_special_tokens=skip_special_tokens,

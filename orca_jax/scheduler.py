@@ -228,23 +228,17 @@ class Scheduler:
 
     # ---- KV: admission, growth, preemption --------------------------------------------------------
     def _admission_tokens(self, request: Request) -> int:
-        if self.config.kv_allocation is KVAllocation.RESERVE:
-            return request.max_total_tokens
-        return request.num_initiation_tokens
+        """RESERVE (Algorithm 1) reserves for prompt + max_tokens; ON_DEMAND for what it feeds first."""
+        reserve = self.config.kv_allocation is KVAllocation.RESERVE
+        return request.max_total_tokens if reserve else request.num_initiation_tokens
 
     def _watermark_pages(self) -> int:
         """Pages ON_DEMAND admission leaves unreserved, so running requests can grow a while."""
-        if self.config.kv_allocation is KVAllocation.RESERVE:
-            return 0
-        return int(self.config.kv_watermark * self.kv.num_usable_pages)
+        on_demand = self.config.kv_allocation is KVAllocation.ON_DEMAND
+        return int(self.config.kv_watermark * self.kv.num_usable_pages) if on_demand else 0
 
-    def _cached_prefix(self, request: Request) -> list[int]:
-        """Cached pages a waiting request can start from: full pages before its last initiation token
-        (that one is always computed, so sampling has its logits)."""
-        return self.kv.cached_prefix(request, request.num_initiation_tokens - 1)
-
-    def _may_admit(self, request: Request, hit: list[int]) -> bool:
-        cost = self.kv.admission_cost(self._admission_tokens(request), hit)
+    def _may_admit(self, request: Request, tokens: int, hit: list[int]) -> bool:
+        cost = self.kv.admission_cost(tokens, hit)
         if not self.policy.may_admit(request, self.kv, cost):
             return False
         return self.kv.num_unreserved_pages - cost >= self._watermark_pages()
@@ -253,8 +247,11 @@ class Scheduler:
         """Give a waiting request its KV (preempting lower-ranked requests if the policy may), starting
         from the pages of its prefix already cached, and its LoRA adapter's slot; None: its KV would
         fit, but its adapter has no slot yet."""
-        hit = self._cached_prefix(request)
-        fits = self._may_admit(request, hit)
+        tokens = self._admission_tokens(request)
+        # Cached full pages before its last initiation token (that one is always computed, so sampling
+        # has its logits).
+        hit = self.kv.cached_prefix(request, request.num_initiation_tokens - 1)
+        fits = self._may_admit(request, tokens, hit)
         if not fits and not self.policy.preempts_for_admission:
             return False
         if self._adapters is not None and not self._adapters.admit(request):
@@ -262,18 +259,17 @@ class Scheduler:
         if not fits:
             victims = [r for r in self._ranked_running(now)
                        if r not in batch and self.policy.outranks(request, r, now)]
-            need = self.kv.admission_cost(self._admission_tokens(request), hit) + self._watermark_pages()
+            need = self.kv.admission_cost(tokens, hit) + self._watermark_pages()
             if self.kv.num_unreserved_pages + sum(self.kv.num_reserved_for(v.request_id)
                                                   for v in victims) < need:
                 return self._release_adapter(request)  # even all of them would not make room: take nothing
-            while victims and not self._may_admit(request, hit):
+            while victims and not self._may_admit(request, tokens, hit):
                 victim = victims.pop()  # the lowest-ranked first
                 self.preempt(victim)
                 preempted.add(victim)
-            if not self._may_admit(request, hit):
+            if not self._may_admit(request, tokens, hit):
                 return self._release_adapter(request)
-        self.kv.reserve(request.request_id, self._admission_tokens(request), hit,
-                        num_queried=request.num_initiation_tokens)
+        self.kv.reserve(request.request_id, tokens, hit, num_queried=request.num_initiation_tokens)
         request.num_computed_tokens = len(hit) * self.kv.page_size
         if request.num_preemptions == 0:  # what its client hears of: its first life's hits
             request.num_cached_tokens += request.num_computed_tokens

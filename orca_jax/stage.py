@@ -31,12 +31,13 @@ from orca_jax.batch import forward_inputs_size, unpack_forward_inputs
 from orca_jax.compilation import Bucket
 from orca_jax.config import LoRAConfig
 from orca_jax.executable_cache import describe_arrays
-from orca_jax.lora.ops import LoRATokens
+from orca_jax.lora.ops import LoRATokens, SmallBatchForm, small_batch_form
 from orca_jax.lora.table import StageLoRATable
 from orca_jax.models import decoder
 from orca_jax.models.attention import AttentionMetadata, LayerKV
 from orca_jax.models.projections import fuse_projections
 from orca_jax.sharding import rules
+from orca_jax.sharding.mesh import TENSOR
 from orca_jax.sharding.tensor_plan import TensorPlan
 
 
@@ -88,6 +89,9 @@ class Stage:
         # This stage's layers of the LoRA adapter table (made here, before the KV pool is sized from
         # the memory left); None without LoRA.
         self.lora = None if lora is None else StageLoRATable(config, lora, layers, mesh, plan.kv_repeat)
+        # How decode-sized buckets compute the adapter term (lora/ops.py): the Pallas kernels on one GPU.
+        self.lora_small = None if lora is None else small_batch_form(
+            mesh.devices.flat[0].platform, mesh.shape[TENSOR], lora.max_lora_rank)
 
     def make_params(self, params, seed: int) -> None:
         """`params`: the whole model's device-layout tree (model layout) as numpy, already adapted to the
@@ -141,7 +145,8 @@ class Stage:
         else:
             inputs = jax.ShapeDtypeStruct((bucket.tokens, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
-        return self._forward_fn.lower(self.model, self.first, self.last, bucket, lora, self.param_specs, self.kv,
+        return self._forward_fn.lower(self.model, self.first, self.last, bucket, self.lora_small if lora else None,
+                                      self.param_specs, self.kv,
                                       self.lora.specs if lora else None, i32(forward_inputs_size(*bucket)), inputs)
 
     def lower_stage_in(self, bucket: Bucket) -> jax.stages.Lowered:
@@ -179,9 +184,9 @@ class Stage:
 
 
 def forward_program(out_shardings=None):
-    """The jitted stage forward: (model, first, last, (T, S, P), lora) static, the KV pages donated;
-    call or lower it as (model, first, last, bucket, lora, params, kv, LoRA table or None, packed
-    inputs, samples or activations)."""
+    """The jitted stage forward: (model, first, last, (T, S, P), lora form or None) static, the KV pages
+    donated; call or lower it as (model, first, last, bucket, lora, params, kv, LoRA table or None,
+    packed inputs, samples or activations)."""
     if out_shardings is None:
         return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,))
     return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,), out_shardings=out_shardings)
@@ -197,11 +202,12 @@ def _stage_in(staged, packed):
     return jax.lax.dynamic_update_slice(staged, packed, (0,))
 
 
-def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Bucket, lora: bool, params, kv,
-                   lora_table, packed, inputs):
+def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Bucket, lora: SmallBatchForm | None,
+                   params, kv, lora_table, packed, inputs):
     """One stage's forward: (activations [T, H], or logits f32[S, V] on the last stage; kv).
-    `lora`: add each token's adapter term (its slot in the packed lora_slots, 0: none) from
-    `lora_table` (lora/layout.py); else the table is None and nothing reads the slots."""
+    `lora` (how small buckets compute it): add each token's adapter term (its slot in the packed
+    lora_slots, 0: none) from `lora_table` (lora/layout.py); None: the table is None and nothing reads
+    the slots."""
     fields = unpack_forward_inputs(packed, *bucket)
     meta = AttentionMetadata(cu_q_lens=fields["cu_q_lens"], kv_lens=fields["kv_lens"],
                              page_table=fields["page_table"], slot_mapping=fields["slot_mapping"],
@@ -216,10 +222,11 @@ def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Buck
     else:
         x = inputs  # [T, H]
     lora_tokens = None
-    if lora:
+    if lora is not None:
         num_slots = lora_table[0]["attn"]["o"]["a"].shape[-2]  # [N, D, M, R]
-        lora_tokens = LoRATokens.of(fields["lora_slots"], num_slots, x.dtype)
-    x, kv = model.layers(params["layers"], kv, x, positions, meta, lora_table if lora else None, lora_tokens)
+        lora_tokens = LoRATokens.of(fields["lora_slots"], num_slots, x.dtype, lora)
+    x, kv = model.layers(params["layers"], kv, x, positions, meta, lora_table if lora is not None else None,
+                         lora_tokens)
     if last:
         return model.logits(params, x[fields["logits_indices"]]), kv  # f32[S, V]
     return x, kv

@@ -162,9 +162,10 @@ def test_prefix_caching_never_shares_pages_across_adapters():
     assert [hits for _, hits in cached] == [0, 0, 0, 16, 16]  # only the repeats of an adapter (or of none) hit
 
 
-def test_small_buckets_gather_each_tokens_slot_and_match_the_masked_form():
-    """Buckets of at most GATHER_MAX_TOKENS gather each token's slot: every fused projection's term
-    equals the masked dense form's, tokens without an adapter included."""
+def test_small_buckets_read_each_tokens_slot_and_match_the_masked_form():
+    """Buckets of at most SMALL_BATCH_TOKENS read only each token's slot, gathered (XLA) or through the
+    Pallas kernels (interpreted here): every fused projection's output with its term equals the masked
+    dense form's, tokens without an adapter included, in f32 and in bf16."""
     import jax.numpy as jnp
 
     from orca_jax.lora import ops
@@ -173,13 +174,52 @@ def test_small_buckets_gather_each_tokens_slot_and_match_the_masked_form():
 
     config = get_preset("tiny-llama")
     rng = np.random.default_rng(0)
-    table = nest({p: jnp.asarray(rng.standard_normal(s), jnp.float32) for p, s in layer_shapes(config, 3, 4).items()})
+    h, n, k, d, f = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.ffn_size
     slots = jnp.asarray([0, 2, 1, 3, 3, 0, 1, 2], jnp.int32)
-    gathered = ops.LoRATokens.of(slots, 3, jnp.float32)
-    assert gathered.rows is not None and slots.shape[0] <= ops.GATHER_MAX_TOKENS
-    dense = gathered._replace(rows=None)
-    h, n, d, f = config.hidden_size, config.num_heads, config.head_dim, config.ffn_size
-    x, attn, act = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((8, h), (8, n, d), (8, f)))
-    for fn, inputs, weights in ((ops.qkv_delta, x, table["attn"]["qkv"]), (ops.o_delta, attn, table["attn"]["o"]),
-                                (ops.gate_up_delta, x, table["mlp"]["gate_up"]), (ops.in_delta, act, table["mlp"]["down"])):
-        np.testing.assert_allclose(fn(inputs, weights, gathered), fn(inputs, weights, dense), rtol=1e-5, atol=1e-5)
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+        rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+        table = nest({p: rand(*s) for p, s in layer_shapes(config, 3, 4).items()})
+        dense = ops.LoRATokens.of(slots, 3, dtype).without_rows()
+        x, attn, act = rand(8, h), rand(8, n, d), rand(8, f)
+        cases = ((ops.add_qkv, x, table["attn"]["qkv"], rand(8, k, n // k + 2, d)),
+                 (ops.add_o, attn, table["attn"]["o"], rand(8, h)),
+                 (ops.add_gate_up, x, table["mlp"]["gate_up"], rand(8, 2, f)),
+                 (ops.add_in, act, table["mlp"]["down"], rand(8, h)))
+        for small in (ops.SmallBatchForm.GATHER, ops.SmallBatchForm.KERNEL_INTERPRET):
+            tokens = ops.LoRATokens.of(slots, 3, dtype, small)
+            assert tokens.rows is not None and slots.shape[0] <= ops.SMALL_BATCH_TOKENS
+            assert tokens.kernel == (small is not ops.SmallBatchForm.GATHER)
+            for fn, inputs, weights, base in cases:
+                want = np.asarray(fn(base, inputs, weights, dense), np.float32)
+                got = np.asarray(fn(base, inputs, weights, tokens), np.float32)
+                scale = np.abs(want).max()
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=f"{fn.__name__} {small}")
+            # Tokens without an adapter keep the base output exactly.
+            out = np.asarray(ops.add_o(cases[1][3], attn, table["attn"]["o"], tokens))
+            np.testing.assert_array_equal(out[np.asarray(slots) == 0], np.asarray(cases[1][3])[np.asarray(slots) == 0])
+
+
+def test_the_decode_kernels_give_the_gathered_forms_tokens(monkeypatch):
+    """The engine with the Pallas kernels for decode-sized buckets (interpreted here, as on no GPU)
+    gives every request of a batch mixing three adapters and the base the greedy tokens of the engine
+    with the gathered XLA form."""
+    from orca_jax import stage
+    from orca_jax.lora.ops import SmallBatchForm
+
+    rng = random.Random(2)
+    jobs = [([rng.randrange(3, 250) for _ in range(rng.randint(2, 9))], i % 4) for i in range(6)]
+
+    def run():
+        engine = lora_engine(max_loras=3, max_num_seqs=6)
+        loras = [None, *add_random_adapters(engine, 3)]
+        ids = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True), lora_request=loras[k])
+               for p, k in jobs]
+        done = drain(engine)
+        return engine, [done[i] for i in ids]
+
+    gathered_engine, gathered = run()
+    assert gathered_engine.runner.stages[0].lora_small is SmallBatchForm.GATHER  # the CPU's choice
+    monkeypatch.setattr(stage, "small_batch_form", lambda *_: SmallBatchForm.KERNEL_INTERPRET)
+    kernel_engine, kernel = run()
+    assert kernel_engine.runner.stages[0].lora_small is SmallBatchForm.KERNEL_INTERPRET
+    assert kernel == gathered

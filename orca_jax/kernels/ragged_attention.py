@@ -15,10 +15,8 @@ the two passes write disjoint rows of one aliased output. When the short pass al
 few programs to keep HBM busy (small decode batches), its programs also split each request's K/V
 blocks, and the splits' online-softmax states are merged afterwards (plan: ragged_attention_tiles).
 
-Backend: Pallas's Triton lowering, chosen in `_compiler_params` alone. It runs in interpret mode on
-the CPU (jax 0.10, where CI tests it) and compiles on jax 0.11 GPUs, and it gathers K/V rows through
-the page table with plain pointer arithmetic, page size 1 included. Mosaic GPU (jax 0.11's default)
-has no CPU interpret mode on 0.10 and wants whole contiguous tiles for its bulk copies.
+Backend: Pallas's Triton lowering (kernels/pallas_triton.py says why); it gathers K/V rows through
+the page table with plain pointer arithmetic, page size 1 included.
 """
 
 from __future__ import annotations
@@ -36,10 +34,7 @@ from orca_jax.kernels.ragged_attention_jnp import token_to_seq
 from orca_jax.kernels.ragged_attention_tiles import (BlockSizes, Pass, Tile, default_block_sizes,
                                                      next_pow2, plan_passes)
 
-try:  # The Triton lowering's public home (jax >= 0.5, deprecated but present in 0.11).
-    from jax.experimental.pallas import triton as _pltriton
-except ImportError:  # pragma: no cover - very old jax
-    from jax.experimental.pallas import gpu as _pltriton
+from orca_jax.kernels import pallas_triton
 
 __all__ = ["BlockSizes", "Tile", "default_block_sizes", "ragged_attention",
            "ragged_attention_reference", "token_to_seq"]
@@ -50,20 +45,8 @@ _LOG2E = math.log2(math.e)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
-def _compiler_params(tile: Tile):
-    """The one place that picks the GPU lowering: Pallas's Triton backend (see the module docstring)."""
-    cls = getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "TritonCompilerParams")
-    return cls(num_warps=tile.num_warps, num_stages=tile.num_stages)
-
-
-_store = getattr(_pltriton, "store", None) or pl.store
-
-
-def _dot(a, b, *, trans_b: bool = False):
-    # fp32 inputs get IEEE products (Triton would otherwise use TF32); 16-bit inputs accumulate in fp32.
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    dot = getattr(_pltriton, "dot", None) or pl.dot
-    return dot(a, b, trans_b=trans_b, precision=precision)
+_store = pallas_triton.store
+_dot = pallas_triton.dot
 
 
 # ---------------------------------------------------------------------------------------- kernel
@@ -245,7 +228,7 @@ def _ragged_attention_pass(
         out_shape=out_shape,
         input_output_aliases=aliases,
         interpret=interpret,
-        compiler_params=_compiler_params(tile),
+        compiler_params=pallas_triton.compiler_params(tile.num_warps, tile.num_stages),
         name=f"ragged_attention_r{step.block_q * dims['group_pad']}_k{tile.block_k}_s{splits}",
     )(*args)
     return _combine_splits(*result, splits, q.dtype) if splits > 1 else result

@@ -15,7 +15,11 @@ The other forms, same results (tests/test_lora_engine.py), timed against it by `
 - jax.lax.ragged_dot: a grouped GEMM over tokens sorted by slot. XLA's GPU backend lowers it by
   default to dense zero-padded matmuls over every group (described in openxla/xla#45999), the
   masked form's FLOPs plus padded copies, and it needs the batch sorted by adapter.
-The masked form is the one chosen until a GPU measurement says otherwise.
+The masked form is the one for buckets of more than SMALL_BATCH_TOKENS tokens. Smaller (decode)
+buckets read only their tokens' slots: on one GPU device through the Pallas kernels of
+kernels/lora_bgmv.py (two per projection group, the add to the base output in place), elsewhere (the
+CPU, tensor parallel meshes, ranks not a power of two) through the gathered form. The `add_*`
+functions return the base projection's output with the term added, in whichever form applies.
 
 Einsum letters as in decoder.py, plus M slots, R rank, P the parts of a fused projection (q|k|v's
 A, k|v's B, gate|up).
@@ -23,34 +27,67 @@ A, k|v's B, gate|up).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import enum
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax.kernels import lora_bgmv
 
-# Buckets of at most this many tokens gather each token's own slot instead of the masked dense form:
+
+# Buckets of at most this many tokens read only their tokens' slots instead of the masked dense form:
 # at batch-1 decode (T = 8, the smallest bucket) the dense form reads every slot's A and B (16 slots
 # of rank 16 on llama-8b: ~10% more bytes per layer than the base) for one adapter's worth of work.
-GATHER_MAX_TOKENS = 8
+SMALL_BATCH_TOKENS = 8
 
 
-class LoRATokens(NamedTuple):
-    """Which slot's adapter each token of the batch uses, in the form the adapter terms take."""
+class SmallBatchForm(enum.Enum):
+    """How buckets of at most SMALL_BATCH_TOKENS tokens compute the term."""
+
+    GATHER = "gather"  # XLA: each token's A and B gathered, then batched matvecs
+    KERNEL = "kernel"  # kernels/lora_bgmv.py, compiled (one GPU device)
+    KERNEL_INTERPRET = "kernel-interpret"  # the same kernels in Pallas's interpret mode (CPU tests)
+
+
+def small_batch_form(platform: str, tensor_parallel_size: int, rank: int) -> SmallBatchForm:
+    """The kernels where they compile and need no partitioning: one GPU device, a power-of-two rank."""
+    if platform == "gpu" and tensor_parallel_size == 1 and rank & (rank - 1) == 0:
+        return SmallBatchForm.KERNEL
+    return SmallBatchForm.GATHER
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["mask", "rows"], meta_fields=["small"])
+@dataclasses.dataclass(frozen=True)
+class LoRATokens:
+    """Which slot's adapter each token of the batch uses, in the form the adapter terms take (a pytree
+    whose `small` is static)."""
 
     mask: jax.Array  # [T, M] in the compute dtype: 1 where token t uses slot m (table row m), else 0
     # i32[T]: each token's table row (0 for a token without an adapter, whose mask row is all 0); set
-    # for buckets of at most GATHER_MAX_TOKENS, which then gather their slots' weights.
+    # for buckets of at most SMALL_BATCH_TOKENS, which then read only their slots' weights.
     rows: jax.Array | None = None
+    small: SmallBatchForm = SmallBatchForm.GATHER  # how, when rows is set
 
     @classmethod
-    def of(cls, lora_slots: jax.Array, num_slots: int, dtype) -> "LoRATokens":
+    def of(cls, lora_slots: jax.Array, num_slots: int, dtype,
+           small: SmallBatchForm = SmallBatchForm.GATHER) -> "LoRATokens":
         """lora_slots: i32[T], 0 for no adapter, s for table row s - 1."""
         rows = jnp.arange(1, num_slots + 1, dtype=jnp.int32)
         mask = (lora_slots[:, None] == rows[None, :]).astype(dtype)
-        gather = lora_slots.shape[0] <= GATHER_MAX_TOKENS
-        return cls(mask, jnp.maximum(lora_slots - 1, 0) if gather else None)
+        if lora_slots.shape[0] > SMALL_BATCH_TOKENS:
+            return cls(mask)
+        return cls(mask, jnp.maximum(lora_slots - 1, 0), small)
+
+    def without_rows(self) -> "LoRATokens":
+        """The same tokens in the masked dense form, whatever the bucket."""
+        return dataclasses.replace(self, rows=None)
+
+    @property
+    def kernel(self) -> bool:
+        return self.rows is not None and self.small is not SmallBatchForm.GATHER
 
     @property
     def used(self) -> jax.Array:
@@ -122,6 +159,61 @@ def in_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
         return _gathered_expand("TR,TRO->TO", s, lora["b"], 0, tokens.rows)
     s = _shrink("TI,IMR->TMR", x, lora["a"], tokens.mask, (x.shape[0], -1, 1))
     return _expand("TMR,MRO->TO", s, lora["b"])
+
+
+# ---- the base output with the term added: the forward's entry points ---------------------------------
+
+def add_qkv(y: jax.Array, x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
+    """y [T, K, G + 2, D] (the base's fused q|k|v) + qkv_delta(x, ...)."""
+    if not tokens.kernel:
+        return y + qkv_delta(x, lora, tokens)
+    t, k, c, d = y.shape
+    h, parts, m, r = lora["a"].shape
+    block = lora_bgmv._largest_pow2_divisor(d, lora_bgmv.BLOCK_OUT)
+    sources = [lora["b_q"].reshape(m * r, -1), lora["b_kv"].reshape(2 * m * r, -1)]
+    return _kernel_add(y.reshape(t, -1), x, lora["a"].reshape(h, -1), sources,
+                       lora_bgmv.qkv_tiles(k, c - 2, d, block), block, tokens, m, r).reshape(y.shape)
+
+
+def add_o(y: jax.Array, x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
+    """y [T, H] + o_delta(x [T, N, D], ...)."""
+    if not tokens.kernel:
+        return y + o_delta(x, lora, tokens)
+    n, d, m, r = lora["a"].shape
+    return _flat_add(y, x.reshape(x.shape[0], n * d), lora["a"].reshape(n * d, m * r), lora["b"].reshape(m * r, -1),
+                     1, tokens, m, r)
+
+
+def add_gate_up(y: jax.Array, x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
+    """y [T, 2, F] + gate_up_delta(x, ...)."""
+    if not tokens.kernel:
+        return y + gate_up_delta(x, lora, tokens)
+    h, parts, m, r = lora["a"].shape
+    return _flat_add(y, x, lora["a"].reshape(h, -1), lora["b"].reshape(parts * m * r, -1), parts, tokens, m, r)
+
+
+def add_in(y: jax.Array, x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
+    """y [T, out] + in_delta(x [T, in], ...)."""
+    if not tokens.kernel:
+        return y + in_delta(x, lora, tokens)
+    i, m, r = lora["a"].shape
+    return _flat_add(y, x, lora["a"].reshape(i, m * r), lora["b"].reshape(m * r, -1), 1, tokens, m, r)
+
+
+def _flat_add(y, x, a, b, parts: int, tokens: LoRATokens, num_slots: int, rank: int) -> jax.Array:
+    """y [T, P, O] or [T, O] from one B [P * M * R, O]."""
+    out = b.shape[1]
+    block = lora_bgmv._largest_pow2_divisor(out, lora_bgmv.BLOCK_OUT)
+    tiles = lora_bgmv.flat_tiles(parts, out, block)
+    return _kernel_add(y.reshape(y.shape[0], -1), x, a, [b], tiles, block, tokens, num_slots, rank).reshape(y.shape)
+
+
+def _kernel_add(y, x, a, sources, tiles, block: int, tokens: LoRATokens, num_slots: int, rank: int) -> jax.Array:
+    interpret = tokens.small is SmallBatchForm.KERNEL_INTERPRET
+    used = (tokens.mask.sum(axis=1) > 0).astype(jnp.int32)  # i32[T]
+    parts = lora_bgmv.shrink(x, a, tokens.rows, used, num_slots=num_slots, rank=rank, interpret=interpret)
+    return lora_bgmv.expand(y, parts, sources, tiles, block, tokens.rows, used, num_slots=num_slots, rank=rank,
+                            interpret=interpret)
 
 
 # ---- the candidates the GPU comparison times (bench/lora.py), on one [in, out] projection ----------

@@ -129,7 +129,7 @@ class Attention(nn.Module):
         # its key, then its value, so a tensor shard of whole groups owns everything it attends with.
         qkv = Linear(cfg, "TH,HKGD->TKGD", (h, k, g + 2, d), (k, g + 2, d), qkv_bias, name="qkv")(x)
         if lora is not None:  # this layer's slice of the adapter table (lora/layout.py)
-            qkv = qkv + lora_ops.qkv_delta(x, lora["qkv"], lora_tokens)
+            qkv = lora_ops.add_qkv(qkv, x, lora["qkv"], lora_tokens)
         qk, value = qkv[:, :, :g + 1], qkv[:, :, g + 1]  # [T, K, G + 1, D], [T, K, D]
         if cfg.family is ModelFamily.LLAMA:  # one rotation for queries and keys alike
             qk = apply_rope(qk.reshape(t, k * (g + 1), d), positions, cfg.rope_theta,
@@ -141,7 +141,7 @@ class Attention(nn.Module):
             out, layer_kv = paged_attention(q, qk[:, :, g], value, layer_kv, meta, self.attention_fn)
         y = Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out)
         if lora is not None:
-            y = y + lora_ops.o_delta(out, lora["o"], lora_tokens)
+            y = lora_ops.add_o(y, out, lora["o"], lora_tokens)
         return y, layer_kv
 
 
@@ -155,16 +155,16 @@ class Mlp(nn.Module):
         if cfg.family is ModelFamily.GPT:
             up = Linear(cfg, "TH,HF->TF", (h, f), (f,), name="up")(x)
             if lora is not None:
-                up = up + lora_ops.in_delta(x, lora["up"], lora_tokens)
+                up = lora_ops.add_in(up, x, lora["up"], lora_tokens)
             act = jax.nn.gelu(up, approximate=True)
         else:  # gate and up in one matmul (see fuse_projections)
             gate_up = Linear(cfg, "TH,HCF->TCF", (h, 2, f), (2, f), name="gate_up")(x)  # [T, 2, F]
             if lora is not None:
-                gate_up = gate_up + lora_ops.gate_up_delta(x, lora["gate_up"], lora_tokens)
+                gate_up = lora_ops.add_gate_up(gate_up, x, lora["gate_up"], lora_tokens)
             act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         y = Linear(cfg, "TF,FH->TH", (f, h), (h,), name="down")(act)
         if lora is not None:
-            y = y + lora_ops.in_delta(act, lora["down"], lora_tokens)
+            y = lora_ops.add_in(y, act, lora["down"], lora_tokens)
         return y
 
 

@@ -136,6 +136,7 @@ for t_count in TOKENS:
             row |= profiled(f"stack_{form}_{t_count}_{spread}", lambda: jax.block_until_ready(fn(x, base, tables, slots)))
             stack_rows[f"T{t_count}_{spread}_{form}"] = row
             print(t_count, spread, form, {k: v for k, v in row.items() if k != "top"}, flush=True)
+            json.dump(results | {"stack": stack_rows}, open(f"{OUT}/lora_decode_profile.json", "w"), indent=1)
 results["stack"] = stack_rows
 del base, tables
 json.dump(results, open(f"{OUT}/lora_decode_profile.json", "w"), indent=1)

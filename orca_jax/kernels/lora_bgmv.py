@@ -8,7 +8,9 @@ every slot; both launch ~20 small kernels per layer, which at batch-1 decode on 
 - shrink, one program per block of input features: for each token with an adapter, its block of x
   times its slot's block of A, a partial [P, R] per (block, token) in f32;
 - expand, one program per block of output columns: each token's partials summed to s [P, R], then
-  s @ its slot's block of B added to the base output, which the kernel updates in place (aliased).
+  s @ its slot's block of B: the term, which XLA adds to the base output inside the consumer's fusion.
+Each program serves one token (the grid's second axis), so the tokens of a batch run side by side and
+a token without an adapter costs a program that reads nothing.
 The table keeps its layout (lora/layout.py): the kernels address a slot's rows with pointer
 arithmetic, and the dense form, which larger batches use, reads the same arrays.
 
@@ -34,56 +36,62 @@ _store = pallas_triton.store
 
 def _shrink_kernel(slots_ref, used_ref, x_ref, a_ref, part_ref, *, num_tokens: int, num_parts: int,
                    num_slots: int, rank: int, in_features: int):
-    """Program b: part[b * T + t, p * R:(p + 1) * R] = x[t, block b] @ A_p[block b, slot(t)] (f32).
+    """Program (b, t): part[b * T + t, p * R:(p + 1) * R] = x[t, block b] @ A_p[block b, slot(t)] (f32),
+    unwritten for a token without an adapter.
 
     x_ref [T, I]; a_ref [I, P * M * R] (the table's [I, P, M, R]); part_ref f32[NB * T, P * R]."""
-    block = pl.program_id(0)
-    h = block * BLOCK_IN + jnp.arange(BLOCK_IN, dtype=jnp.int32)
-    inside = h < in_features
-    h = jnp.minimum(h, in_features - 1)  # rows past the end re-read the last one, masked below
-    r = jnp.arange(rank, dtype=jnp.int32)
-    for t in range(num_tokens):
-        @pl.when(used_ref[t] > 0)
-        def _():
-            x = jnp.where(inside, x_ref[t, h].astype(jnp.float32), 0.0)  # [BLOCK_IN]
-            slot = slots_ref[t]
-            for p in range(num_parts):
-                a = a_ref[h[:, None], ((p * num_slots + slot) * rank + r)[None, :]]  # [BLOCK_IN, R]
-                s = jnp.sum(x[:, None] * a.astype(jnp.float32), axis=0)  # [R]
-                _store(part_ref.at[block * num_tokens + t, p * rank + r], s)
+    block, t = pl.program_id(0), pl.program_id(1)  # read outside control flow (interpret mode)
+
+    @pl.when(used_ref[t] > 0)
+    def _():
+        h = block * BLOCK_IN + jnp.arange(BLOCK_IN, dtype=jnp.int32)
+        inside = h < in_features
+        h = jnp.minimum(h, in_features - 1)  # rows past the end re-read the last one, masked here
+        x = jnp.where(inside, x_ref[t, h].astype(jnp.float32), 0.0)  # [BLOCK_IN]
+        r = jnp.arange(rank, dtype=jnp.int32)
+        slot = slots_ref[t]
+        for p in range(num_parts):
+            a = a_ref[h[:, None], ((p * num_slots + slot) * rank + r)[None, :]]  # [BLOCK_IN, R]
+            s = jnp.sum(x[:, None] * a.astype(jnp.float32), axis=0)  # [R]
+            _store(part_ref.at[block * num_tokens + t, p * rank + r], s)
 
 
 def _expand_kernel(tiles_ref, slots_ref, used_ref, part_ref, *refs, num_tokens: int, num_blocks: int,
                    num_slots: int, rank: int, block_out: int, two_sources: bool):
-    """Program j: y[t, out_col(j) + :block_out] += s_t[part(j)] @ (B source src(j), its part part(j) - src(j),
-    slot(t)'s rows, columns b_col(j) + :block_out). y is aliased to the output.
+    """Program (j, t): y[t, out_col(j) + :block_out] = s_t[part(j)] @ (B source src(j), its part
+    part(j) - src(j), slot(t)'s rows, columns b_col(j) + :block_out); zeros for a token without an
+    adapter.
 
     tiles_ref i32[4, n]: out_col, src, part, b_col of each program; part_ref f32[NB * T, P * R];
-    refs: b0 [P0 * M * R, O0], (b1 [P1 * M * R, O1],) y_in [T, Y], y_out [T, Y]."""
-    *b_refs, y_in_ref, y_ref = refs
-    j = pl.program_id(0)
+    refs: b0 [P0 * M * R, O0], (b1 [P1 * M * R, O1],) y [T, Y]."""
+    *b_refs, y_ref = refs
+    j, t = pl.program_id(0), pl.program_id(1)
     out_col, src, part, b_col = tiles_ref[0, j], tiles_ref[1, j], tiles_ref[2, j], tiles_ref[3, j]
-    r = jnp.arange(rank, dtype=jnp.int32)
     c = jnp.arange(block_out, dtype=jnp.int32)
-    blocks = jnp.arange(next_pow2(num_blocks), dtype=jnp.int32)
-    for t in range(num_tokens):
-        @pl.when(used_ref[t] > 0)
-        def _():
-            rows = jnp.minimum(blocks, num_blocks - 1) * num_tokens + t
-            parts = part_ref[rows[:, None], (part * rank + r)[None, :]]  # f32[NB', R]
-            s = jnp.sum(jnp.where((blocks < num_blocks)[:, None], parts, 0.0), axis=0)  # [R]
-            b_rows = (((part - src) * num_slots + slots_ref[t]) * rank + r)[:, None]  # see qkv_tiles
-            y = y_in_ref[t, out_col + c].astype(jnp.float32)  # [block_out]
+    used = used_ref[t] > 0
 
-            def add(b_ref):
-                b = b_ref[b_rows, (b_col + c)[None, :]].astype(jnp.float32)  # [R, block_out]
-                _store(y_ref.at[t, out_col + c], (y + jnp.sum(s[:, None] * b, axis=0)).astype(y_ref.dtype))
+    @pl.when(~used)
+    def _():
+        _store(y_ref.at[t, out_col + c], jnp.zeros((block_out,), y_ref.dtype))
 
-            if not two_sources:
-                add(b_refs[0])
-            else:
-                pl.when(src == 0)(lambda: add(b_refs[0]))
-                pl.when(src == 1)(lambda: add(b_refs[1]))
+    @pl.when(used)
+    def _():
+        r = jnp.arange(rank, dtype=jnp.int32)
+        blocks = jnp.arange(next_pow2(num_blocks), dtype=jnp.int32)
+        rows = jnp.minimum(blocks, num_blocks - 1) * num_tokens + t
+        parts = part_ref[rows[:, None], (part * rank + r)[None, :]]  # f32[NB', R]
+        s = jnp.sum(jnp.where((blocks < num_blocks)[:, None], parts, 0.0), axis=0)  # [R]
+        b_rows = (((part - src) * num_slots + slots_ref[t]) * rank + r)[:, None]  # see qkv_tiles
+
+        def write(b_ref):
+            b = b_ref[b_rows, (b_col + c)[None, :]].astype(jnp.float32)  # [R, block_out]
+            _store(y_ref.at[t, out_col + c], jnp.sum(s[:, None] * b, axis=0).astype(y_ref.dtype))
+
+        if not two_sources:
+            write(b_refs[0])
+        else:
+            pl.when(src == 0)(lambda: write(b_refs[0]))
+            pl.when(src == 1)(lambda: write(b_refs[1]))
 
 
 def _largest_pow2_divisor(n: int, limit: int) -> int:
@@ -103,27 +111,27 @@ def shrink(x: jax.Array, a: jax.Array, slots: jax.Array, used: jax.Array, *, num
     kernel = functools.partial(_shrink_kernel, num_tokens=num_tokens, num_parts=num_parts, num_slots=num_slots,
                                rank=rank, in_features=in_features)
     return pl.pallas_call(
-        kernel, grid=(num_blocks,),
+        kernel, grid=(num_blocks, num_tokens),
         out_shape=jax.ShapeDtypeStruct((num_blocks * num_tokens, num_parts * rank), jnp.float32),
-        interpret=interpret, compiler_params=pallas_triton.compiler_params(NUM_WARPS, 1), name=f"lora_shrink_p{num_parts}",
+        interpret=interpret, compiler_params=pallas_triton.compiler_params(NUM_WARPS, 1),
+        name=f"lora_shrink_p{num_parts}",
     )(slots, used, x, a)
 
 
-def expand(y: jax.Array, parts: jax.Array, sources: list[jax.Array], tiles: list[tuple[int, int, int, int]],
+def expand(parts: jax.Array, sources: list[jax.Array], tiles: list[tuple[int, int, int, int]], out_shape,
            block_out: int, slots: jax.Array, used: jax.Array, *, num_slots: int, rank: int,
            interpret: bool) -> jax.Array:
-    """y [T, Y] + each used token's term, in place. sources: one or two B arrays [P * M * R, O];
-    tiles: (out_col, src, part, b_col) per program, block_out columns each."""
-    num_tokens = y.shape[0]
+    """The term [T, Y] (out_shape's dtype) from shrink's partials. sources: one or two B arrays
+    [P * M * R, O]; tiles: (out_col, src, part, b_col) per program, block_out columns each."""
+    num_tokens = out_shape.shape[0]
     kernel = functools.partial(_expand_kernel, num_tokens=num_tokens, num_blocks=parts.shape[0] // num_tokens,
                                num_slots=num_slots, rank=rank, block_out=block_out, two_sources=len(sources) == 2)
     table = jnp.asarray(list(zip(*tiles)), jnp.int32)  # [4, programs], a constant of the program
-    args = [table, slots, used, parts, *sources, y]
     return pl.pallas_call(
-        kernel, grid=(len(tiles),), out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
-        input_output_aliases={len(args) - 1: 0},
-        interpret=interpret, compiler_params=pallas_triton.compiler_params(NUM_WARPS, 1), name=f"lora_expand_s{len(sources)}",
-    )(*args)
+        kernel, grid=(len(tiles), num_tokens), out_shape=out_shape,
+        interpret=interpret, compiler_params=pallas_triton.compiler_params(NUM_WARPS, 1),
+        name=f"lora_expand_s{len(sources)}",
+    )(table, slots, used, parts, *sources)
 
 
 def flat_tiles(num_parts: int, out_features: int, block_out: int) -> list[tuple[int, int, int, int]]:

@@ -171,8 +171,8 @@ def add_qkv(y: jax.Array, x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.A
     h, parts, m, r = lora["a"].shape
     block = lora_bgmv._largest_pow2_divisor(d, lora_bgmv.BLOCK_OUT)
     sources = [lora["b_q"].reshape(m * r, -1), lora["b_kv"].reshape(2 * m * r, -1)]
-    return _kernel_add(y.reshape(t, -1), x, lora["a"].reshape(h, -1), sources,
-                       lora_bgmv.qkv_tiles(k, c - 2, d, block), block, tokens, m, r).reshape(y.shape)
+    return y + _kernel_term(y.reshape(t, -1), x, lora["a"].reshape(h, -1), sources,
+                            lora_bgmv.qkv_tiles(k, c - 2, d, block), block, tokens, m, r).reshape(y.shape)
 
 
 def add_o(y: jax.Array, x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
@@ -205,15 +205,17 @@ def _flat_add(y, x, a, b, parts: int, tokens: LoRATokens, num_slots: int, rank: 
     out = b.shape[1]
     block = lora_bgmv._largest_pow2_divisor(out, lora_bgmv.BLOCK_OUT)
     tiles = lora_bgmv.flat_tiles(parts, out, block)
-    return _kernel_add(y.reshape(y.shape[0], -1), x, a, [b], tiles, block, tokens, num_slots, rank).reshape(y.shape)
+    term = _kernel_term(y.reshape(y.shape[0], -1), x, a, [b], tiles, block, tokens, num_slots, rank)
+    return y + term.reshape(y.shape)
 
 
-def _kernel_add(y, x, a, sources, tiles, block: int, tokens: LoRATokens, num_slots: int, rank: int) -> jax.Array:
+def _kernel_term(y, x, a, sources, tiles, block: int, tokens: LoRATokens, num_slots: int, rank: int) -> jax.Array:
+    """The term in y's [T, Y] shape and dtype (y itself is not read: XLA fuses the add into its consumer)."""
     interpret = tokens.small is SmallBatchForm.KERNEL_INTERPRET
     used = (tokens.mask.sum(axis=1) > 0).astype(jnp.int32)  # i32[T]
     parts = lora_bgmv.shrink(x, a, tokens.rows, used, num_slots=num_slots, rank=rank, interpret=interpret)
-    return lora_bgmv.expand(y, parts, sources, tiles, block, tokens.rows, used, num_slots=num_slots, rank=rank,
-                            interpret=interpret)
+    return lora_bgmv.expand(parts, sources, tiles, jax.ShapeDtypeStruct(y.shape, y.dtype), block, tokens.rows, used,
+                            num_slots=num_slots, rank=rank, interpret=interpret)
 
 
 # ---- the candidates the GPU comparison times (bench/lora.py), on one [in, out] projection ----------

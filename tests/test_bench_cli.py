@@ -60,6 +60,21 @@ def test_the_served_engine_and_a_child_engine_are_the_in_process_engine():
     assert engine_config(child) == engine_config(args)
 
 
+def test_throughput_interleaved_over_budgets(tmp_path):
+    """--interleave: both budgets' engines alive, every point run once per round; medians reported."""
+    argv = ["throughput", *ENGINE[:4], "--max-num-batched-tokens", "16,32", "--kv-cache-memory-gib", "0.01", *SHORT,
+            "--num-prompts", "6", "--num-runs", "3", "--interleave", "--result-dir", str(tmp_path)]
+    bench.main(argv)
+    result = _result(tmp_path, "tiny-llama_throughput.json")
+    assert [e["max_num_batched_tokens"] for e in result["engines"]] == [16, 32]
+    trace = make_trace("uniform", 6, None, 0, SHORT_LENGTHS)
+    for row in result["runs"]:
+        assert len(row["runs"]) == 3 and all(r["generated_tokens"] == trace.num_generated_tokens for r in row["runs"])
+        assert row["median_tokens_per_s"] == sorted(r["tokens_per_s"] for r in row["runs"])[1]
+    with pytest.raises(SystemExit, match="kv-cache-memory-gib"):
+        bench.main([a for a in argv if a not in ("--kv-cache-memory-gib", "0.01")])
+
+
 def test_throughput_orca_and_request_level_on_the_paper_trace_and_tcb(tmp_path):
     bench.main(["throughput", *ENGINE, *SHORT, "--num-prompts", "12", "--dataset-name", "uniform,tcb",
                 "--tcb-load", "2", "--scheduler", "orca,request-level", "--async-scheduling", "on,off",

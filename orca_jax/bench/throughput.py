@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import statistics
 
 from orca_jax.bench import roofline
 from orca_jax.bench.datasets import add_dataset_arguments, datasets_from_args, int_list
@@ -35,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="orca, request-level (a comma list runs each)")
     parser.add_argument("--num-runs", type=int, default=2,
                         help="runs of each combination; the last is reported, the ones before warm up")
+    parser.add_argument("--interleave", action="store_true",
+                        help="build every budget's engine first (--kv-cache-memory-gib each), then run the "
+                        "combinations in rounds, one run each per round, so drift on the host spreads over "
+                        "all of them; each row also reports the median of its runs")
     add_result_arguments(parser)
 
 
@@ -80,6 +85,8 @@ def offline_bound(engine, trace, config: dict, costs, peaks) -> dict:
 
 def run(args: argparse.Namespace) -> Results:
     """Every combination on one engine per token budget (a list of budgets sweeps the batch shape)."""
+    if args.interleave:
+        return run_interleaved(args)
     results = Results("throughput", args, args.model)
     rows, engines, peaks = [], [], None
     for budget in int_list(str(args.max_num_batched_tokens)):
@@ -92,19 +99,58 @@ def run(args: argparse.Namespace) -> Results:
         for dataset in datasets_from_args(args):
             for config in configs:
                 trace = dataset.trace(config["max_num_seqs"])
-                row = {"dataset": trace.describe(), **{k: getattr(v, "value", v) for k, v in config.items()},
-                       "max_num_batched_tokens": budget}
+                row = _row(trace, config, budget)
                 row["runs"] = run_configuration(engine, trace, config, args.num_runs)
-                last = row["runs"][-1]
-                if trace.rate is None:
-                    row |= offline_bound(engine, trace, config, costs, peaks)
-                    row["fraction_of_bound"] = row["bound_s"] / last["wall_s"]
+                _finish_row(row, engine, trace, config, costs, peaks)
                 rows.append(row)
                 results.section("runs", rows)
                 print(describe_row(row), flush=True)
         del engine
         gc.collect()
     return results
+
+
+def run_interleaved(args: argparse.Namespace) -> Results:
+    """--interleave: all engines alive at once, --num-runs rounds over every (budget, dataset, config)."""
+    if args.kv_cache_memory_gib is None:
+        raise SystemExit("--interleave keeps every budget's engine alive: give each a pool with --kv-cache-memory-gib")
+    results = Results("throughput", args, args.model)
+    points, engines, peaks = [], [], None
+    for budget in int_list(str(args.max_num_batched_tokens)):
+        configs = [c for c in configurations(args) if c["max_num_seqs"] <= budget]
+        engine, peaks, costs = measured_engine(args, results, peaks, max_num_batched_tokens=budget,
+                                               max_num_seqs=max(c["max_num_seqs"] for c in configs))
+        engines.append(results["engine"])
+        for dataset in datasets_from_args(args):
+            for config in configs:
+                trace = dataset.trace(config["max_num_seqs"])
+                points.append((engine, trace, config, _row(trace, config, budget) | {"runs": []}))
+    results.section("engines", engines)
+    for _ in range(args.num_runs):
+        for engine, trace, config, row in points:
+            row["runs"] += run_configuration(engine, trace, config, 1)
+    rows = []
+    for engine, trace, config, row in points:
+        _finish_row(row, engine, trace, config, roofline.ModelCosts.of(engine.model_config), peaks)
+        rows.append(row)
+        print(describe_row(row), flush=True)
+    results.section("runs", rows)
+    return results
+
+
+def _row(trace, config: dict, budget: int) -> dict:
+    return {"dataset": trace.describe(), **{k: getattr(v, "value", v) for k, v in config.items()},
+            "max_num_batched_tokens": budget}
+
+
+def _finish_row(row: dict, engine, trace, config: dict, costs, peaks) -> None:
+    """The offline bound against the reported (last) run, and the median of the runs."""
+    last = row["runs"][-1]
+    unit = "s" if trace.time_unit == "s" else "iteration"
+    row[f"median_tokens_per_{unit}"] = statistics.median(r[f"tokens_per_{unit}"] for r in row["runs"])
+    if trace.rate is None:
+        row |= offline_bound(engine, trace, config, costs, peaks)
+        row["fraction_of_bound"] = row["bound_s"] / last["wall_s"]
 
 
 def describe_row(row: dict) -> str:
@@ -115,6 +161,8 @@ def describe_row(row: dict) -> str:
             f"max_num_batched_tokens={row.get('max_num_batched_tokens')} policy={row['policy']} "
             f"async={on_off(row['async_scheduling'])}: {rate}, {last['iterations']} iterations, "
             f"mean batch {last['mean_batch_size']:.1f}")
+    if len(row["runs"]) > 1 and "median_tokens_per_s" in row:
+        text += f" (median of {len(row['runs'])} runs {row['median_tokens_per_s']:,.0f})"
     if "fraction_of_bound" in row:
         text += f", {row['fraction_of_bound']:.3f} of the bound ({row['bound_tokens_per_s']:,.0f} tok/s)"
     if "utility" in last:

@@ -15,7 +15,7 @@ from orca_jax.engine_defaults import UsageContext, batch_defaults
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
-from orca_jax.models.loader import LoadedModel
+from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
 from orca_jax.request import SamplingParams
 
@@ -65,7 +65,7 @@ class LLM:
     enable_prompt_logprobs lets SamplingParams.prompt_logprobs be asked for (up to max_logprobs, which
     also caps logprobs; None: SamplingConfig's default); each such request costs one more forward over
     its prompt (prompt_logprobs.py).
-    max_num_seqs and max_num_batched_tokens default to the device's (engine_defaults.py).
+    max_num_seqs and max_num_batched_tokens default to the device's and the model's (engine_defaults.py).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int | None = None,
@@ -79,7 +79,8 @@ class LLM:
                  fine_tuning_dir: str | None = None, enable_prompt_logprobs: bool = False,
                  max_logprobs: int | None = None, engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
-            defaults = batch_defaults(UsageContext.OFFLINE)  # the device's (engine_defaults.py)
+            loaded = loaded or load_model(model, dtype=dtype)  # the defaults depend on its size
+            defaults = batch_defaults(UsageContext.OFFLINE, loaded.config.num_params)  # engine_defaults.py
             max_num_seqs = max_num_seqs or defaults.max_num_seqs
             max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
         config = engine_config or EngineConfig(

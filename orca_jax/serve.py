@@ -69,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here so `--help` and flag errors come back without loading jax.
     from orca_jax import multihost
     multihost.initialize(config.parallel)  # before anything else touches jax
-    from orca_jax.engine_defaults import UsageContext, batch_defaults
-    config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER))  # the device's batch
     from orca_jax.engine import Engine
+    from orca_jax.engine_defaults import UsageContext, batch_defaults
+    from orca_jax.models.loader import load_model
     from orca_jax.models.weights import WeightsError
     from orca_jax.server import AsyncEngine, create_app, gc_and_gil
 
@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     # it got; it reports ready only after that, and nothing compiles while serving. Other processes
     # compile as process 0's runner tells them (multihost.Mirror).
     try:
-        engine = Engine(dataclasses.replace(config, precompile=False))
+        loaded = load_model(config.model, dtype=config.dtype)
+        # The device's and the model's batch (engine_defaults.py) where the flags leave it open.
+        config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER, loaded.config.num_params))
+        engine = Engine(dataclasses.replace(config, precompile=False), loaded)
     except WeightsError as error:  # a model that cannot be read: one line, not a traceback
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

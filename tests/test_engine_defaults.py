@@ -6,12 +6,15 @@ from orca_jax.server.cli_args import engine_config_from_args, parse_args
 
 def test_the_table_by_device_and_usage():
     h100 = 59.0  # GiB XLA may take of an 80 GB GPU at jax's default fraction
-    assert batch_defaults_for("gpu", h100, UsageContext.OFFLINE) == BatchDefaults(256, 8192)
-    assert batch_defaults_for("gpu", h100, UsageContext.SERVER) == BatchDefaults(256, 4096)
+    assert batch_defaults_for("gpu", h100, UsageContext.OFFLINE, 8.0e9) == BatchDefaults(256, 8192)
+    assert batch_defaults_for("gpu", h100, UsageContext.SERVER, 8.0e9) == BatchDefaults(256, 4096)
+    # A small model is host-bound on a large GPU: a smaller token budget.
+    assert batch_defaults_for("gpu", h100, UsageContext.OFFLINE, 1.2e9) == BatchDefaults(256, 2048)
+    assert batch_defaults_for("gpu", h100, UsageContext.SERVER, 1.2e9) == BatchDefaults(256, 2048)
     assert batch_defaults_for("gpu", 18.0, UsageContext.SERVER) == BatchDefaults(128, 2048)
     assert batch_defaults_for("cpu", 24.0, UsageContext.OFFLINE) == BatchDefaults(64, 512)
     assert batch_defaults_for("tpu", 16.0, UsageContext.OFFLINE) == BatchDefaults(64, 512)
-    assert batch_defaults(UsageContext.OFFLINE) == BatchDefaults(64, 512)  # this machine: a CPU
+    assert batch_defaults(UsageContext.OFFLINE, 8.0e9) == BatchDefaults(64, 512)  # this machine: a CPU
 
 
 def test_serve_takes_the_devices_defaults_unless_told():

@@ -164,8 +164,9 @@ def test_prefix_caching_never_shares_pages_across_adapters():
 
 def test_small_buckets_read_each_tokens_slot_and_match_the_masked_form():
     """Buckets of at most SMALL_BATCH_TOKENS read only each token's slot, gathered (XLA) or through the
-    Pallas kernels (interpreted here): every fused projection's output with its term equals the masked
+    Pallas kernels (interpreted; also compiled on a GPU): every fused projection's output with its term equals the masked
     dense form's, tokens without an adapter included, in f32 and in bf16."""
+    import jax
     import jax.numpy as jnp
 
     from orca_jax.lora import ops
@@ -185,7 +186,9 @@ def test_small_buckets_read_each_tokens_slot_and_match_the_masked_form():
                  (ops.add_o, attn, table["attn"]["o"], rand(8, h)),
                  (ops.add_gate_up, x, table["mlp"]["gate_up"], rand(8, 2, f)),
                  (ops.add_in, act, table["mlp"]["down"], rand(8, h)))
-        for small in (ops.SmallBatchForm.GATHER, ops.SmallBatchForm.KERNEL_INTERPRET):
+        forms = [ops.SmallBatchForm.GATHER, ops.SmallBatchForm.KERNEL_INTERPRET]
+        forms += [ops.SmallBatchForm.KERNEL] if jax.devices()[0].platform == "gpu" else []
+        for small in forms:
             tokens = ops.LoRATokens.of(slots, 3, dtype, small)
             assert tokens.rows is not None and slots.shape[0] <= ops.SMALL_BATCH_TOKENS
             assert tokens.kernel == (small is not ops.SmallBatchForm.GATHER)
@@ -200,9 +203,10 @@ def test_small_buckets_read_each_tokens_slot_and_match_the_masked_form():
 
 
 def test_the_decode_kernels_give_the_gathered_forms_tokens(monkeypatch):
-    """The engine with the Pallas kernels for decode-sized buckets (interpreted here, as on no GPU)
-    gives every request of a batch mixing three adapters and the base the greedy tokens of the engine
+    """The engine with the Pallas kernels for decode-sized buckets gives every request of a batch mixing three adapters and the base the greedy tokens of the engine
     with the gathered XLA form."""
+    import jax
+
     from orca_jax import stage
     from orca_jax.lora.ops import SmallBatchForm
 
@@ -217,9 +221,12 @@ def test_the_decode_kernels_give_the_gathered_forms_tokens(monkeypatch):
         done = drain(engine)
         return engine, [done[i] for i in ids]
 
+    monkeypatch.setattr(stage, "small_batch_form", lambda *_: SmallBatchForm.GATHER)
     gathered_engine, gathered = run()
-    assert gathered_engine.runner.stages[0].lora_small is SmallBatchForm.GATHER  # the CPU's choice
-    monkeypatch.setattr(stage, "small_batch_form", lambda *_: SmallBatchForm.KERNEL_INTERPRET)
+    assert gathered_engine.runner.stages[0].lora_small is SmallBatchForm.GATHER
+    # Compiled on a GPU, interpreted elsewhere.
+    kernel_form = SmallBatchForm.KERNEL if jax.devices()[0].platform == "gpu" else SmallBatchForm.KERNEL_INTERPRET
+    monkeypatch.setattr(stage, "small_batch_form", lambda *_: kernel_form)
     kernel_engine, kernel = run()
-    assert kernel_engine.runner.stages[0].lora_small is SmallBatchForm.KERNEL_INTERPRET
+    assert kernel_engine.runner.stages[0].lora_small is kernel_form
     assert kernel == gathered

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import jax
 import numpy as np
 
 from engine_helpers import drain, tiny_engine
@@ -134,10 +135,11 @@ def test_the_three_candidate_forms_equal_a_per_token_reference():
     slots = np.concatenate([slots[slots > 0], slots[slots == 0]])  # sorted by slot, no adapter last
     expected = reference_delta(x, a, b, slots)
     assert np.abs(expected).max() > 1
-    np.testing.assert_allclose(dense_delta(x, a.transpose(1, 0, 2), b, slots), expected, rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(gather_delta(x, a, b, slots), expected, rtol=1e-5, atol=1e-4)
     sizes = np.bincount(slots, minlength=m + 1)[1:].astype(np.int32)
-    np.testing.assert_allclose(ragged_dot_delta(x, a, b, sizes), expected, rtol=1e-5, atol=1e-4)
+    with jax.default_matmul_precision("highest"):  # a GPU's f32 matmuls would take TF32
+        np.testing.assert_allclose(dense_delta(x, a.transpose(1, 0, 2), b, slots), expected, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(gather_delta(x, a, b, slots), expected, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(ragged_dot_delta(x, a, b, sizes), expected, rtol=1e-5, atol=1e-4)
     mask = np.asarray(LoRATokens.of(slots, m, np.float32).mask)
     assert (mask.sum(1) == (slots > 0)).all()
 
@@ -193,8 +195,9 @@ def test_small_buckets_read_each_tokens_slot_and_match_the_masked_form():
             assert tokens.rows is not None and slots.shape[0] <= ops.SMALL_BATCH_TOKENS
             assert tokens.kernel == (small is not ops.SmallBatchForm.GATHER)
             for fn, inputs, weights, base in cases:
-                want = np.asarray(fn(base, inputs, weights, dense), np.float32)
-                got = np.asarray(fn(base, inputs, weights, tokens), np.float32)
+                with jax.default_matmul_precision("highest"):  # a GPU's f32 matmuls would take TF32
+                    want = np.asarray(fn(base, inputs, weights, dense), np.float32)
+                    got = np.asarray(fn(base, inputs, weights, tokens), np.float32)
                 scale = np.abs(want).max()
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale, err_msg=f"{fn.__name__} {small}")
             # Tokens without an adapter keep the base output exactly.

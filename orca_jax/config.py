@@ -256,7 +256,8 @@ class FineTuningConfig:
 
     Jobs run under Deferred Continuous Batching: a fine-tuning iteration (one micro-batch's forward and
     backward) runs only while no inference request runs, and only if every waiting request's wait plus
-    one iteration stays within deferral_bound_s; otherwise inference goes first. The device memory a
+    one iteration stays within deferral_bound_s; otherwise inference goes first. With
+    max_inference_slowdown above 1, iterations also run beside running requests, within that share. The device memory a
     job needs besides the served model (adapter, AdamW state, gradients, one micro-batch's
     activations) comes out of memory_gib, held back from the KV pool when the engine starts; a job
     that needs more is refused with the figures.
@@ -267,8 +268,13 @@ class FineTuningConfig:
     memory_gib: float = 4.0  # device memory held back from the KV pool for a job
     keep_checkpoints: int = 3  # newest checkpoints kept per job
     remat: bool = True  # recompute each layer's activations in the backward (less memory, ~1.3x compute)
+    # > 1: iterations may also run between inference iterations while requests run, so inference runs
+    # at most this many times slower on average (finetune/deferral.py); 1: only Deferred Continuous Batching.
+    max_inference_slowdown: float = 1.0
 
     def __post_init__(self):
+        if self.max_inference_slowdown < 1.0:
+            raise ValueError(f"FineTuningConfig.max_inference_slowdown must be at least 1, got {self.max_inference_slowdown}")
         if self.deferral_bound_s <= 0:
             raise ValueError(f"FineTuningConfig.deferral_bound_s must be positive, got {self.deferral_bound_s}")
         if self.memory_gib <= 0:

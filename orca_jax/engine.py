@@ -284,12 +284,15 @@ class Engine:
         last samples stay in order.
 
         While no request runs, a fine-tuning iteration runs instead if Deferred Continuous Batching
-        allows (finetune/deferral.py).
+        allows (finetune/deferral.py); while requests run, one may run first if the job's inference
+        slowdown allows.
         """
-        if self.fine_tuning is not None and not self._in_flight and not self.scheduler.num_running \
-                and self.fine_tuning.has_work() \
-                and self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
-            return []
+        if self.fine_tuning is not None and self.fine_tuning.has_work():
+            if not self._in_flight and not self.scheduler.num_running:
+                if self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
+                    return []
+            else:  # requests run: an iteration before this one's inference, within the slowdown's share
+                self.fine_tuning.maybe_run_beside(time.monotonic())
         start = phase_start = time.perf_counter()
         dropped: list[RequestOutput] = []
         while self.scheduler.can_schedule and not (self._in_flight and self._in_flight[-1].packed is None):

@@ -8,7 +8,7 @@ import pytest
 from orca_jax.bench import __main__ as bench_cli
 
 
-@pytest.mark.slow  # ~45 s: the engine's programs, the job's, and seven short runs
+@pytest.mark.slow  # ~50 s: the engine's programs, the job's, and ten short runs
 def test_bench_finetune_runs_end_to_end(tmp_path):
     bench_cli.main(["finetune", "--model", "tiny-llama", "--dtype", "float32", "--max-num-seqs", "4",
                     "--max-num-batched-tokens", "32", "--duration-s", "1", "--num-prompts", "8",
@@ -25,3 +25,8 @@ def test_bench_finetune_runs_end_to_end(tmp_path):
     summary = result["summary"]
     assert len(summary["rows"]) == 3 and summary["medium_tpot_p99_ratio"] > 0
     assert isinstance(summary["light_ft_met"], bool)
+    # Beside running requests at the default slowdown: the same traces, and the job ran meanwhile.
+    beside = result["beside"]["1.2"]
+    assert len(beside) == 3 and all(run["ttft_s"]["n"] == run["num_requests"] for run in beside)
+    assert sum(run["fine_tuning_tokens"] for run in beside) > 0
+    assert len(summary["beside"]["1.2"]["rows"]) == 3

@@ -1,6 +1,7 @@
 """Deferred Continuous Batching: the policy's rule, and on a tiny model a steady inference stream while a
 job runs: no request waits past the deferral bound, the job still progresses in the gaps, and every
-request's tokens are those of a run without the job."""
+request's tokens are those of a run without the job; with a slowdown above 1 the job also runs beside
+running requests, within its share."""
 
 from __future__ import annotations
 
@@ -38,6 +39,31 @@ def test_policy_rule():
     assert stats.deferral_seconds == 0.25
     with pytest.raises(ValueError):
         DeferralPolicy(bound_s=0)
+
+
+def test_beside_running_requests_fine_tuning_keeps_its_share():
+    """With max_inference_slowdown k, iterations beside running requests take 1 - 1/k of the time."""
+    assert not DeferralPolicy(bound_s=1.0).may_run_beside(now=1.0)  # k = 1: never while requests run
+    with pytest.raises(ValueError):
+        DeferralPolicy(bound_s=1.0, max_inference_slowdown=0.9)
+    policy = DeferralPolicy(bound_s=1.0, max_inference_slowdown=1.5)
+    assert not policy.may_run_beside(now=0.0)  # the credit starts accruing
+    assert policy.may_run_beside(now=0.03)  # 1/3 of 30 ms, capped at 10 ms before an iteration is measured
+    policy.record(0.3, tokens=10, deferred=False, beside=True)
+    assert not policy.may_run_beside(now=0.83)  # 0.01 - 0.3 + 0.5 / 3 < 0: inference's turn
+    # A steady stream: inference iterations of 10 ms, fine-tuning iterations of 30 ms when the credit allows.
+    now, fine_tuning = 0.83, 0.0
+    while now < 60.0:
+        if policy.may_run_beside(now):
+            policy.record(0.03, tokens=10, deferred=False, beside=True)
+            now, fine_tuning = now + 0.03, fine_tuning + 0.03
+        now += 0.01
+    assert fine_tuning / (now - 0.83) == pytest.approx(1 / 3, abs=0.02)
+    assert policy.stats.beside_seconds == pytest.approx(0.3 + fine_tuning)
+    policy.idle()  # no request runs: the idle spell buys nothing
+    credit = policy._credit
+    policy.may_run_beside(now=1000.0)
+    assert policy._credit == credit
 
 
 @pytest.fixture(scope="module")
@@ -97,4 +123,16 @@ def test_bound_holds_under_a_steady_stream(loaded, tmp_path):
     assert stats.fine_tuning_iterations - iterations_before >= 2 * len(PROMPTS)  # the job went on in the gaps
     assert tuner.job(job_id)["step"] >= step_before
     assert {rid: tokens for rid, (tokens, _) in shared.items()} == {rid: tokens for rid, (tokens, _) in alone.items()}
+    assert tuner.policy.stats.beside == 0  # max_inference_slowdown 1: never while requests run
+
+    # Beside running requests, within a slowdown of 2: iterations run while requests do, at most about
+    # half the stream's time, and the requests' tokens stay theirs.
+    tuner.policy.max_inference_slowdown = 2.0
+    start = time.monotonic()
+    beside = run_stream(engine, interval_s=0.25)
+    wall = time.monotonic() - start
+    counters = tuner.policy.stats
+    assert counters.beside > 0
+    assert counters.beside_seconds <= 0.5 * wall + iteration_s + SLACK_S, (counters.beside_seconds, wall)
+    assert {rid: tokens for rid, (tokens, _) in beside.items()} == {rid: tokens for rid, (tokens, _) in alone.items()}
     tuner.cancel(job_id)

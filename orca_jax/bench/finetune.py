@@ -7,7 +7,8 @@ Deferred Continuous Batching), in one run, in process.
 3. the job alone: a LoRA job (rank `rank` on every projection) on a synthetic dataset, no requests:
    fine-tuning tokens/s;
 4. inference with the job: the same three traces while the job runs: TTFT and TPOT p50/p99 and the
-   job's tokens/s.
+   job's tokens/s, under Deferred Continuous Batching alone (`with_job`) and then for each
+   --max-inference-slowdowns value above 1 (`beside`: iterations also run while requests run).
 Saves <model>_finetune.json (--result-dir) and prints the issue's targets: at the medium rate inference p99 TPOT
 within 1.2x of inference alone; at the light rate fine-tuning keeps >= 50% of its alone throughput.
 """
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--example-tokens", default="255,256",
                         help="prompt,completion tokens of each example (with the end token: 512, one row)")
     parser.add_argument("--deferral-bound-s", type=float, default=FineTuningConfig().deferral_bound_s)
+    parser.add_argument("--max-inference-slowdowns", default="1.2",
+                        help="after Deferred Continuous Batching alone, the traces again with the job also "
+                        "running beside requests at each of these slowdowns (comma list; empty: none)")
     parser.add_argument("--memory-gib", type=float, default=8.0, help="held back from the KV pool for the job")
     add_result_arguments(parser)
 
@@ -176,6 +180,13 @@ def run(args: argparse.Namespace) -> Results:
                            / (time.monotonic() - t0),
                            "iteration_s": tuner.policy.iteration_estimate}
     result["with_job"] = [run_poisson(engine, trace) for trace in traces]
+    results.section("finetune", result)
+    result["beside"] = {}
+    for slowdown in [float(k) for k in args.max_inference_slowdowns.split(",") if k]:
+        tuner.policy.max_inference_slowdown = slowdown
+        result["beside"][str(slowdown)] = [run_poisson(engine, trace) for trace in traces]
+        results.section("finetune", result)
+    tuner.policy.max_inference_slowdown = 1.0
     tuner.cancel(job_id)
     result["summary"] = summary(result)
     results.section("finetune", result)
@@ -184,7 +195,14 @@ def run(args: argparse.Namespace) -> Results:
 
 
 def summary(result: dict) -> dict:
-    alone, shared, ft = result["alone"], result["with_job"], result["job_alone"]["tokens_per_s"]
+    """The targets under Deferred Continuous Batching alone, and per slowdown beside running requests."""
+    out = _targets(result["alone"], result["with_job"], result["job_alone"]["tokens_per_s"])
+    out["beside"] = {k: _targets(result["alone"], runs, result["job_alone"]["tokens_per_s"])
+                     for k, runs in result.get("beside", {}).items()}
+    return out
+
+
+def _targets(alone: list[dict], shared: list[dict], ft: float) -> dict:
     medium = len(alone) // 2
     tpot_ratio = (shared[medium]["tpot_s"]["p99"] or 0) / max(alone[medium]["tpot_s"]["p99"] or 1e-9, 1e-9)
     ft_kept = shared[0]["fine_tuning_tokens_per_s"] / max(ft, 1e-9)
@@ -202,5 +220,9 @@ def summary(result: dict) -> dict:
 
 def tables(result: dict) -> dict[str, list[dict]]:
     found = summary(result["finetune"])
-    return {"serving with and without the job": found["rows"],
-            "summary": [{k: v for k, v in found.items() if k != "rows"}]}
+    out = {"serving with and without the job": found["rows"],
+           "summary": [{k: v for k, v in found.items() if k not in ("rows", "beside")}]}
+    for slowdown, beside in found["beside"].items():
+        out[f"beside running requests, slowdown {slowdown}"] = beside["rows"]
+        out["summary"].append({"max_inference_slowdown": slowdown} | {k: v for k, v in beside.items() if k != "rows"})
+    return out

@@ -68,7 +68,7 @@ class FineTuner:
         """`stage`: the runner's one stage (its decoder, served params and sharding)."""
         self.config = config
         self.store = JobStore(config.directory or default_directory())
-        self.policy = DeferralPolicy(config.deferral_bound_s)
+        self.policy = DeferralPolicy(config.deferral_bound_s, max_inference_slowdown=config.max_inference_slowdown)
         self._stage, self._model_config, self._tokenizer = stage, model_config, tokenizer
         self._lora, self.base_model, self._max_len = lora, base_model, max_len
         self._lock = threading.Lock()
@@ -167,8 +167,22 @@ class FineTuner:
     def maybe_run(self, oldest_waiting_arrival: float | None, now: float) -> bool:
         """One fine-tuning turn, if Deferred Continuous Batching allows it now (the engine asks only
         while no inference request runs); False: inference goes first."""
+        self.policy.idle()
         if not self.policy.may_run(oldest_waiting_arrival, now):
             return False
+        self._turn(deferred=oldest_waiting_arrival is not None)
+        return True
+
+    def maybe_run_beside(self, now: float) -> bool:
+        """While requests run: one fine-tuning iteration if the policy's credit allows it (only with
+        max_inference_slowdown > 1, and only for a job ready to iterate: a job starts in idle turns)."""
+        run = self._run
+        if run is None or not run.ready or not self.policy.may_run_beside(now):
+            return False
+        self._turn(beside=True)
+        return True
+
+    def _turn(self, deferred: bool = False, beside: bool = False) -> None:
         run = self._run
         try:
             if run is None:
@@ -178,13 +192,12 @@ class FineTuner:
             else:
                 start = time.perf_counter()
                 tokens = self._iterate(run)
-                self.policy.record(time.perf_counter() - start, tokens, oldest_waiting_arrival is not None)
+                self.policy.record(time.perf_counter() - start, tokens, deferred, beside)
         except Exception as error:  # a job's failure is the job's, never the server's
             job = run.job if run is not None else None
             log.exception("fine-tuning job %s failed", job.id if job else "?")
             if job is not None:
                 self._fail(job, "training_error", f"{type(error).__name__}: {error}")
-        return True
 
     def suspend(self) -> None:
         """The engine stops: checkpoint the running job's last finished step, so it resumes there."""

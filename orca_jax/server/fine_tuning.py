@@ -49,6 +49,10 @@ def add_fine_tuning_arguments(parser: argparse.ArgumentParser) -> None:
                        "~/.cache/orca_jax/fine_tuning); a restart resumes unfinished jobs from here")
     group.add_argument("--fine-tuning-deferral-bound-s", type=float, default=defaults.deferral_bound_s,
                        help="the longest a waiting request is held back while a fine-tuning iteration runs")
+    group.add_argument("--fine-tuning-max-inference-slowdown", type=float, default=defaults.max_inference_slowdown,
+                       help="above 1, fine-tuning iterations also run between inference iterations while "
+                       "requests run, so inference runs at most this many times slower on average (1: only "
+                       "while no request runs, Deferred Continuous Batching)")
     group.add_argument("--fine-tuning-memory-gib", type=float, default=defaults.memory_gib,
                        help="device memory held back from the KV pool for a job (a job needing more is refused)")
     group.add_argument("--fine-tuning-keep-checkpoints", type=int, default=defaults.keep_checkpoints,
@@ -62,7 +66,8 @@ def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig |
         return None
     return FineTuningConfig(directory=args.fine_tuning_dir, deferral_bound_s=args.fine_tuning_deferral_bound_s,
                             memory_gib=args.fine_tuning_memory_gib,
-                            keep_checkpoints=args.fine_tuning_keep_checkpoints)
+                            keep_checkpoints=args.fine_tuning_keep_checkpoints,
+                            max_inference_slowdown=args.fine_tuning_max_inference_slowdown)
 
 
 # ---- bodies ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`bench lora` end to end on a tiny model (CPU): the ops section's three forms and the engine section's
+"""`bench lora` end to end on a tiny model (CPU): the ops section's forms and the engine section's
 traces and decode, with no program compiled while serving."""
 
 import json
@@ -14,7 +14,7 @@ def test_bench_lora_runs_end_to_end(tmp_path):
     result = json.loads((tmp_path / "tiny-llama_lora.json").read_text())
     assert [row["tokens"] for row in result["ops"]] == [8]
     for row in result["ops"]:
-        assert all(row[f"{form}_ms"] > 0 for form in ("dense", "dense_per_projection", "gather", "ragged_dot"))
+        assert all(row[f"{form}_ms"] > 0 for form in ("dense", "dense_per_projection", "gather", "ragged_dot", "kernel"))
     engine = result["engine"]
     assert engine["num_loads"] >= 3 and engine["summary"]["compiled_while_serving"] == 0
     for label in ("base", "adapters", "one_adapter"):

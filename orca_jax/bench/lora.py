@@ -1,9 +1,12 @@
 """`python -m orca_jax.bench lora`: multi-LoRA serving against the base model, in one run on one device.
 
 - ops: one layer's adapter terms on every projection (max_loras slots of max_lora_rank, tokens spread
-  over all slots) in the three candidate forms (lora/ops.py), each over the layer's base projections
-  at the same token count: the masked dense form the forward uses (also per projection), a gather of
-  each token's weights, and jax.lax.ragged_dot over tokens sorted by slot;
+  over all slots) in the candidate forms (lora/ops.py), each over the layer's base projections at the
+  same token count: the masked dense form the forward uses above SMALL_BATCH_TOKENS (also per
+  projection), a gather of each token's weights, jax.lax.ragged_dot over tokens sorted by slot, and up
+  to KERNEL_MAX_TOKENS tokens the BGMV kernels (kernels/lora_bgmv.py; interpreted off GPU), timed with
+  the add into the base outputs. One layer per call: at a few tokens the call's dispatch dominates,
+  which benchmarks/probes/lora_decode_profile.py avoids with a 32-layer stack;
 - engine: one engine with `num_adapters` random adapters of `rank` on all seven projections (in as
   many slots) on the ORCA trace (all requests at once, EOS ignored): the base model alone, requests
   spread over every adapter, all on one adapter; then batch-1 decode (context ~512) on the base and
@@ -33,6 +36,7 @@ from orca_jax.lora.adapter import projection_shapes, random_adapter
 from orca_jax.lora.layout import layer_shapes, nest
 from orca_jax.request import SamplingParams
 
+KERNEL_MAX_TOKENS = 32  # the ops section times the kernels up to this many tokens
 THROUGHPUT_TARGET = 0.8  # adapters' tokens/s over the base's, at least
 DECODE_TARGET = 1.2  # batch-1 decode time with an adapter over the base's, at most
 
@@ -98,6 +102,16 @@ def time_layer_terms(config: ModelConfig, num_slots: int, rank: int, token_count
         return (ops.qkv_delta(x, table["attn"]["qkv"], tokens), ops.o_delta(attn_out, table["attn"]["o"], tokens),
                 ops.gate_up_delta(x, table["mlp"]["gate_up"], tokens), ops.in_delta(act, table["mlp"]["down"], tokens))
 
+    small = ops.SmallBatchForm.KERNEL if jax.devices()[0].platform == "gpu" else ops.SmallBatchForm.KERNEL_INTERPRET
+
+    @jax.jit
+    def kernel_fn(x, attn_out, act, table, slots, outs):
+        tokens = ops.LoRATokens(ops.LoRATokens.of(slots, num_slots, x.dtype).mask, jnp.maximum(slots - 1, 0), small)
+        q, o, gate_up, down = outs
+        return (ops.add_qkv(q, x, table["attn"]["qkv"], tokens), ops.add_o(o, attn_out, table["attn"]["o"], tokens),
+                ops.add_gate_up(gate_up, x, table["mlp"]["gate_up"], tokens),
+                ops.add_in(down, act, table["mlp"]["down"], tokens))
+
     def each(form):
         @jax.jit
         def fn(inputs, weights, slots_or_sizes):
@@ -117,6 +131,8 @@ def time_layer_terms(config: ModelConfig, num_slots: int, rank: int, token_count
         base_s = time_call(base_fn, x, attn_out, act, base)
         row = {"tokens": tokens, "adapters_used": int(min(tokens, num_slots)), "base_ms": 1e3 * base_s}
         timed = [("dense", dense_fn, (x, attn_out, act, table, slots))]
+        if tokens <= KERNEL_MAX_TOKENS:
+            timed.append(("kernel", kernel_fn, (x, attn_out, act, table, slots, base_fn(x, attn_out, act, base))))
         timed += [(name, fn, (inputs, weights, routing[by])) for name, (fn, weights, by) in forms.items()]
         for name, fn, args in timed:
             try:

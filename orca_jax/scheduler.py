@@ -248,8 +248,7 @@ class Scheduler:
         from the pages of its prefix already cached, and its LoRA adapter's slot; None: its KV would
         fit, but its adapter has no slot yet."""
         tokens = self._admission_tokens(request)
-        # Cached full pages before its last initiation token (that one is always computed, so sampling
-        # has its logits).
+        # Cached full pages before its last initiation token (always computed: sampling needs its logits).
         hit = self.kv.cached_prefix(request, request.num_initiation_tokens - 1)
         fits = self._may_admit(request, tokens, hit)
         if not fits and not self.policy.preempts_for_admission:
@@ -297,8 +296,7 @@ class Scheduler:
         When the pool is dry, free the lowest-ranked running request below the one growing (in this
         plan or not, in flight or not); if there is none, the growing request preempts itself. The
         best-ranked running request can therefore always grow (add_request checks that a request
-        alone fits the pool), so the pool never deadlocks and every request eventually finishes.
-        """
+        alone fits the pool), so the pool never deadlocks and every request eventually finishes."""
         ranked = self._ranked_running(now)
         rank = {r: i for i, r in enumerate(ranked)}
         planned = sorted(planned, key=lambda item: rank[item[0]])

@@ -14,7 +14,8 @@ a token without an adapter costs a program that reads nothing.
 The table keeps its layout (lora/layout.py): the kernels address a slot's rows with pointer
 arithmetic, and the dense form, which larger batches use, reads the same arrays.
 
-Backend: Pallas's Triton lowering (kernels/pallas_triton.py); interpret mode on the CPU for tests. Every array is passed whole and flattened to 2-D; T is static and small.
+Backend: Pallas's Triton lowering (kernels/pallas_triton.py); interpret mode on the CPU for tests.
+Every array is passed whole and flattened to 2-D; T is static and small.
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ def _expand_kernel(tiles_ref, slots_ref, used_ref, part_ref, *refs, num_tokens: 
             pl.when(src == 1)(lambda: write(b_refs[1]))
 
 
-def _largest_pow2_divisor(n: int, limit: int) -> int:
+def block_width(n: int) -> int:
+    """Expand programs' columns for an output of n columns: the largest power of two dividing n, at most
+    BLOCK_OUT (a tile never straddles a part or a head)."""
     block = 1
-    while block * 2 <= limit and n % (block * 2) == 0:
+    while block * 2 <= BLOCK_OUT and n % (block * 2) == 0:
         block *= 2
     return block
 

@@ -17,7 +17,7 @@ The other forms, same results (tests/test_lora_engine.py), timed against it by `
   masked form's FLOPs plus padded copies, and it needs the batch sorted by adapter.
 The masked form is the one for buckets of more than SMALL_BATCH_TOKENS tokens. Smaller (decode)
 buckets read only their tokens' slots: on one GPU device through the Pallas kernels of
-kernels/lora_bgmv.py (two per projection group, the add to the base output in place), elsewhere (the
+kernels/lora_bgmv.py (two per projection group; XLA fuses the add into the next op), elsewhere (the
 CPU, tensor parallel meshes, ranks not a power of two) through the gathered form. The `add_*`
 functions return the base projection's output with the term added, in whichever form applies.
 
@@ -169,7 +169,7 @@ def add_qkv(y: jax.Array, x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.A
         return y + qkv_delta(x, lora, tokens)
     t, k, c, d = y.shape
     h, parts, m, r = lora["a"].shape
-    block = lora_bgmv._largest_pow2_divisor(d, lora_bgmv.BLOCK_OUT)
+    block = lora_bgmv.block_width(d)
     sources = [lora["b_q"].reshape(m * r, -1), lora["b_kv"].reshape(2 * m * r, -1)]
     return y + _kernel_term(y.reshape(t, -1), x, lora["a"].reshape(h, -1), sources,
                             lora_bgmv.qkv_tiles(k, c - 2, d, block), block, tokens, m, r).reshape(y.shape)
@@ -203,7 +203,7 @@ def add_in(y: jax.Array, x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Ar
 def _flat_add(y, x, a, b, parts: int, tokens: LoRATokens, num_slots: int, rank: int) -> jax.Array:
     """y [T, P, O] or [T, O] from one B [P * M * R, O]."""
     out = b.shape[1]
-    block = lora_bgmv._largest_pow2_divisor(out, lora_bgmv.BLOCK_OUT)
+    block = lora_bgmv.block_width(out)
     tiles = lora_bgmv.flat_tiles(parts, out, block)
     term = _kernel_term(y.reshape(y.shape[0], -1), x, a, [b], tiles, block, tokens, num_slots, rank)
     return y + term.reshape(y.shape)

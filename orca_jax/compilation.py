@@ -46,11 +46,13 @@ class Bucket(NamedTuple):
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
 class ForwardKey:
     """A stage's ragged forward pass over one bucket; with the LoRA adapter term or without (static:
-    a batch without adapted tokens skips that work)."""
+    a batch without adapted tokens skips that work); over the whole KV pool, or the pool while a
+    fine-tuning job borrows its top pages (`lent`: the pages' array is smaller, kv_loan.py)."""
 
     bucket: Bucket
     stage: int
     lora: bool = False
+    lent: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -107,7 +109,7 @@ def key_to_json(key: ProgramKey) -> list:
     if isinstance(key, PromptLogprobsKey):
         return [type(key).__name__, key.length]
     if isinstance(key, ForwardKey):
-        return [type(key).__name__, list(key.bucket), key.stage, key.lora]
+        return [type(key).__name__, list(key.bucket), key.stage, key.lora, key.lent]
     return [type(key).__name__, list(key.bucket), key.stage]
 
 
@@ -123,7 +125,7 @@ def key_from_json(data: list) -> ProgramKey:
     if cls is PromptLogprobsKey:
         return PromptLogprobsKey(int(data[1]))
     if cls is ForwardKey:
-        return ForwardKey(Bucket(*(int(x) for x in data[1])), int(data[2]), bool(data[3]))
+        return ForwardKey(Bucket(*(int(x) for x in data[1])), int(data[2]), bool(data[3]), bool(data[4]))
     return cls(Bucket(*(int(x) for x in data[1])), int(data[2]))
 
 

@@ -250,6 +250,13 @@ class LoRAConfig:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
+class FineTuningMemory(enum.Enum):
+    """Where a fine-tuning job's device memory comes from (kv_loan.py)."""
+
+    LEND = "lend"  # the KV pool lends its top memory_gib of pages while a job runs, and takes them back
+    RESERVE = "reserve"  # held back from the KV pool from the start, whether a job runs or not
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class FineTuningConfig:
     """Fine-tuning LoRA adapters inside the serving engine (FineInfer; finetune/).
@@ -265,7 +272,8 @@ class FineTuningConfig:
 
     directory: str | None = None  # uploaded files, jobs, checkpoints; None: finetune.default_directory()
     deferral_bound_s: float = 0.5  # the longest a waiting request is held back for fine-tuning
-    memory_gib: float = 4.0  # device memory held back from the KV pool for a job
+    memory_gib: float = 4.0  # device memory a job may use, taken from the KV pool (memory_policy)
+    memory_policy: FineTuningMemory = FineTuningMemory.LEND
     keep_checkpoints: int = 3  # newest checkpoints kept per job
     remat: bool = True  # recompute each layer's activations in the backward (less memory, ~1.3x compute)
     # > 1: iterations may also run between inference iterations while requests run, so inference runs

@@ -19,11 +19,12 @@ from typing import Callable, Protocol
 from orca_jax import multihost
 from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
-from orca_jax.config import EngineConfig, ModelConfig
+from orca_jax.config import EngineConfig, FineTuningConfig, FineTuningMemory, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.engine_stats import EngineStats
 from orca_jax.finetune.tuner import FineTuner
 from orca_jax.kv_cache import KVCacheManager
+from orca_jax.kv_loan import KVLoan
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
 from orca_jax.logits_rules import LogitsRules, SamplingBatcher, TokenMaskSource
@@ -70,6 +71,16 @@ class EngineObserver(Protocol):
     def on_update(self, output: SchedulerOutput, seconds: float) -> None: ...
 
 
+def _fine_tuning_memory(config: FineTuningConfig | None) -> dict:
+    """The runner's pool arguments for a fine-tuning job's memory: lendable or held back (kv_loan.py)."""
+    if config is None:
+        return {}
+    memory = int(config.memory_gib * 2**30)
+    if config.memory_policy is FineTuningMemory.LEND:
+        return {"lendable_bytes": memory}
+    return {"reserve_bytes": memory}
+
+
 def model_config_for(config: EngineConfig, loaded: LoadedModel) -> ModelConfig:
     """The loaded model's config with the engine's length cap applied."""
     model_config = loaded.config
@@ -94,7 +105,7 @@ class Engine:
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
                                   lora=config.lora, sampling=config.sampling,
-                                  reserve_bytes=0 if config.fine_tuning is None else int(config.fine_tuning.memory_gib * 2**30))
+                                  **_fine_tuning_memory(config.fine_tuning))
         # Structured outputs' masks as wide as the logits (the vocabulary padded for tensor parallelism);
         # token_masks: more per-step allowed tokens from outside the sampler, applied on device too.
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks)
@@ -102,17 +113,20 @@ class Engine:
                                          config.sampling.logit_table_width, config.sampling.max_logprobs,
                                          self.structured)
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size,
-                                 enable_prefix_caching=config.cache.enable_prefix_caching)
+                                 enable_prefix_caching=config.cache.enable_prefix_caching,
+                                 lendable_pages=self.runner.lendable_pages)
         # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
         self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,
                                                                  self.runner.load_lora)
         # Fine-tuning jobs (None: off): run between inference iterations, served through self.lora.
-        self.fine_tuning = None if config.fine_tuning is None else FineTuner(
-            config.fine_tuning, self.runner.stages[0], self.model_config, self.tokenizer, self.lora, config.model,
-            self.max_model_len)
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
                                     max_pages=self.kv.num_pages_for(self.max_model_len))
+        # The pool's pages a job borrows (None: nothing to lend, RESERVE or a pool too small).
+        self.kv_loan = KVLoan(self.kv, self.runner) if self.runner.lendable_pages else None
+        self.fine_tuning = None if config.fine_tuning is None else FineTuner(
+            config.fine_tuning, self.runner.stages[0], self.model_config, self.tokenizer, self.lora, config.model,
+            self.max_model_len, self.kv_loan)
         scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
         factory = scheduler_factory or functools.partial(
             Scheduler, scheduler_config, token_target=self.buckets.token_target,
@@ -285,8 +299,13 @@ class Engine:
 
         While no request runs, a fine-tuning iteration runs instead if Deferred Continuous Batching
         allows (finetune/deferral.py); while requests run, one may run first if the job's inference
-        slowdown allows.
+        slowdown allows. A job that borrowed KV pages gives them back first if a request the smaller
+        pool could not admit has waited half the deferral bound (kv_loan.py).
         """
+        if self.kv_loan is not None and self.kv_loan.lent:
+            refused = self.scheduler.oldest_refused_arrival
+            if refused is not None and time.monotonic() - refused >= self.config.fine_tuning.deferral_bound_s / 2:
+                self.fine_tuning.yield_memory()
         if self.fine_tuning is not None and self.fine_tuning.has_work():
             if not self._in_flight and not self.scheduler.num_running:
                 if self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
@@ -442,4 +461,9 @@ class Engine:
             stats.fine_tuning_tokens_total = counters.tokens
             stats.inference_deferrals_total = counters.deferrals
             stats.inference_deferral_seconds_total = counters.deferral_seconds
+            stats.fine_tuning_parks_total = self.fine_tuning.parks
+        if self.kv_loan is not None:
+            stats.kv_pages_lent = self.kv_loan.num_pages if self.kv_loan.lent else 0
+            stats.kv_loans_total = self.kv_loan.stats.loans
+            stats.kv_loan_seconds_total = self.kv_loan.stats.seconds
         return stats

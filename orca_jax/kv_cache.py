@@ -12,6 +12,12 @@ the counters); the allocator takes one, dropping its content, only when the free
 Reservations keep ORCA's guarantee: a request's reservation is the number of pages it may hold; what
 it holds is counted once however many requests share it, and what it may still take (`pending`) is
 promised out of the free and evictable pages, so `allocate_up_to` can never run dry.
+
+A fine-tuning job borrows the pool's top `lendable_pages` (kv_loan.py). Those pages have a free list
+of their own that is drawn from only when the rest of the pool is held, so under light load they
+stay free and can be lent without preempting anyone. `lend` succeeds only then (nothing held up
+there, every reservation fits below); while lent the pool is that much smaller; `reclaim` gives the
+pages back.
 """
 
 from __future__ import annotations
@@ -35,16 +41,23 @@ class KVCacheManager:
     """
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = False,
-                 hash_fn: Callable[[tuple], int] = hash):
+                 hash_fn: Callable[[tuple], int] = hash, lendable_pages: int = 0):
         if num_pages < 2:
             raise ValueError(f"num_pages must be at least 2 (page 0 is scratch), got {num_pages}")
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if not 0 <= lendable_pages <= num_pages - 2:
+            raise ValueError(f"lendable_pages must leave at least one usable page: {lendable_pages} of {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_index = PrefixIndex(num_pages, page_size, hash_fn) if enable_prefix_caching else None
-        # LIFO free list; reversed so the first pages handed out are 1, 2, 3... (easy to read in tests).
-        self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
+        # Pages [loan_start, num_pages) are the ones a fine-tuning job may borrow; _limit is where the
+        # pool ends now (loan_start while lent, else num_pages).
+        self.loan_start = num_pages - lendable_pages
+        self._limit = num_pages
+        # LIFO free lists; reversed so the first pages handed out are 1, 2, 3... (easy to read in tests).
+        self._free_pages: list[int] = list(range(self.loan_start - 1, 0, -1))
+        self._free_lendable: list[int] = list(range(num_pages - 1, self.loan_start - 1, -1))
         self._refs = [0] * num_pages  # requests holding each page; 0: free or evictable
         self._page_tables: dict[str, list[int]] = {}
         self._pending: dict[str, int] = {}  # pages a request may still take beyond its table
@@ -58,8 +71,17 @@ class KVCacheManager:
     # ---- counters -------------------------------------------------------------------------------
     @property
     def num_usable_pages(self) -> int:
-        """Pages that can ever be handed out (all but scratch page 0)."""
+        """Pages that can be handed out now (all but scratch page 0, and the lent ones while lent)."""
+        return self._limit - 1
+
+    @property
+    def max_usable_pages(self) -> int:
+        """Pages that can ever be handed out (once lent pages come back): what one request may need."""
         return self.num_pages - 1
+
+    @property
+    def lent(self) -> bool:
+        return self._limit < self.num_pages
 
     @property
     def num_free_pages(self) -> int:
@@ -150,13 +172,38 @@ class KVCacheManager:
             return 0
         forgotten = 0
         while (page := self.prefix_index.evict_oldest()) is not None:
-            self._free_pages.append(page)
+            (self._free_pages if page < self.loan_start else self._free_lendable).append(page)
             forgotten += 1
         for page in self.prefix_index.cached_pages():
             self.prefix_index.forget(page)
             forgotten += 1
         self._indexed.clear()
         return forgotten
+
+    # ---- the loan to fine-tuning (kv_loan.py) ----------------------------------------------------
+    def can_lend(self) -> bool:
+        """Whether the lendable pages could go now: none held, every reservation fits below them."""
+        if self.lent or self.loan_start == self.num_pages:
+            return False
+        return not any(self._refs[self.loan_start:]) and self.num_reserved_pages <= self.loan_start - 1
+
+    def lend(self) -> bool:
+        """Withdraw the lendable pages from the pool (cached content on them is forgotten); False,
+        changing nothing, unless can_lend."""
+        if not self.can_lend():
+            return False
+        if self.prefix_index is not None:
+            self.prefix_index.forget_range(self.loan_start, self.num_pages)
+        self._free_lendable.clear()  # every lendable page is free (none held): nothing is lost
+        self._limit = self.loan_start
+        return True
+
+    def reclaim(self) -> None:
+        """The lent pages are back in the pool, free (their old content is gone)."""
+        if not self.lent:
+            return
+        self._free_lendable = list(range(self.num_pages - 1, self.loan_start - 1, -1))
+        self._limit = self.num_pages
 
     def _take(self, pages: list[int]) -> None:
         for page in pages:
@@ -234,7 +281,7 @@ class KVCacheManager:
                                f"tokens but reserved {self.num_reserved_for(request_id)}")
         while len(table) < num_needed:
             # Cannot run dry: pending pages are promised out of the free and evictable ones.
-            page = self._free_pages.pop() if self._free_pages else self.prefix_index.evict_oldest()
+            page = self._take_free_page()
             if self._refs[page]:
                 raise KVCacheError(f"page {page} on the free list is already in use")
             self._refs[page] = 1
@@ -242,6 +289,15 @@ class KVCacheManager:
             self._pending[request_id] -= 1
             self._num_pending -= 1
             table.append(page)
+
+    def _take_free_page(self) -> int:
+        """The rest of the pool's free pages first, then the lendable ones (while not lent), then the
+        least recently used evictable page."""
+        if self._free_pages:
+            return self._free_pages.pop()
+        if self._free_lendable and not self.lent:
+            return self._free_lendable.pop()
+        return self.prefix_index.evict_oldest()
 
     def page_ids(self, request_id: str) -> list[int]:
         """The request's pages in token order. Read-only: the allocator's own list, not a copy."""
@@ -272,4 +328,5 @@ class KVCacheManager:
             self._num_held -= 1
             if self.prefix_index is None or not self.prefix_index.release(page):
                 freed.append(page)
-        self._free_pages += freed[::-1]
+        for page in reversed(freed):
+            (self._free_pages if page < self.loan_start else self._free_lendable).append(page)

@@ -140,6 +140,12 @@ class SchedulerInterface(Protocol):
         """The arrival time of the longest-waiting request holding no KV; None if none waits."""
         ...
 
+    @property
+    def oldest_refused_arrival(self) -> float | None:
+        """The arrival time of the longest-waiting request the last schedule() could not admit for
+        lack of KV; None if none was refused."""
+        ...
+
     def add_request(self, request: Request) -> None:
         """Put a request in the pool; ValueError if it can never run, QueueFullError if full."""
         ...

@@ -148,6 +148,12 @@ class PrefixIndex:
             raise ValueError(f"page {page} is evictable: evict it instead")
         self._forget(page)
 
+    def forget_range(self, start: int, stop: int) -> None:
+        """Drop pages start..stop-1 from the index, evictable or not (their memory is going away)."""
+        for page in range(start, stop):
+            self._evictable.pop(page, None)
+            self._forget(page)
+
     def _forget(self, page: int) -> None:
         entry = self._entries[page]
         if entry is not None:

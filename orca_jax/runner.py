@@ -30,7 +30,7 @@ from orca_jax.config import AttentionBackend, CacheConfig, LoRAConfig, ModelConf
 from orca_jax.executable_cache import ExecutableCache
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_jnp import ragged_attention_jnp
-from orca_jax.kv_pool import num_pages_for
+from orca_jax.kv_pool import num_pages_for, pages_for_budget
 from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.logits_processing import tables_bytes
 from orca_jax.models import decoder
@@ -89,8 +89,9 @@ class ModelRunner:
                  parallel: ParallelConfig = ParallelConfig(), devices: list[jax.Device] | None = None,
                  max_num_seqs: int = 256, executable_cache: ExecutableCache | None = None,
                  lora: LoRAConfig | None = None, sampling: SamplingConfig = SamplingConfig(),
-                 reserve_bytes: int = 0):
-        """`reserve_bytes`: device memory per device kept out of a pool sized from free memory."""
+                 reserve_bytes: int = 0, lendable_bytes: int = 0):
+        """`reserve_bytes`: device memory per device kept out of a pool sized from free memory;
+        `lendable_bytes`: how much of the pool a fine-tuning job may borrow (kv_loan.py)."""
         check_parallel_fits(parallel, config)
         # Vocabulary padded and KV heads replicated to fit the tensor size; from here on `config` is
         # the device shapes (the logits width, the KV pages), the plan keeps the model's own.
@@ -117,6 +118,13 @@ class ModelRunner:
                                        sum(stage.mesh.size for stage in self.stages),
                                        max_num_seqs=max_num_seqs, max_model_len=config.max_seq_len,
                                        reserve_bytes=reserve_bytes)
+        # The pool's top pages a fine-tuning job may borrow: forwards over the smaller pool are their
+        # own programs (ForwardKey.lent), compiled when a job first needs them. What stays still holds
+        # one request of the longest length, so inference always makes progress.
+        self.full_pages = self.num_pages
+        kept = 1 + -(-config.max_seq_len // self.page_size)
+        self.lendable_pages = max(0, min(pages_for_budget(config.kv_bytes_per_token, self.page_size, lendable_bytes),
+                                         self.num_pages - kept))
         self._params_ready = self._start_making_params(params, seed)
         for stage in self.stages:
             stage.params_ready = self._params_ready
@@ -188,6 +196,21 @@ class ModelRunner:
         return sum(stage.mesh.size for stage in self.stages)
 
     @property
+    def pool_lent(self) -> bool:
+        """Whether a fine-tuning job borrows the pool's top pages now."""
+        return self.num_pages < self.full_pages
+
+    def resize_pool(self, lent: bool) -> None:
+        """Give the lendable pages up (their memory is freed) or take them back (zeroed), on every
+        stage; waits for the batches in flight. The programs for the new size must be compiled
+        (prepare_lending) and, for `lent`, nothing above the cut held (kv_cache.lend)."""
+        num_pages = self.full_pages - self.lendable_pages if lent else self.full_pages
+        if num_pages != self.num_pages:
+            for stage in self.stages:
+                stage.resize_kv(num_pages)
+            self.num_pages = num_pages
+
+    @property
     def kv(self) -> tuple[LayerKV, ...]:
         """Every layer's pages, in layer order (each stage's on its own devices)."""
         return tuple(layer for stage in self.stages for layer in stage.kv)
@@ -214,6 +237,21 @@ class ModelRunner:
             keys += [PromptLogprobsKey(length) for length in self._prompt_logprobs.lengths]
         return keys + self.sampler.program_keys(b.seqs for b in buckets)
 
+    def prepare_lending(self, threads: int | None = None) -> float:
+        """Compile what lending needs: the pages' resize copies, and the smaller pool's twin of every
+        forward compiled so far (all of them after a precompile; with precompile off, later ones
+        compile on demand as usual). Blocking, so call it off the engine thread; returns its seconds."""
+        if self.lendable_pages == 0:
+            raise RuntimeError("this runner's pool has no lendable pages")
+        start = time.perf_counter()
+        lent = self.full_pages - self.lendable_pages
+        for stage in self.stages:
+            stage.compile_resize(lent)
+        keys = sorted(dataclasses.replace(key, lent=True) for key in self.compilation.compiled_keys
+                      if isinstance(key, ForwardKey) and not key.lent)
+        self.compilation.precompile(keys, None, threads)
+        return time.perf_counter() - start
+
     def _program_source(self, key: ProgramKey) -> ProgramSource:
         if isinstance(key, (SampleKey, PenaltyFillKey)):  # sampling runs on the last stage's mesh
             return ProgramSource(functools.partial(self.sampler.lower, key),
@@ -228,8 +266,9 @@ class ModelRunner:
                                  list(stage.mesh.devices.flat), ())
         if isinstance(key, LoRAUpdateKey):  # its inputs are the table's shapes, in the identity
             return ProgramSource(stage.lora.lower_update, list(stage.mesh.devices.flat), ())
-        return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs, key.lora),
-                             list(stage.mesh.devices.flat), stage.input_specs(key.lora))
+        num_pages = self.full_pages - self.lendable_pages if key.lent else self.full_pages
+        return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs, key.lora, num_pages),
+                             list(stage.mesh.devices.flat), stage.input_specs(key.lora, num_pages))
 
     def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
                    threads: int | None = None, warm: bool = True) -> PrecompileReport:
@@ -240,7 +279,8 @@ class ModelRunner:
         todo, compile_seconds, seconds_by_key = self.compilation.precompile(keys, progress, threads)
         start = time.perf_counter()
         if warm:  # dispatched back to back, waited for once: the device runs one while the host loads the next
-            variants = sorted({(key.bucket, key.lora) for key in todo if isinstance(key, ForwardKey)})
+            variants = sorted({(key.bucket, key.lora) for key in todo
+                               if isinstance(key, ForwardKey) and key.lent == self.pool_lent})
             jax.block_until_ready([self._forward(empty_batch(*bucket, lora=lora)) for bucket, lora in variants])
         return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start, seconds_by_key)
 
@@ -269,7 +309,7 @@ class ModelRunner:
             if stage.index > 0:
                 inputs = self._to_next[stage.index - 1](inputs)
             inputs = stage.run(bucket, executable(StageInKey(bucket, stage.index)),
-                               executable(ForwardKey(bucket, stage.index, batch.has_lora)), packed, inputs,
+                               executable(ForwardKey(bucket, stage.index, batch.has_lora, self.pool_lent)), packed, inputs,
                                batch.has_lora)
         return inputs
 

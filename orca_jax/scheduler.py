@@ -59,6 +59,9 @@ class Scheduler:
         self._in_flight_iterations: set[int] = set()
         self._next_iteration = 0
         self.num_preemptions = 0  # since start: requests sent back to the pool to free KV
+        # The arrival of the longest-waiting request the last schedule() could not admit (None: it
+        # admitted every one it reached): what makes a fine-tuning job give back lent KV pages.
+        self.oldest_refused_arrival: float | None = None
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -117,9 +120,9 @@ class Scheduler:
                              f"({request.sampling.max_tokens}) = {request.max_total_tokens} tokens "
                              f"exceeds max_model_len {self.max_model_len}")
         num_pages = self.kv.num_pages_for(request.max_total_tokens)
-        if num_pages > self.kv.num_usable_pages:
+        if num_pages > self.kv.max_usable_pages:
             raise ValueError(f"request {rid!r} needs {num_pages} KV pages ({request.max_total_tokens} "
-                             f"tokens) but the whole pool has {self.kv.num_usable_pages}")
+                             f"tokens) but the whole pool has {self.kv.max_usable_pages}")
         if self._num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"request pool full: {self._num_waiting} requests waiting "
                                  f"(max_waiting={self.config.max_waiting})")
@@ -155,6 +158,7 @@ class Scheduler:
         batch: list[Request] = []
         preempted: set[Request] = set()  # not re-admitted in the iteration that preempted them
         can_admit = True
+        refused = float("inf")
         views = {r: view for r in self._requests.values() if (view := self._planning_view(r)) is not None}
         for request in self.policy.order(list(views), now):
             if len(batch) >= self.config.max_num_seqs:
@@ -167,6 +171,7 @@ class Scheduler:
                     continue  # waits for its LoRA adapter's slot; the requests behind it go on
                 if not admitted:
                     can_admit = not self.policy.blocks_later_admissions
+                    refused = min(refused, request.arrival_time)
                     continue
                 views[request] = own_view(request)  # admitted past the pages it found cached
             batch.append(request)
@@ -190,6 +195,7 @@ class Scheduler:
             else:
                 num_new = 1
             planned.append((request, num_new))
+        self.oldest_refused_arrival = None if refused == float("inf") else refused
         planned = self._shorten_to_target(planned, views)
         if self.config.kv_allocation is KVAllocation.ON_DEMAND:
             planned = self._grow(planned, views, now)

@@ -21,6 +21,7 @@ at T = 8 and 32 (llama-1b, llama-8b) staged and direct decode iterations measure
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,8 @@ class Stage:
         # i32[forward_inputs_size(T, S, P)] per bucket: the forward's packed inputs, staged by run();
         # each run donates it to the stage-in program, which writes it in place.
         self._staged: dict[Bucket, jax.Array] = {}
+        # (pages from, pages to) -> the compiled copy that resizes one K or V array (compile_resize).
+        self._resizers: dict[tuple[int, int], jax.stages.Compiled] = {}
         # This stage's layers of the LoRA adapter table (made here, before the KV pool is sized from
         # the memory left); None without LoRA.
         self.lora = None if lora is None else StageLoRATable(config, lora, layers, mesh, plan.kv_repeat)
@@ -130,15 +133,52 @@ class Stage:
         self.kv = jax.jit(lambda: decoder.empty_cache(self.config, num_pages, page_size, self.layers),
                           out_shardings=self.kv_shardings)()
 
-    def input_specs(self, lora: bool = False) -> tuple:
-        """What the forward reads besides its bucket's packed inputs: the weights, the pages and (with
-        the adapter term) the LoRA table."""
-        table = describe_arrays(self.lora.specs) if lora else None
-        return describe_arrays(self.param_specs), describe_arrays(self.kv), table
+    @property
+    def num_pages(self) -> int:
+        return self.kv[0].k.shape[1]
 
-    def lower(self, bucket: Bucket, max_num_seqs: int, lora: bool = False) -> jax.stages.Lowered:
-        """The forward program of `bucket` (with the LoRA adapter term or not), traced for this
-        stage's inputs."""
+    def kv_specs(self, num_pages: int | None = None) -> tuple[LayerKV, ...]:
+        """The pages' shapes, dtypes and shardings, for a pool of num_pages (None: the current one)."""
+        def spec(x: jax.Array) -> jax.ShapeDtypeStruct:
+            shape = x.shape if num_pages is None else (x.shape[0], num_pages, *x.shape[2:])
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=x.sharding)
+        return jax.tree_util.tree_map(spec, self.kv)
+
+    def compile_resize(self, num_pages: int) -> None:
+        """Compile resize_kv's copy from the current pool size to num_pages and back (off the engine
+        thread: nothing compiles when a job borrows pages or gives them back)."""
+        spec = self.kv_specs()[0].k
+        for old, new in ((spec.shape[1], num_pages), (num_pages, spec.shape[1])):
+            source = jax.ShapeDtypeStruct((spec.shape[0], old, *spec.shape[2:]), spec.dtype, sharding=spec.sharding)
+            program = jax.jit(functools.partial(_resize_pages, num_pages=new), out_shardings=spec.sharding)
+            self._resizers[(old, new)] = program.lower(source).compile()
+
+    def resize_kv(self, num_pages: int) -> None:
+        """Cut every layer's pages to the first num_pages, or add zeroed pages up to num_pages (waits
+        for the batches in flight). One array at a time, each old one freed before the next is copied:
+        the copy needs one layer's K or V of headroom, not a second pool. Pages kept keep their
+        content; the scheduler has made sure none above the cut is held (kv_cache.lend)."""
+        resize = self._resizers[(self.num_pages, num_pages)]
+        layers = list(self.kv)
+        for i in range(len(layers)):
+            old = layers[i]
+            k = resize(old.k).block_until_ready()
+            old.k.delete()
+            v = resize(old.v).block_until_ready()
+            old.v.delete()
+            layers[i] = LayerKV(k, v)
+        self.kv = tuple(layers)
+
+    def input_specs(self, lora: bool = False, num_pages: int | None = None) -> tuple:
+        """What the forward reads besides its bucket's packed inputs: the weights, the pages (a pool of
+        num_pages; None: the current one) and (with the adapter term) the LoRA table."""
+        table = describe_arrays(self.lora.specs) if lora else None
+        return describe_arrays(self.param_specs), describe_arrays(self.kv_specs(num_pages)), table
+
+    def lower(self, bucket: Bucket, max_num_seqs: int, lora: bool = False,
+              num_pages: int | None = None) -> jax.stages.Lowered:
+        """The forward program of `bucket` (with the LoRA adapter term or not) over a pool of num_pages
+        (None: the current one), traced for this stage's inputs."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
         if self.first:
             inputs = i32(max_num_seqs)
@@ -146,7 +186,7 @@ class Stage:
             inputs = jax.ShapeDtypeStruct((bucket.tokens, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
         return self._forward_fn.lower(self.model, self.first, self.last, bucket, self.lora_small if lora else None,
-                                      self.param_specs, self.kv,
+                                      self.param_specs, self.kv_specs(num_pages),
                                       self.lora.specs if lora else None, i32(forward_inputs_size(*bucket)), inputs)
 
     def lower_stage_in(self, bucket: Bucket) -> jax.stages.Lowered:
@@ -181,6 +221,13 @@ class Stage:
         here = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         shards = [jax.device_put(np.zeros(size, np.int32), d) for d in here]
         return jax.make_array_from_single_device_arrays((size,), self.replicated, shards, dtype=jnp.int32)
+
+
+def _resize_pages(x: jax.Array, num_pages: int) -> jax.Array:
+    """[KVH, P, page_size, D] -> [KVH, num_pages, page_size, D]: the first pages, or zeros after them."""
+    if num_pages <= x.shape[1]:
+        return x[:, :num_pages]
+    return jnp.pad(x, ((0, 0), (0, num_pages - x.shape[1]), (0, 0), (0, 0)))
 
 
 def forward_program(out_shardings=None):

@@ -49,5 +49,5 @@ def test_a_job_that_cannot_fit_is_refused_with_the_figures(tmp_path):
     drive(engine, lambda: tuner.job(job_id)["status"] == "failed")
     error = tuner.job(job_id)["error"]
     assert error["code"] == "insufficient_memory"
-    assert "GiB of device memory" in error["message"] and "0.00 GiB is held back for fine-tuning" in error["message"]
+    assert "GiB of device memory" in error["message"] and "0.00 GiB is lent by the KV pool for fine-tuning" in error["message"]
     assert not engine.has_work()

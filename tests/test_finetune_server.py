@@ -122,6 +122,8 @@ def test_errors_cancel_auth_and_metrics(base_dir, tmp_path):
             assert 'orca_jax:fine_tuning_jobs{model_name="tiny",status="cancelled"} 1.0' in metrics
             tokens = next(line for line in metrics.splitlines() if line.startswith("orca_jax:fine_tuning_tokens_total"))
             assert float(tokens.split()[-1]) > 0
+            loans = next(line for line in metrics.splitlines() if line.startswith("orca_jax:kv_loans_total"))
+            assert float(loans.split()[-1]) >= 1  # the job borrowed the pool's top pages
 
     asyncio.run(scenario())
 
@@ -132,7 +134,8 @@ def test_serve_cli_fine_tunes_and_serves_after_a_restart(base_dir, tmp_path):
     command = [sys.executable, "-m", "orca_jax.serve", "--model", base_dir, "--port", str(port), "--page-size", "128",
                "--num-kv-pages", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--attention-backend",
                "jnp", "--log-level", "warning", "--enable-fine-tuning", "--fine-tuning-dir", str(tmp_path),
-               "--max-lora-rank", "8", "--fine-tuning-deferral-bound-s", "0.2", "--api-key", KEY]
+               "--max-lora-rank", "8", "--fine-tuning-deferral-bound-s", "0.2", "--api-key", KEY,
+               "--fine-tuning-memory-policy", "reserve"]  # the other policy than the in-process tests
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
 

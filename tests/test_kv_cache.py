@@ -140,3 +140,40 @@ def test_grow_raises_the_reservation_only_while_the_pool_allows():
     assert kv.grow("b", 16) and kv.num_unreserved_pages == 0
     with pytest.raises(KVCacheError):
         kv.grow("a", 4)
+
+
+def test_lendable_pages_go_last_and_are_lent_only_when_free():
+    kv = KVCacheManager(num_pages=10, page_size=2, lendable_pages=4)  # pages 6-9 lendable
+    assert (kv.loan_start, kv.num_usable_pages, kv.max_usable_pages) == (6, 9, 9)
+    kv.reserve("a", 10)
+    kv.allocate_up_to("a", 10)
+    assert kv.page_ids("a") == [1, 2, 3, 4, 5]
+    kv.reserve("b", 4)
+    kv.allocate_up_to("b", 4)
+    assert kv.page_ids("b") == [6, 7]  # the rest of the pool is held: now the lendable pages
+    assert not kv.can_lend() and not kv.lend()  # held up there
+    kv.free("b")
+    kv.reserve("c", 2)  # reserved, nothing allocated: the smaller pool could not keep the promise
+    assert not kv.lend()
+    kv.free("c")
+    assert kv.lend() and kv.lent
+    assert (kv.num_usable_pages, kv.max_usable_pages, kv.num_free_pages) == (5, 9, 0)
+    assert not kv.can_reserve(2)
+    assert_consistent(kv)
+    kv.free("a")
+    kv.reserve("d", 10)
+    kv.allocate_up_to("d", 10)
+    assert max(kv.page_ids("d")) < kv.loan_start  # never a lent page
+    kv.reclaim()
+    assert not kv.lent and (kv.num_usable_pages, kv.num_unreserved_pages) == (9, 4)
+    kv.reserve("e", 8)
+    kv.allocate_up_to("e", 8)
+    assert sorted(kv.page_ids("e")) == [6, 7, 8, 9]
+    assert_consistent(kv)
+
+
+def test_a_pool_without_lendable_pages_never_lends():
+    kv = KVCacheManager(num_pages=10, page_size=2)
+    assert kv.loan_start == 10 and not kv.can_lend() and not kv.lend() and not kv.lent
+    with pytest.raises(ValueError, match="lendable_pages"):
+        KVCacheManager(num_pages=10, page_size=2, lendable_pages=9)

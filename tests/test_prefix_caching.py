@@ -236,3 +236,19 @@ def test_llm_and_serve_flags_switch_it():
     parse = lambda *flags: engine_config_from_args(build_parser().parse_args(list(flags)))  # noqa: E731
     assert parse().cache.enable_prefix_caching
     assert not parse("--no-enable-prefix-caching").cache.enable_prefix_caching
+
+
+def test_lending_forgets_cached_pages_up_there_and_keeps_the_rest():
+    """Pages lent to a fine-tuning job lose their content: the index must not find them afterwards."""
+    kv = KVCacheManager(1 + 6, PAGE, enable_prefix_caching=True, lendable_pages=3)  # pages 4-6 lendable
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, async_scheduling=False), kv,
+                      max_model_len=64)
+    sched.add_request(request("low", range(100, 100 + 2 * PAGE + 1)))  # pages 1-3; 1 and 2 full, cached
+    finish_prompt(sched, "low")
+    sched.add_request(request("high", range(200, 200 + 2 * PAGE + 1)))  # page 3, then lendable 4 and 5
+    finish_prompt(sched, "high")
+    assert kv.num_evictable_pages == 4  # 1, 2 ("low") and 3, 4 ("high")
+    assert kv.lend() and kv.num_evictable_pages == 3
+    sched.add_request(request("high-again", range(200, 200 + 2 * PAGE + 1)))
+    (item,) = sched.schedule().scheduled
+    assert item.start == PAGE  # its first page (3) is still cached, its second (4) was lent

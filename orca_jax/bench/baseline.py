@@ -90,6 +90,11 @@ class RequestLevelScheduler:
     def oldest_waiting_arrival(self) -> float | None:
         return min((r.arrival_time for r in self._waiting), default=None)
 
+    @property
+    def oldest_refused_arrival(self) -> float | None:
+        """None: a static batch waits for the last one to end, never for pages (and runs no job)."""
+        return None
+
     def get(self, request_id: str) -> Request | None:
         pool = self._waiting + list(self._batch.requests if self._batch else ())
         return next((r for r in pool if r.request_id == request_id), None)
@@ -103,7 +108,7 @@ class RequestLevelScheduler:
         if request.max_total_tokens > self.max_model_len:
             raise ValueError(f"request {request.request_id!r} needs {request.max_total_tokens} tokens, "
                              f"more than max_model_len {self.max_model_len}")
-        if self.kv.num_pages_for(request.max_total_tokens) > self.kv.num_usable_pages:
+        if self.kv.num_pages_for(request.max_total_tokens) > self.kv.max_usable_pages:
             raise ValueError(f"request {request.request_id!r} can never fit the KV pool")
         self._real_lengths[request.request_id] = (request.num_prompt_tokens, request.sampling.max_tokens)
         self._waiting.append(request)

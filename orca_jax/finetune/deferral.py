@@ -76,6 +76,12 @@ class DeferralPolicy:
         self._credit_clock = now
         return self._credit > 0
 
+    def debit(self, seconds: float) -> None:
+        """Work other than an iteration stalled the running requests for `seconds` (a parked job's
+        resume): paid from the credit like an iteration."""
+        self._credit -= seconds
+        self.stats.beside_seconds += seconds
+
     def idle(self) -> None:
         """No request runs: the credit stops accruing (an idle spell is not the running requests' time)."""
         self._credit_clock = None

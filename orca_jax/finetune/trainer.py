@@ -57,6 +57,16 @@ class TrainerMemory:
         return self.state_bytes + self.temp_bytes + self.batch_bytes
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParkedState:
+    """A trainer's state on the host while its job has given its device memory back."""
+
+    adapter: dict  # fp32 master weights, peft layout
+    opt_leaves: list[np.ndarray]  # AdamW's state, flattened
+    accumulator: dict  # the gradient summed over the current step's micro-batches so far
+    step: int  # optimizer steps taken
+
+
 def _nbytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
@@ -150,6 +160,18 @@ class LoRATrainer:
     def state_to_host(self) -> tuple[dict, list[np.ndarray]]:
         """(the adapter, the optimizer state's arrays) as numpy, for a checkpoint."""
         return jax.device_get(self.adapter), [np.asarray(x) for x in jax.tree_util.tree_leaves(self.opt_state)]
+
+    def park(self) -> "ParkedState":
+        """Copy the whole state to the host (the accumulator of a step half done included) and free it
+        on the device: the job yields its memory; unpark resumes exactly there."""
+        adapter, opt_leaves = self.state_to_host()
+        parked = ParkedState(adapter, opt_leaves, jax.device_get(self._acc), self.step)
+        self.release()
+        return parked
+
+    def unpark(self, parked: "ParkedState") -> None:
+        self.init_state(parked.adapter, parked.opt_leaves, parked.step)
+        self._acc = jax.device_put(parked.accumulator, self._sharding)
 
     def release(self) -> None:
         """Free the device state (the job yields or ends); init_state puts it back."""

@@ -3,7 +3,9 @@ adapters served through the LoRA slots.
 
 Jobs run one at a time, in creation order. A job's dataset is tokenized and its two programs compiled
 on threads of their own (serving goes on meanwhile); the engine thread then runs its iterations when
-Deferred Continuous Batching allows (`maybe_run`, deferral.py). Everything else about a job (state
+Deferred Continuous Batching allows (`maybe_run`, deferral.py). With the KV pool lending its pages
+(kv_loan.py), a job starts once it has borrowed them, and parks (its state on the host) whenever the
+engine needs them back (`yield_memory`); its next turn borrows them again and goes on where it was. Everything else about a job (state
 changes, events, checkpoints, the final peft directory and its registration with the LoRA manager)
 happens on the engine thread too, so no request ever sees a half-registered adapter. Other threads
 read jobs only through snapshots (`job`, `jobs`), under the lock.
@@ -29,7 +31,8 @@ from orca_jax.finetune.deferral import DeferralPolicy
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters, resolve_targets
 from orca_jax.finetune.jobs import FineTuningJob, JobStatus, JobStore, new_id
 from orca_jax.finetune.model import host_batch
-from orca_jax.finetune.trainer import LoRATrainer, TrainerMemory
+from orca_jax.finetune.trainer import LoRATrainer, ParkedState, TrainerMemory
+from orca_jax.kv_loan import KVLoan
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
 
@@ -58,19 +61,25 @@ class _Run:
     step_learned: float = 0.0  # completion tokens of the current step so far
     step_tokens: int = 0
     saved_step: int = 0  # optimizer step of the newest checkpoint
+    memory_checked: bool = False  # its compiled memory fits memory_gib (checked once)
+    parked: ParkedState | None = None  # its state while it gave the KV pool's pages back
+    waiting_for_pages: bool = False  # told the job's events that requests hold the pages it borrows
 
 
 class FineTuner:
     """Fine-tuning jobs of one engine (see the module doc)."""
 
     def __init__(self, config: FineTuningConfig, stage, model_config: ModelConfig, tokenizer, lora: LoRAManager,
-                 base_model: str, max_len: int):
-        """`stage`: the runner's one stage (its decoder, served params and sharding)."""
+                 base_model: str, max_len: int, loan: KVLoan | None = None):
+        """`stage`: the runner's one stage (its decoder, served params and sharding); `loan`: the KV
+        pool's lendable pages (None: the job's memory was held back from the pool at start)."""
         self.config = config
         self.store = JobStore(config.directory or default_directory())
         self.policy = DeferralPolicy(config.deferral_bound_s, max_inference_slowdown=config.max_inference_slowdown)
         self._stage, self._model_config, self._tokenizer = stage, model_config, tokenizer
         self._lora, self.base_model, self._max_len = lora, base_model, max_len
+        self._loan = loan
+        self.parks = 0  # times a running job gave its memory back to inference, since start
         self._lock = threading.Lock()
         self._jobs: dict[str, FineTuningJob] = {}
         self._plans: dict[str, TrainingPlan] = {}  # prepared datasets of queued jobs
@@ -161,7 +170,7 @@ class FineTuner:
         """Whether maybe_run would do something now (a compiling job waits: the wakeup says when)."""
         with self._lock:
             if self._run is not None:
-                return self._run.ready or self._run.compiled.done()
+                return self._run.ready or (self._run.compiled.done() and self._loan_prepared())
             return any(job.id in self._plans for job in self._jobs.values() if job.status is JobStatus.QUEUED)
 
     def maybe_run(self, oldest_waiting_arrival: float | None, now: float) -> bool:
@@ -175,11 +184,27 @@ class FineTuner:
 
     def maybe_run_beside(self, now: float) -> bool:
         """While requests run: one fine-tuning iteration if the policy's credit allows it (only with
-        max_inference_slowdown > 1, and only for a job ready to iterate: a job starts in idle turns)."""
+        max_inference_slowdown > 1, and only for a job ready to iterate, or parked: a job starts in
+        idle turns)."""
         run = self._run
-        if run is None or not run.ready or not self.policy.may_run_beside(now):
+        if run is None or not (run.ready or run.parked is not None) or not self.policy.may_run_beside(now):
             return False
         self._turn(beside=True)
+        return True
+
+    def yield_memory(self) -> bool:
+        """Inference needs the KV pages the running job borrowed: the job parks (its state copied to
+        the host, its device arrays freed) and the pool takes them back. False: nothing was lent."""
+        if self._loan is None or not self._loan.lent:
+            return False
+        run = self._run
+        if run is not None and run.ready:
+            run.parked = run.trainer.park()
+            run.ready = False
+            self.parks += 1
+            self.store.add_event(run.job.id, f"Paused at step {run.job.step}: requests need the KV pages the "
+                                             "job borrowed; it goes on once they are free again")
+        self._loan.reclaim()
         return True
 
     def _turn(self, deferred: bool = False, beside: bool = False) -> None:
@@ -188,7 +213,10 @@ class FineTuner:
             if run is None:
                 self._start_next()
             elif not run.ready:
+                start = time.perf_counter()
                 self._become_ready(run)
+                if beside:  # a resume's copies stalled the running requests: paid like an iteration
+                    self.policy.debit(time.perf_counter() - start)
             else:
                 start = time.perf_counter()
                 tokens = self._iterate(run)
@@ -202,7 +230,7 @@ class FineTuner:
     def suspend(self) -> None:
         """The engine stops: checkpoint the running job's last finished step, so it resumes there."""
         run = self._run
-        if run is not None and run.ready and run.job.step > run.saved_step:
+        if run is not None and (run.ready or run.parked is not None) and run.job.step > run.saved_step:
             self._checkpoint(run)
 
     # ---- inside ------------------------------------------------------------------------------------
@@ -246,29 +274,57 @@ class FineTuner:
                               stage.replicated, self.config.remat)
         compiled = trainer.start_compiling(self._model_config)
         compiled.add_done_callback(lambda _: self._wakeup())
+        if self._loan is not None:  # the smaller pool's programs, compiled alongside (once per engine)
+            self._loan.prepare().add_done_callback(lambda _: self._wakeup())
         self._run = _Run(job, plan, trainer, compiled)
         self._set(job, JobStatus.RUNNING)
         self.store.add_event(job.id, f"Fine-tuning job started ({plan.rows} rows x {plan.length} tokens "
                                      "per iteration)")
 
+    def _loan_prepared(self) -> bool:
+        return self._loan is None or self._loan.prepare().done()
+
     def _become_ready(self, run: _Run) -> None:
-        """Its programs are compiled: check its memory, then put its state on the device."""
+        """Its programs are compiled: check its memory (once), borrow the KV pool's pages (when it
+        lends them), then put its state on the device: fresh, from a checkpoint, or as it parked."""
+        if not run.memory_checked and not self._check_memory(run):
+            return
+        if self._loan is not None and not self._loan.lend():
+            if not run.waiting_for_pages:
+                run.waiting_for_pages = True
+                self.store.add_event(run.job.id, "Waiting for the KV pages the job borrows: requests hold them")
+            return
+        run.waiting_for_pages = False
+        if run.parked is not None:
+            run.trainer.unpark(run.parked)
+            run.parked = None
+            self.store.add_event(run.job.id, f"Resumed at step {run.job.step}")
+        else:
+            self._init_state(run)
+        run.ready = True
+
+    def _check_memory(self, run: _Run) -> bool:
         memory: TrainerMemory = run.compiled.result()
-        allowed = self.config.memory_gib * GIB
-        if memory.total_bytes > allowed:
+        source = "lent by the KV pool" if self._loan is not None else "held back from the KV pool"
+        if memory.total_bytes > self.config.memory_gib * GIB:
             self._fail(run.job, "insufficient_memory",
                        f"the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
                        f"({memory.state_bytes / GIB:.2f} GiB adapter and optimizer state, "
                        f"{memory.temp_bytes / GIB:.2f} GiB activations of one iteration) but "
-                       f"{self.config.memory_gib:.2f} GiB is held back for fine-tuning (--fine-tuning-memory-gib); "
-                       "lower micro_batch_tokens or the LoRA rank, or raise the reserve")
-            return
-        job, hp = run.job, run.job.hyperparameters
-        self.store.add_event(job.id, f"Compiled; the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
-                                     f"({memory.state_bytes / GIB:.2f} GiB state, {memory.temp_bytes / GIB:.2f} GiB "
-                                     f"activations) of the {self.config.memory_gib:.2f} GiB held back",
+                       f"{self.config.memory_gib:.2f} GiB is {source} for fine-tuning (--fine-tuning-memory-gib); "
+                       "lower micro_batch_tokens or the LoRA rank, or raise --fine-tuning-memory-gib")
+            return False
+        self.store.add_event(run.job.id, f"Compiled; the job needs {memory.total_bytes / GIB:.2f} GiB of device "
+                                         f"memory ({memory.state_bytes / GIB:.2f} GiB state, "
+                                         f"{memory.temp_bytes / GIB:.2f} GiB activations) of the "
+                                         f"{self.config.memory_gib:.2f} GiB {source}",
                              data={"state_bytes": memory.state_bytes, "temp_bytes": memory.temp_bytes,
                                    "batch_bytes": memory.batch_bytes})
+        run.memory_checked = True
+        return True
+
+    def _init_state(self, run: _Run) -> None:
+        job, hp = run.job, run.job.hyperparameters
         if job.checkpoints:
             newest = job.checkpoints[-1]
             adapter, _ = read_peft(newest["path"], job.id, self._model_config)
@@ -287,7 +343,6 @@ class FineTuner:
                 else init_adapter(self._model_config, job.lora, hp.seed)
             run.trainer.init_state(start)
         run.trainer.warm_up()  # a first run's one-off costs stay out of the iteration estimate
-        run.ready = True
 
     def _iterate(self, run: _Run) -> int:
         """One micro-batch forward and backward (waited for), and the optimizer step after a step's
@@ -327,7 +382,8 @@ class FineTuner:
         """The adapter (peft) and AdamW's state at the current step; the oldest beyond keep_checkpoints go."""
         job = run.job
         path = self.store.checkpoint_dir(job.id, job.step)
-        adapter, opt_leaves = run.trainer.state_to_host()
+        parked = run.parked
+        adapter, opt_leaves = run.trainer.state_to_host() if parked is None else (parked.adapter, parked.opt_leaves)
         save_peft(path, adapter, job.lora, self._model_config, self.base_model)
         np.savez(os.path.join(path, "optimizer.npz"), **{str(i): leaf for i, leaf in enumerate(opt_leaves)})
         checkpoint = {"object": "fine_tuning.job.checkpoint", "id": new_id("ftckpt"), "created_at": int(time.time()),
@@ -370,6 +426,8 @@ class FineTuner:
         run, self._run = self._run, None
         if run is not None and run.ready:
             run.trainer.release()
+        if self._loan is not None:
+            self._loan.reclaim()
 
     def _fail(self, job: FineTuningJob, code: str, message: str, param: str | None = None) -> None:
         if self._run is not None and self._run.job is job:

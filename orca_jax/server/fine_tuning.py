@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
-from orca_jax.config import FineTuningConfig
+from orca_jax.config import FineTuningConfig, FineTuningMemory
 from orca_jax.finetune.data import DatasetError, read_jsonl
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
@@ -54,7 +54,12 @@ def add_fine_tuning_arguments(parser: argparse.ArgumentParser) -> None:
                        "requests run, so inference runs at most this many times slower on average (1: only "
                        "while no request runs, Deferred Continuous Batching)")
     group.add_argument("--fine-tuning-memory-gib", type=float, default=defaults.memory_gib,
-                       help="device memory held back from the KV pool for a job (a job needing more is refused)")
+                       help="device memory a job may use, taken from the KV pool (a job needing more is refused)")
+    group.add_argument("--fine-tuning-memory-policy", choices=[m.value for m in FineTuningMemory],
+                       default=defaults.memory_policy.value,
+                       help="lend: the KV pool lends its top pages to a running job and takes them back when "
+                       "waiting requests need them (the job pauses meanwhile); reserve: the memory is kept out "
+                       "of the pool from the start")
     group.add_argument("--fine-tuning-keep-checkpoints", type=int, default=defaults.keep_checkpoints,
                        help="newest checkpoints kept per job")
     group.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
@@ -66,6 +71,7 @@ def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig |
         return None
     return FineTuningConfig(directory=args.fine_tuning_dir, deferral_bound_s=args.fine_tuning_deferral_bound_s,
                             memory_gib=args.fine_tuning_memory_gib,
+                            memory_policy=FineTuningMemory(args.fine_tuning_memory_policy),
                             keep_checkpoints=args.fine_tuning_keep_checkpoints,
                             max_inference_slowdown=args.fine_tuning_max_inference_slowdown)
 

@@ -66,6 +66,8 @@ class _EngineStatsCollector(Collector):
              stats.kv_pages_reserved),
             ("kv_cache_total_pages", "KV cache pages requests can use (the scratch page excluded)",
              stats.kv_pages_total),
+            ("kv_cache_lent_pages", "KV cache pages lent to a fine-tuning job now (their memory is the "
+             "job's)", stats.kv_pages_lent),
             ("num_compiled_programs", "Programs compiled (or loaded) so far", stats.num_compiled_programs),
         )
         for name, documentation, value in gauges:
@@ -93,6 +95,11 @@ class _EngineStatsCollector(Collector):
              stats.inference_deferrals_total),
             ("inference_deferral_seconds", "Seconds of those iterations: what waiting requests were "
              "deferred for", stats.inference_deferral_seconds_total),
+            ("kv_loans", "Times the KV pool lent its top pages to a fine-tuning job", stats.kv_loans_total),
+            ("kv_loan_seconds", "Seconds spent resizing the KV pool for loans and their return",
+             stats.kv_loan_seconds_total),
+            ("fine_tuning_parks", "Times a fine-tuning job gave its borrowed KV pages back to waiting "
+             "requests", stats.fine_tuning_parks_total),
         )
         for name, documentation, value in counters:
             family = CounterMetricFamily(PREFIX + name, documentation, labels=("model_name",))

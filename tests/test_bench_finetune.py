@@ -30,3 +30,23 @@ def test_bench_finetune_runs_end_to_end(tmp_path):
     assert len(beside) == 3 and all(run["ttft_s"]["n"] == run["num_requests"] for run in beside)
     assert sum(run["fine_tuning_tokens"] for run in beside) > 0
     assert len(summary["beside"]["1.2"]["rows"]) == 3
+
+
+@pytest.mark.slow  # ~40 s: two engines, a job on each, and a burst on each
+def test_bench_finetune_memory_runs_both_policies(tmp_path):
+    bench_cli.main(["finetune-memory", "--model", "tiny-llama", "--dtype", "float32", "--max-num-seqs", "4",
+                    "--max-num-batched-tokens", "32", "--max-model-len", "128", "--num-kv-pages", "64",
+                    "--memory-gib", "1", "--burst-requests", "8", "--burst-lengths", "64,32", "--rank", "4",
+                    "--micro-batch-tokens", "128", "--example-tokens", "16,16", "--ft-alone-s", "1",
+                    "--result-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "tiny-llama_finetune_memory.json").read_text())
+    lend, reserve = result["lend"], result["reserve"]
+    # An explicit pool is kept as asked under both; lend lends all but one longest request's pages.
+    assert lend["kv_pages"] == reserve["kv_pages"] == 64
+    assert reserve["lendable_pages"] == 0 and lend["lendable_pages"] == 64 - 1 - 128 // 16
+    assert lend["kv_pages_lent"] == lend["lendable_pages"] and reserve["kv_pages_lent"] == 0
+    assert lend["burst"]["fine_tuning_parks"] >= 1 and reserve["burst"]["fine_tuning_parks"] == 0
+    for policy in (lend, reserve):
+        assert policy["job_alone_tokens_per_s"] > 0 and policy["job_after_tokens_per_s"] > 0
+        assert policy["burst"]["ttft_s"]["n"] == 8
+    assert result["summary"]["parks"] >= 1

@@ -23,6 +23,8 @@ SUBCOMMANDS = {
     "sampling": ("sampling", "the ORCA trace greedy, sampled, with penalties and under a JSON schema; host mask time"),
     "finetune": ("finetune", "inference and a LoRA fine-tuning job on one device (Deferred Continuous Batching): "
                  "TTFT/TPOT at three Poisson rates with and without the job, fine-tuning tokens/s"),
+    "finetune-memory": ("finetune_memory", "a job's memory lent by the KV pool vs held back from it: the pool, the "
+                        "job's rate, a burst that needs the pages back"),
 }
 
 

@@ -275,7 +275,9 @@ class FineTuningConfig:
     memory_gib: float = 4.0  # device memory a job may use, taken from the KV pool (memory_policy)
     memory_policy: FineTuningMemory = FineTuningMemory.LEND
     keep_checkpoints: int = 3  # newest checkpoints kept per job
-    remat: bool = True  # recompute each layer's activations in the backward (less memory, ~1.3x compute)
+    # Recompute each layer's activations in the backward (less memory, ~1.3x the time), keep them, or
+    # None: keep them when the job then fits memory_gib, else recompute.
+    remat: bool | None = None
     # > 1: iterations may also run between inference iterations while requests run, so inference runs
     # at most this many times slower on average (finetune/deferral.py); 1: only Deferred Continuous Batching.
     max_inference_slowdown: float = 1.0

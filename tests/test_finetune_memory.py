@@ -10,6 +10,8 @@ from finetune_helpers import FAST, RECORDS, drive, engine_config, upload
 from hf_dirs import write_hf_dir
 from orca_jax.config import CacheConfig
 from orca_jax.engine import Engine
+from orca_jax.finetune.hparams import LoRASpec, resolve_targets
+from orca_jax.finetune.trainer import LoRATrainer
 from orca_jax.kv_pool import GPU_KV_FRACTION, num_pages_for
 from orca_jax.models.loader import load_model
 from orca_jax.models.presets import PRESETS
@@ -51,3 +53,21 @@ def test_a_job_that_cannot_fit_is_refused_with_the_figures(tmp_path):
     assert error["code"] == "insufficient_memory"
     assert "GiB of device memory" in error["message"] and "0.00 GiB is lent by the KV pool for fine-tuning" in error["message"]
     assert not engine.has_work()
+
+
+def test_activations_are_kept_when_they_fit_and_recomputed_when_not(tmp_path):
+    directory = str(tmp_path / "model")
+    write_hf_dir(directory, "llama")
+    engine = Engine(engine_config(str(tmp_path / "jobs")), load_model(directory))
+    stage = engine.runner.stages[0]
+    spec = LoRASpec(4, 8.0, resolve_targets(None, engine.model_config.family))
+
+    def compiled(budget):
+        trainer = LoRATrainer(stage.model, stage.params, spec, FAST, (2, 64), 10, stage.replicated, None, budget)
+        return trainer, trainer.start_compiling(engine.model_config).result()
+
+    roomy, kept = compiled(None)
+    assert roomy.remat is False and kept.remat is False
+    tight, recomputed = compiled(kept.total_bytes - 1)  # kept activations no longer fit: recompute them
+    assert tight.remat is True and recomputed.remat is True
+    assert recomputed.temp_bytes < kept.temp_bytes

@@ -131,3 +131,18 @@ def run(args: argparse.Namespace) -> Results:
             "parks": lend["burst"]["fine_tuning_parks"], "loan_seconds": lend["burst"]["kv_loan_seconds"]})
         print(json.dumps(results["summary"], indent=1))
     return results
+
+
+def tables(result: dict) -> dict[str, list[dict]]:
+    """One row per policy: the pool, the job, the burst."""
+    rows = []
+    for name in ("reserve", "lend"):
+        if name not in result:
+            continue
+        policy, burst_ = result[name], result[name]["burst"]
+        rows.append({"policy": name, "KV tokens": policy["kv_tokens"], "pages lent": policy["kv_pages_lent"],
+                     "job alone tok/s": policy["job_alone_tokens_per_s"], "burst tok/s": burst_["generated_tokens_per_s"],
+                     "burst TTFT p50 s": burst_["ttft_s"]["p50"], "burst TTFT p99 s": burst_["ttft_s"]["p99"],
+                     "parks": burst_["fine_tuning_parks"], "resize s": burst_["kv_loan_seconds"],
+                     "job back after s": policy["job_resume_s"]})
+    return {"fine-tuning memory": rows}

@@ -34,16 +34,24 @@ def load(results_dir: str) -> tuple[list[dict], list[str]]:
             results.append(data | {"file": os.path.basename(path)})
         else:
             others.append(os.path.basename(path))
+    order = [module for module, _ in _subcommands().values()]
+    return sorted(results, key=lambda r: (order.index(_module(r)), r.get("model") or "")), others
+
+
+def _subcommands() -> dict:
     from orca_jax.bench.__main__ import SUBCOMMANDS
 
-    order = list(SUBCOMMANDS)
-    return sorted(results, key=lambda r: (order.index(r["bench"]), r.get("model") or "")), others
+    return SUBCOMMANDS
+
+
+def _module(result: dict) -> str:
+    """The bench module of a result: its `bench` names the subcommand or (finetune_memory) the module."""
+    commands = _subcommands()
+    return commands[result["bench"]][0] if result["bench"] in commands else result["bench"]
 
 
 def tables_of(result: dict) -> dict[str, list[dict]]:
-    from orca_jax.bench.__main__ import SUBCOMMANDS
-
-    return importlib.import_module(f"orca_jax.bench.{SUBCOMMANDS[result['bench']][0]}").tables(result)
+    return importlib.import_module(f"orca_jax.bench.{_module(result)}").tables(result)
 
 
 def cell(value) -> str:

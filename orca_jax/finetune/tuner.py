@@ -271,7 +271,7 @@ class FineTuner:
             plan = self._plans.pop(job.id)
         stage, hp = self._stage, job.hyperparameters
         trainer = LoRATrainer(stage.model, stage.params, job.lora, hp, (plan.rows, plan.length), plan.total_steps,
-                              stage.replicated, self.config.remat)
+                              stage.replicated, self.config.remat, int(self.config.memory_gib * GIB))
         compiled = trainer.start_compiling(self._model_config)
         compiled.add_done_callback(lambda _: self._wakeup())
         if self._loan is not None:  # the smaller pool's programs, compiled alongside (once per engine)
@@ -316,10 +316,11 @@ class FineTuner:
             return False
         self.store.add_event(run.job.id, f"Compiled; the job needs {memory.total_bytes / GIB:.2f} GiB of device "
                                          f"memory ({memory.state_bytes / GIB:.2f} GiB state, "
-                                         f"{memory.temp_bytes / GIB:.2f} GiB activations) of the "
+                                         f"{memory.temp_bytes / GIB:.2f} GiB activations, "
+                                         f"{'recomputed' if memory.remat else 'kept'} for the backward) of the "
                                          f"{self.config.memory_gib:.2f} GiB {source}",
                              data={"state_bytes": memory.state_bytes, "temp_bytes": memory.temp_bytes,
-                                   "batch_bytes": memory.batch_bytes})
+                                   "batch_bytes": memory.batch_bytes, "remat": memory.remat})
         run.memory_checked = True
         return True
 

@@ -152,21 +152,23 @@ class LoRATrainer:
         return future
 
     # ---- state ---------------------------------------------------------------------------------------
-    def init_state(self, adapter: dict, opt_leaves: list[np.ndarray] | None = None, step: int = 0) -> None:
+    def init_state(self, adapter: dict, opt_leaves: list[np.ndarray] | None = None, step: int = 0,
+                   accumulator: dict | None = None) -> None:
         """Put the adapter (host, fp32 peft layout) on the device with a fresh optimizer state, or the
-        saved one (`opt_leaves`, from state_to_host) at optimizer step `step`."""
-        self.adapter = jax.device_put(jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), adapter),
-                                      self._sharding)
-        fresh = jax.jit(self._tx.init, out_shardings=self._sharding)(self.adapter)
-        if opt_leaves is not None:
-            treedef = jax.tree_util.tree_structure(fresh)
+        saved one (`opt_leaves`, from state_to_host) at optimizer step `step`, and a zero gradient
+        accumulator (or `accumulator`, a parked step's)."""
+        host = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), adapter)
+        self.adapter = jax.device_put(host, self._sharding)
+        if opt_leaves is None:
+            self.opt_state = jax.jit(self._tx.init, out_shardings=self._sharding)(self.adapter)
+        else:
+            treedef = jax.tree_util.tree_structure(jax.eval_shape(self._tx.init, host))
             if len(opt_leaves) != treedef.num_leaves:
                 raise ValueError(f"a saved optimizer state of {len(opt_leaves)} arrays; this one has "
                                  f"{treedef.num_leaves}")
-            fresh = jax.device_put(jax.tree_util.tree_unflatten(treedef, list(opt_leaves)), self._sharding)
-        self.opt_state = fresh
-        self._acc = jax.device_put(jax.tree_util.tree_map(np.zeros_like, jax.device_get(self.adapter)),
-                                   self._sharding)
+            self.opt_state = jax.device_put(jax.tree_util.tree_unflatten(treedef, list(opt_leaves)), self._sharding)
+        zeros = accumulator if accumulator is not None else jax.tree_util.tree_map(np.zeros_like, host)
+        self._acc = jax.device_put(zeros, self._sharding)
         self.step = step
 
     def state_to_host(self) -> tuple[dict, list[np.ndarray]]:
@@ -182,8 +184,7 @@ class LoRATrainer:
         return parked
 
     def unpark(self, parked: "ParkedState") -> None:
-        self.init_state(parked.adapter, parked.opt_leaves, parked.step)
-        self._acc = jax.device_put(parked.accumulator, self._sharding)
+        self.init_state(parked.adapter, parked.opt_leaves, parked.step, parked.accumulator)
 
     def release(self) -> None:
         """Free the device state (the job yields or ends); init_state puts it back."""

@@ -19,12 +19,12 @@ from typing import Callable, Protocol
 from orca_jax import multihost
 from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
-from orca_jax.config import EngineConfig, FineTuningConfig, FineTuningMemory, ModelConfig
+from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.detokenizer import IncrementalDetokenizer
 from orca_jax.engine_stats import EngineStats
 from orca_jax.finetune.tuner import FineTuner
 from orca_jax.kv_cache import KVCacheManager
-from orca_jax.kv_loan import KVLoan
+from orca_jax.kv_loan import KVLoan, pool_arguments
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
 from orca_jax.logits_rules import LogitsRules, SamplingBatcher, TokenMaskSource
@@ -71,16 +71,6 @@ class EngineObserver(Protocol):
     def on_update(self, output: SchedulerOutput, seconds: float) -> None: ...
 
 
-def _fine_tuning_memory(config: FineTuningConfig | None) -> dict:
-    """The runner's pool arguments for a fine-tuning job's memory: lendable or held back (kv_loan.py)."""
-    if config is None:
-        return {}
-    memory = int(config.memory_gib * 2**30)
-    if config.memory_policy is FineTuningMemory.LEND:
-        return {"lendable_bytes": memory}
-    return {"reserve_bytes": memory}
-
-
 def model_config_for(config: EngineConfig, loaded: LoadedModel) -> ModelConfig:
     """The loaded model's config with the engine's length cap applied."""
     model_config = loaded.config
@@ -105,7 +95,7 @@ class Engine:
                                   seed=config.seed, parallel=config.parallel,
                                   max_num_seqs=config.scheduler.max_num_seqs, executable_cache=executable_cache,
                                   lora=config.lora, sampling=config.sampling,
-                                  **_fine_tuning_memory(config.fine_tuning))
+                                  **pool_arguments(config.fine_tuning))
         # Structured outputs' masks as wide as the logits (the vocabulary padded for tensor parallelism);
         # token_masks: more per-step allowed tokens from outside the sampler, applied on device too.
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks)

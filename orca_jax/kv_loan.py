@@ -24,7 +24,18 @@ import dataclasses
 import time
 
 from orca_jax.compilation import usable_cores
+from orca_jax.config import FineTuningConfig, FineTuningMemory
 from orca_jax.kv_cache import KVCacheManager
+
+
+def pool_arguments(config: FineTuningConfig | None) -> dict:
+    """The runner's pool arguments for a fine-tuning job's memory: lendable, or held back from the start."""
+    if config is None:
+        return {}
+    memory = int(config.memory_gib * 2**30)
+    if config.memory_policy is FineTuningMemory.LEND:
+        return {"lendable_bytes": memory}
+    return {"reserve_bytes": memory}
 
 
 @dataclasses.dataclass(slots=True)

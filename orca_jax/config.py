@@ -264,7 +264,8 @@ class FineTuningConfig:
     Jobs run under Deferred Continuous Batching: a fine-tuning iteration (one micro-batch's forward and
     backward) runs only while no inference request runs, and only if every waiting request's wait plus
     one iteration stays within deferral_bound_s; otherwise inference goes first. With
-    max_inference_slowdown above 1, iterations also run beside running requests, within that share. The device memory a
+    max_inference_slowdown above 1, iterations also run beside running requests, within that share; with
+    tpot_slo_ms, while every decoding request's TPOT so far stays within it. The device memory a
     job needs besides the served model (adapter, AdamW state, gradients, one micro-batch's
     activations) comes out of memory_gib, held back from the KV pool when the engine starts; a job
     that needs more is refused with the figures.
@@ -281,8 +282,13 @@ class FineTuningConfig:
     # > 1: iterations may also run between inference iterations while requests run, so inference runs
     # at most this many times slower on average (finetune/deferral.py); 1: only Deferred Continuous Batching.
     max_inference_slowdown: float = 1.0
+    # Iterations may also run while requests run as long as every decoding request's TPOT so far stays
+    # within this many milliseconds after it (finetune/deferral.py); None: no such rule.
+    tpot_slo_ms: float | None = None
 
     def __post_init__(self):
+        if self.tpot_slo_ms is not None and self.tpot_slo_ms <= 0:
+            raise ValueError(f"FineTuningConfig.tpot_slo_ms must be positive, got {self.tpot_slo_ms}")
         if self.max_inference_slowdown < 1.0:
             raise ValueError(f"FineTuningConfig.max_inference_slowdown must be at least 1, got {self.max_inference_slowdown}")
         if self.deferral_bound_s <= 0:

@@ -289,7 +289,7 @@ class Engine:
 
         While no request runs, a fine-tuning iteration runs instead if Deferred Continuous Batching
         allows (finetune/deferral.py); while requests run, one may run first if the job's inference
-        slowdown allows. A job that borrowed KV pages gives them back first if a request the smaller
+        slowdown, or its TPOT SLO, allows. A job that borrowed KV pages gives them back first if a request the smaller
         pool could not admit has waited half the deferral bound (kv_loan.py).
         """
         if self.kv_loan is not None and self.kv_loan.lent:
@@ -300,8 +300,8 @@ class Engine:
             if not self._in_flight and not self.scheduler.num_running:
                 if self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
                     return []
-            else:  # requests run: an iteration before this one's inference, within the slowdown's share
-                self.fine_tuning.maybe_run_beside(time.monotonic())
+            else:  # requests run: an iteration before this one's inference, within the slowdown's share or the TPOT SLO
+                self.fine_tuning.maybe_run_beside(time.monotonic(), lambda: self.scheduler.requests)
         start = phase_start = time.perf_counter()
         dropped: list[RequestOutput] = []
         while self.scheduler.can_schedule and not (self._in_flight and self._in_flight[-1].packed is None):

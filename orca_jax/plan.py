@@ -141,6 +141,11 @@ class SchedulerInterface(Protocol):
         ...
 
     @property
+    def requests(self) -> tuple[Request, ...]:
+        """A snapshot of the unfinished requests (a fine-tuning job's TPOT SLO reads their progress)."""
+        ...
+
+    @property
     def oldest_refused_arrival(self) -> float | None:
         """The arrival time of the longest-waiting request the last schedule() could not admit for
         lack of KV; None if none was refused."""

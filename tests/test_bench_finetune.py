@@ -14,7 +14,7 @@ def test_bench_finetune_runs_end_to_end(tmp_path):
                     "--max-num-batched-tokens", "32", "--duration-s", "1", "--num-prompts", "8",
                     "--ft-alone-s", "1", "--rank", "4", "--micro-batch-tokens", "128", "--example-tokens", "16,16",
                     "--uniform-input-range", "8:16", "--uniform-output-range", "1:8", "--memory-gib", "1",
-                    "--result-dir", str(tmp_path)])
+                    "--tpot-slo-factors", "1.2,1000", "--result-dir", str(tmp_path)])
     result = json.loads((tmp_path / "tiny-llama_finetune.json").read_text())["finetune"]
     assert result["capacity_rps"] > 0 and result["job_alone"]["tokens_per_s"] > 0
     assert result["job_memory"]["temp_bytes"] > 0
@@ -30,6 +30,17 @@ def test_bench_finetune_runs_end_to_end(tmp_path):
     assert len(beside) == 3 and all(run["ttft_s"]["n"] == run["num_requests"] for run in beside)
     assert sum(run["fine_tuning_tokens"] for run in beside) > 0
     assert len(summary["beside"]["1.2"]["rows"]) == 3
+    assert sum(run["fine_tuning_beside"] for run in beside) > 0
+    # Within a TPOT SLO of a factor of the medium rate's p99 alone: a SLO of 1000x leaves slack for the
+    # job beside the requests; every run's iterations beside requests are counted.
+    medium_alone = result["alone"][1]["tpot_s"]["p99"]
+    for factor in ("1.2", "1000.0"):
+        slo = result["tpot_slo"][factor]
+        assert slo["tpot_slo_s"] == pytest.approx(float(factor) * medium_alone)
+        assert len(slo["runs"]) == 3 and all(run["ttft_s"]["n"] == run["num_requests"] for run in slo["runs"])
+        assert summary["tpot_slo"][factor]["tpot_slo_s"] == slo["tpot_slo_s"]
+    assert sum(run["fine_tuning_beside"] for run in result["tpot_slo"]["1000.0"]["runs"]) > 0
+    assert all(run["fine_tuning_beside"] == 0 for run in result["with_job"])  # Deferred Continuous Batching alone
 
 
 @pytest.mark.slow  # ~40 s: two engines, a job on each, and a burst on each

@@ -63,6 +63,7 @@ def test_a_bad_config_file_is_a_flag_error(tmp_path, capsys, text, message):
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
     (["--header-timeout-s", "0"], "header_timeout_s must be positive"),
     (["--default-max-tokens", "-1"], "--default-max-tokens must be 0"),
+    (["--enable-fine-tuning", "--fine-tuning-tpot-slo-ms", "0"], "tpot_slo_ms must be positive"),
 ])
 def test_flag_errors_are_one_line_not_a_traceback(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -78,6 +79,13 @@ def test_chat_templates_come_from_a_file_or_inline(tmp_path):
     assert read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
     assert read_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}").startswith("{% for")
     assert read_chat_template(None) is None
+
+
+def test_fine_tuning_flags_reach_the_config():
+    config = engine_config_from_args(parse_args(["--enable-fine-tuning", "--fine-tuning-tpot-slo-ms", "40",
+                                                 "--fine-tuning-max-inference-slowdown", "1.5"])).fine_tuning
+    assert config.tpot_slo_ms == 40.0 and config.max_inference_slowdown == 1.5
+    assert engine_config_from_args(parse_args(["--enable-fine-tuning"])).fine_tuning.tpot_slo_ms is None
 
 
 def test_dtype_auto_is_the_checkpoints_and_lists_take_json_or_commas():

@@ -95,8 +95,12 @@ class RequestLevelScheduler:
         """None: a static batch waits for the last one to end, never for pages (and runs no job)."""
         return None
 
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        return tuple(self._waiting) + tuple(self._batch.requests if self._batch else ())
+
     def get(self, request_id: str) -> Request | None:
-        pool = self._waiting + list(self._batch.requests if self._batch else ())
+        pool = list(self.requests)
         return next((r for r in pool if r.request_id == request_id), None)
 
     def real_lengths(self, request_id: str) -> tuple[int, int]:

@@ -8,7 +8,9 @@ Deferred Continuous Batching), in one run, in process.
    fine-tuning tokens/s;
 4. inference with the job: the same three traces while the job runs: TTFT and TPOT p50/p99 and the
    job's tokens/s, under Deferred Continuous Batching alone (`with_job`) and then for each
-   --max-inference-slowdowns value above 1 (`beside`: iterations also run while requests run).
+   --max-inference-slowdowns value above 1 (`beside`: iterations also run while requests run), and for
+   each --tpot-slo-factors value (`tpot_slo`: beside running requests within a TPOT SLO of that factor
+   times the medium rate's p99 TPOT alone, as an operator would set it from what they observe).
 Saves <model>_finetune.json (--result-dir) and prints the issue's targets: at the medium rate inference p99 TPOT
 within 1.2x of inference alone; at the light rate fine-tuning keeps >= 50% of its alone throughput.
 """
@@ -51,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-inference-slowdowns", default="1.2",
                         help="after Deferred Continuous Batching alone, the traces again with the job also "
                         "running beside requests at each of these slowdowns (comma list; empty: none)")
+    parser.add_argument("--tpot-slo-factors", default="1.2",
+                        help="then the traces again with the job running beside requests within a TPOT SLO of each "
+                        "factor times the medium rate's p99 TPOT alone (comma list; empty: none)")
     parser.add_argument("--memory-gib", type=float, default=8.0, help="held back from the KV pool for the job")
     add_result_arguments(parser)
 
@@ -66,6 +71,8 @@ def run_poisson(engine: Engine, trace: Trace) -> dict:
     outputs' arrival on the host, and the fine-tuning tokens/s meanwhile."""
     vocab = engine.model_config.vocab_size
     before = engine.stats()
+    policy = engine.fine_tuning.policy.stats if engine.fine_tuning is not None else None
+    beside_before = (policy.beside, policy.beside_seconds) if policy is not None else (0, 0.0)
     start = time.monotonic()
     arrival, first, done, count = {}, {}, {}, {}
     added = 0
@@ -94,7 +101,10 @@ def run_poisson(engine: Engine, trace: Trace) -> dict:
     return {"rate": trace.rate, "num_requests": len(trace), "seconds": seconds, "ttft_s": percentiles(ttft),
             "tpot_s": percentiles(tpot), "fine_tuning_tokens": ft_tokens, "fine_tuning_tokens_per_s": ft_tokens / seconds,
             "inference_deferrals": after.inference_deferrals_total - before.inference_deferrals_total,
-            "inference_deferral_s": after.inference_deferral_seconds_total - before.inference_deferral_seconds_total}
+            "inference_deferral_s": after.inference_deferral_seconds_total - before.inference_deferral_seconds_total,
+            # iterations run beside running requests (a slowdown above 1 or a TPOT SLO), and their time
+            "fine_tuning_beside": policy.beside - beside_before[0] if policy is not None else 0,
+            "fine_tuning_beside_s": policy.beside_seconds - beside_before[1] if policy is not None else 0.0}
 
 
 def capacity(engine: Engine, trace: Trace) -> float:
@@ -187,6 +197,16 @@ def run(args: argparse.Namespace) -> Results:
         result["beside"][str(slowdown)] = [run_poisson(engine, trace) for trace in traces]
         results.section("finetune", result)
     tuner.policy.max_inference_slowdown = 1.0
+    result["tpot_slo"] = {}
+    medium_alone = result["alone"][len(traces) // 2]["tpot_s"]["p99"]
+    for factor in [float(f) for f in args.tpot_slo_factors.split(",") if f]:
+        if medium_alone is None:  # a trace without two-token requests: nothing to set the SLO from
+            break
+        tuner.policy.tpot_slo_s = factor * medium_alone
+        result["tpot_slo"][str(factor)] = {"tpot_slo_s": tuner.policy.tpot_slo_s,
+                                           "runs": [run_poisson(engine, trace) for trace in traces]}
+        results.section("finetune", result)
+    tuner.policy.tpot_slo_s = None
     tuner.cancel(job_id)
     result["summary"] = summary(result)
     results.section("finetune", result)
@@ -199,6 +219,9 @@ def summary(result: dict) -> dict:
     out = _targets(result["alone"], result["with_job"], result["job_alone"]["tokens_per_s"])
     out["beside"] = {k: _targets(result["alone"], runs, result["job_alone"]["tokens_per_s"])
                      for k, runs in result.get("beside", {}).items()}
+    out["tpot_slo"] = {k: {"tpot_slo_s": slo["tpot_slo_s"]}
+                       | _targets(result["alone"], slo["runs"], result["job_alone"]["tokens_per_s"])
+                       for k, slo in result.get("tpot_slo", {}).items()}
     return out
 
 
@@ -225,4 +248,7 @@ def tables(result: dict) -> dict[str, list[dict]]:
     for slowdown, beside in found["beside"].items():
         out[f"beside running requests, slowdown {slowdown}"] = beside["rows"]
         out["summary"].append({"max_inference_slowdown": slowdown} | {k: v for k, v in beside.items() if k != "rows"})
+    for factor, slo in found["tpot_slo"].items():
+        out[f"beside running requests, TPOT SLO {factor}x the medium rate's p99 alone"] = slo["rows"]
+        out["summary"].append({"tpot_slo_factor": factor} | {k: v for k, v in slo.items() if k != "rows"})
     return out

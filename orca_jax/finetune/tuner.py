@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from orca_jax.finetune.trainer import LoRATrainer, ParkedState, TrainerMemory
 from orca_jax.kv_loan import KVLoan
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
+from orca_jax.request import Request
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -75,7 +76,8 @@ class FineTuner:
         pool's lendable pages (None: the job's memory was held back from the pool at start)."""
         self.config = config
         self.store = JobStore(config.directory or default_directory())
-        self.policy = DeferralPolicy(config.deferral_bound_s, max_inference_slowdown=config.max_inference_slowdown)
+        self.policy = DeferralPolicy(config.deferral_bound_s, max_inference_slowdown=config.max_inference_slowdown,
+                                     tpot_slo_s=None if config.tpot_slo_ms is None else config.tpot_slo_ms / 1e3)
         self._stage, self._model_config, self._tokenizer = stage, model_config, tokenizer
         self._lora, self.base_model, self._max_len = lora, base_model, max_len
         self._loan = loan
@@ -182,12 +184,12 @@ class FineTuner:
         self._turn(deferred=oldest_waiting_arrival is not None)
         return True
 
-    def maybe_run_beside(self, now: float) -> bool:
-        """While requests run: one fine-tuning iteration if the policy's credit allows it (only with
-        max_inference_slowdown > 1, and only for a job ready to iterate, or parked: a job starts in
-        idle turns)."""
+    def maybe_run_beside(self, now: float, requests: Callable[[], Iterable[Request]] = tuple) -> bool:
+        """While requests run: one fine-tuning iteration if the policy allows it (only with
+        max_inference_slowdown > 1 or a TPOT SLO, and only for a job ready to iterate, or parked: a job
+        starts in idle turns). `requests`: the unfinished ones, for the TPOT SLO's accounts."""
         run = self._run
-        if run is None or not (run.ready or run.parked is not None) or not self.policy.may_run_beside(now):
+        if run is None or not (run.ready or run.parked is not None) or not self.policy.may_run_beside(now, requests):
             return False
         self._turn(beside=True)
         return True

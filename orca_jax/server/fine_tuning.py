@@ -53,6 +53,10 @@ def add_fine_tuning_arguments(parser: argparse.ArgumentParser) -> None:
                        help="above 1, fine-tuning iterations also run between inference iterations while "
                        "requests run, so inference runs at most this many times slower on average (1: only "
                        "while no request runs, Deferred Continuous Batching)")
+    group.add_argument("--fine-tuning-tpot-slo-ms", type=float, default=defaults.tpot_slo_ms,
+                       help="fine-tuning iterations also run between inference iterations while every decoding "
+                       "request's time per output token so far stays within this many milliseconds after "
+                       "the iteration (with --fine-tuning-max-inference-slowdown too, both must allow it)")
     group.add_argument("--fine-tuning-memory-gib", type=float, default=defaults.memory_gib,
                        help="device memory a job may use, taken from the KV pool (a job needing more is refused)")
     group.add_argument("--fine-tuning-memory-policy", choices=[m.value for m in FineTuningMemory],
@@ -73,7 +77,8 @@ def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig |
                             memory_gib=args.fine_tuning_memory_gib,
                             memory_policy=FineTuningMemory(args.fine_tuning_memory_policy),
                             keep_checkpoints=args.fine_tuning_keep_checkpoints,
-                            max_inference_slowdown=args.fine_tuning_max_inference_slowdown)
+                            max_inference_slowdown=args.fine_tuning_max_inference_slowdown,
+                            tpot_slo_ms=args.fine_tuning_tpot_slo_ms)
 
 
 # ---- bodies ---------------------------------------------------------------------------------------

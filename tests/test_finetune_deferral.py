@@ -161,7 +161,7 @@ def test_bound_holds_under_a_steady_stream(loaded, tmp_path):
     tuner = engine.fine_tuning
     file_id = upload(tuner, RECORDS * 8)
     # Many steps of several micro-batches each: the job outlasts the stream.
-    hp = TrainingHyperparameters(n_epochs=1000, batch_size=32, micro_batch_tokens=64, checkpoint_every=1000)
+    hp = TrainingHyperparameters(n_epochs=100_000, batch_size=32, micro_batch_tokens=64, checkpoint_every=10**6)
     job_id = tuner.create_job(file_id, hp, rank=8)["id"]
     drive(engine, lambda: engine.stats().fine_tuning_iterations >= 3)  # compiled, one iteration measured
     iteration_s = tuner.policy.iteration_estimate

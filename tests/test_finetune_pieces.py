@@ -86,3 +86,28 @@ def test_a_job_in_pieces_learns_what_a_whole_job_does(loaded, tmp_path):
         np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-3, atol=1e-5, err_msg=name)
     # Every piece is a turn of its own: 2 x 2 layers + 1 per micro-batch.
     assert engine.stats().fine_tuning_iterations >= 5 * FAST.n_epochs
+
+
+def test_the_flat_layout_round_trips_the_adapter_and_adamws_state():
+    import optax
+
+    from orca_jax.finetune.flat import FlatLayout
+
+    rng = np.random.default_rng(0)
+    tree = {"layers": [{"q": {"a": rng.normal(size=(2, 3)).astype(np.float32),
+                              "b": rng.normal(size=(5, 2)).astype(np.float32)}} for _ in range(3)]}
+    layout = FlatLayout(tree)
+    vector = layout.ravel(tree)
+    assert vector.shape == (layout.size,) == (3 * (6 + 10),)
+    np.testing.assert_array_equal(vector[6:16], tree["layers"][0]["q"]["b"].ravel())  # layer 0 first, in order
+    for a, b in zip(jax.tree_util.tree_leaves(layout.unravel(vector)), jax.tree_util.tree_leaves(tree)):
+        np.testing.assert_array_equal(a, b)
+    tx = optax.adamw(1e-2)
+    state = tx.init(tree)
+    state = jax.tree_util.tree_map(lambda x: x + 1.5 if x.ndim else x, state)  # moments worth telling apart
+    flat_state = layout.state_to_vectors(state)
+    assert jax.tree_util.tree_structure(flat_state) == jax.tree_util.tree_structure(tx.init(vector))
+    back = layout.state_to_trees(jax.device_get(flat_state))
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(state)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

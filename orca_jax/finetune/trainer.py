@@ -24,6 +24,7 @@ import optax
 
 from orca_jax.config import ModelConfig
 from orca_jax.finetune.adapter_params import module_shapes
+from orca_jax.finetune.flat import FlatLayout
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters
 from orca_jax.finetune.model import TrainBatch, grad_fn
 from orca_jax.finetune.pieces import Pieces
@@ -69,6 +70,13 @@ class ParkedState:
     step: int  # optimizer steps taken
 
 
+def adapter_layer_specs(config: ModelConfig, spec: LoRASpec, make=jax.ShapeDtypeStruct) -> dict:
+    """One layer's adapter arrays in peft's layout: {module key: {"a": f32[r, in], "b": f32[out, r]}}."""
+    r = spec.rank
+    return {key: {"a": make((r, fan_in), jnp.float32), "b": make((fan_out, r), jnp.float32)}
+            for key, (fan_in, fan_out) in module_shapes(config, spec.target_modules).items()}
+
+
 def _nbytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree))
 
@@ -93,12 +101,15 @@ class LoRATrainer:
         self._tx = make_optimizer(hp, total_steps)
         self.remat = remat  # decided by start_compiling when None
         self._memory_bytes = memory_bytes
-        self._pieces = Pieces(decoder, spec.scaling, decoder.config.num_layers, layers_per_piece) \
+        layer = adapter_layer_specs(decoder.config, spec, self._spec)
+        # The adapter, its accumulator and AdamW's moments are vectors on the device (flat.py).
+        self._layout = layout = FlatLayout({"layers": [layer] * decoder.config.num_layers})
+        self._pieces = Pieces(decoder, spec.scaling, decoder.config.num_layers, layers_per_piece, layer) \
             if layers_per_piece else None
 
-        def micro(adapter, acc, params, batch, remat):
-            (loss, count), g = grad_fn(decoder, spec.scaling, remat)(adapter, params, batch)
-            return jax.tree_util.tree_map(jnp.add, acc, g), loss, count
+        def micro(adapter, acc, params, batch, remat):  # adapter, acc: f32[size]
+            (loss, count), g = grad_fn(decoder, spec.scaling, remat)(layout.unravel(adapter, jnp), params, batch)
+            return acc + layout.ravel(g, jnp), loss, count
 
         schedule = make_schedule(hp, total_steps)
 
@@ -120,11 +131,7 @@ class LoRATrainer:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)
 
     def _specs(self, model_config: ModelConfig):
-        widths = module_shapes(model_config, self.spec.target_modules)
-        r = self.spec.rank
-        layer = {key: {"a": self._spec((r, fan_in), jnp.float32), "b": self._spec((fan_out, r), jnp.float32)}
-                 for key, (fan_in, fan_out) in widths.items()}
-        adapter = {"layers": [layer] * model_config.num_layers}
+        adapter = self._spec((self._layout.size,), jnp.float32)
         opt = jax.tree_util.tree_map(lambda s: self._spec(s.shape, s.dtype), jax.eval_shape(self._tx.init, adapter))
         b, l = self.micro_batch_shape
         batch = TrainBatch(*(self._spec((b, l), jnp.int32) for _ in range(4)), self._spec((b, l), jnp.float32))
@@ -140,7 +147,7 @@ class LoRATrainer:
 
         def compile_both() -> TrainerMemory:
             if self._pieces is not None:
-                kept, temp = self._pieces.compile(adapter, params, batch)
+                kept, temp = self._pieces.compile(adapter, params, batch, self._spec((), jnp.int32))
                 memory = TrainerMemory(2 * _nbytes(adapter) + _nbytes(opt), kept + temp, _nbytes(batch), False)
                 self.remat = False
                 self._apply = self._apply_fn.lower(adapter, opt, adapter, scalar, self._spec((), jnp.int32)).compile()
@@ -168,23 +175,27 @@ class LoRATrainer:
         """Put the adapter (host, fp32 peft layout) on the device with a fresh optimizer state, or the
         saved one (`opt_leaves`, from state_to_host) at optimizer step `step`, and a zero gradient
         accumulator (or `accumulator`, a parked step's)."""
+        layout = self._layout
         host = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), adapter)
-        self.adapter = jax.device_put(host, self._sharding)
+        self.adapter = jax.device_put(layout.ravel(host), self._sharding)
         if opt_leaves is None:
             self.opt_state = jax.jit(self._tx.init, out_shardings=self._sharding)(self.adapter)
-        else:
+        else:  # saved in the tree's layout (a checkpoint reads the same whatever the device layout)
             treedef = jax.tree_util.tree_structure(jax.eval_shape(self._tx.init, host))
             if len(opt_leaves) != treedef.num_leaves:
                 raise ValueError(f"a saved optimizer state of {len(opt_leaves)} arrays; this one has "
                                  f"{treedef.num_leaves}")
-            self.opt_state = jax.device_put(jax.tree_util.tree_unflatten(treedef, list(opt_leaves)), self._sharding)
-        zeros = accumulator if accumulator is not None else jax.tree_util.tree_map(np.zeros_like, host)
+            state = layout.state_to_vectors(jax.tree_util.tree_unflatten(treedef, list(opt_leaves)))
+            self.opt_state = jax.device_put(state, self._sharding)
+        zeros = layout.ravel(accumulator) if accumulator is not None else np.zeros(layout.size, np.float32)
         self._acc = jax.device_put(zeros, self._sharding)
         self.step = step
 
     def state_to_host(self) -> tuple[dict, list[np.ndarray]]:
-        """(the adapter, the optimizer state's arrays) as numpy, for a checkpoint."""
-        return jax.device_get(self.adapter), [np.asarray(x) for x in jax.tree_util.tree_leaves(self.opt_state)]
+        """(the adapter, the optimizer state's arrays, both in the tree's layout) as numpy, for a checkpoint."""
+        layout = self._layout
+        state = layout.state_to_trees(jax.device_get(self.opt_state))
+        return layout.unravel(np.asarray(self.adapter)), [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
 
     def park(self) -> "ParkedState":
         """Copy the whole state to the host (the accumulator of a step half done included) and free it
@@ -193,7 +204,7 @@ class LoRATrainer:
         if self.in_progress:
             raise ValueError("a micro-batch is in progress: run its remaining pieces before parking")
         adapter, opt_leaves = self.state_to_host()
-        parked = ParkedState(adapter, opt_leaves, jax.device_get(self._acc), self.step)
+        parked = ParkedState(adapter, opt_leaves, self._layout.unravel(np.asarray(self._acc)), self.step)
         self.release()
         return parked
 
@@ -228,7 +239,8 @@ class LoRATrainer:
         if self._pieces is None:
             return self.micro_step(batch)
         on_device = jax.device_put(batch, self._sharding) if batch is not None else None
-        return self._pieces.run_piece(self.adapter, self._params, self._acc, on_device)
+        self._acc, out = self._pieces.run_piece(self.adapter, self._params, self._acc, on_device)
+        return out
 
     def warm_up(self) -> None:
         """Run the micro step once on a batch of padding (zero weights: the accumulator stays as it is)

@@ -285,14 +285,8 @@ class FineTuningConfig:
     # Iterations may also run while requests run as long as every decoding request's TPOT so far stays
     # within this many milliseconds after it (finetune/deferral.py); None: no such rule.
     tpot_slo_ms: float | None = None
-    # > 0: a micro step runs as pieces of this many layers' forward or backward, one per turn, so a job
-    # beside running requests stalls them for one piece (finetune/pieces.py); must divide the model's
-    # layers. 0: the whole micro step in one program.
-    layers_per_piece: int = 0
 
     def __post_init__(self):
-        if self.layers_per_piece < 0:
-            raise ValueError(f"FineTuningConfig.layers_per_piece must be 0 or more, got {self.layers_per_piece}")
         if self.tpot_slo_ms is not None and self.tpot_slo_ms <= 0:
             raise ValueError(f"FineTuningConfig.tpot_slo_ms must be positive, got {self.tpot_slo_ms}")
         if self.max_inference_slowdown < 1.0:

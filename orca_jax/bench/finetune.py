@@ -56,8 +56,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-slo-factors", default="1.2",
                         help="then the traces again with the job running beside requests within a TPOT SLO of each "
                         "factor times the medium rate's p99 TPOT alone (comma list; empty: none)")
-    parser.add_argument("--layers-per-piece", type=int, default=0,
-                        help="the job's micro step in pieces of this many layers, one per turn (0: whole)")
     parser.add_argument("--memory-gib", type=float, default=8.0, help="held back from the KV pool for the job")
     add_result_arguments(parser)
 
@@ -142,8 +140,7 @@ def run(args: argparse.Namespace) -> Results:
     lengths = lengths_from_args(args)
     results = Results("finetune", args, args.model)
     jobs_dir = tempfile.mkdtemp(prefix="orca_jax_bench_finetune_")
-    fine_tuning = FineTuningConfig(directory=jobs_dir, deferral_bound_s=args.deferral_bound_s, memory_gib=args.memory_gib,
-                                   layers_per_piece=args.layers_per_piece)
+    fine_tuning = FineTuningConfig(directory=jobs_dir, deferral_bound_s=args.deferral_bound_s, memory_gib=args.memory_gib)
     start = time.monotonic()
     engine = build_engine(args, lora=LoRAConfig(max_loras=1, max_lora_rank=args.rank), fine_tuning=fine_tuning)
     result = {"fine_tuning": dataclasses.asdict(fine_tuning), "start_s": time.monotonic() - start,
@@ -161,8 +158,7 @@ def run(args: argparse.Namespace) -> Results:
     stage = engine.runner.stages[0]
     compile_start = time.monotonic()
     early = LoRATrainer(stage.model, stage.params, spec, hp, (plan.rows, plan.length), plan.total_steps,
-                        stage.replicated, fine_tuning.remat, int(fine_tuning.memory_gib * 2**30),
-                        fine_tuning.layers_per_piece).start_compiling(engine.model_config)
+                        stage.replicated, fine_tuning.remat, int(fine_tuning.memory_gib * 2**30)).start_compiling(engine.model_config)
     early.result()
     result["job_compile_s"] = time.monotonic() - compile_start
     result["capacity_rps"] = capacity(engine, make_trace(DatasetName.UNIFORM, args.num_prompts, None, args.seed, lengths))

@@ -27,7 +27,6 @@ from orca_jax.finetune.adapter_params import module_shapes
 from orca_jax.finetune.flat import FlatLayout
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters
 from orca_jax.finetune.model import TrainBatch, grad_fn
-from orca_jax.finetune.pieces import Pieces
 from orca_jax.models.decoder import Decoder
 
 
@@ -86,14 +85,12 @@ class LoRATrainer:
 
     def __init__(self, decoder: Decoder, params, spec: LoRASpec, hp: TrainingHyperparameters,
                  micro_batch_shape: tuple[int, int], total_steps: int, sharding, remat: bool | None = None,
-                 memory_bytes: int | None = None, layers_per_piece: int = 0):
+                 memory_bytes: int | None = None):
         """`params`: the served params tree (a stage's, on its devices); `sharding`: where the
         adapter and batches go (the stage's replicated sharding). `remat`: recompute each layer's
         activations in the backward (True), keep them (False), or None: keep them if the job's memory
         then fits `memory_bytes`, else recompute (on an H100, llama-8b, 512 tokens: 41.3 ms per micro
-        step kept vs 54.7 ms recomputed; benchmarks/probes/coserving_cost.json). `layers_per_piece` > 0:
-        the micro step runs as pieces of that many layers, one per call of run_piece
-        (finetune/pieces.py; activations kept)."""
+        step kept vs 54.7 ms recomputed; benchmarks/probes/coserving_cost.json)."""
         self.spec, self.hp, self.total_steps = spec, hp, total_steps
         self.micro_batch_shape = micro_batch_shape  # (rows B, row length L)
         self._params = params
@@ -104,8 +101,6 @@ class LoRATrainer:
         layer = adapter_layer_specs(decoder.config, spec, self._spec)
         # The adapter, its accumulator and AdamW's moments are vectors on the device (flat.py).
         self._layout = layout = FlatLayout({"layers": [layer] * decoder.config.num_layers})
-        self._pieces = Pieces(decoder, spec.scaling, decoder.config.num_layers, layers_per_piece, layer) \
-            if layers_per_piece else None
 
         def micro(adapter, acc, params, batch, remat):  # adapter, acc: f32[size]
             (loss, count), g = grad_fn(decoder, spec.scaling, remat)(layout.unravel(adapter, jnp), params, batch)
@@ -146,12 +141,6 @@ class LoRATrainer:
         scalar = self._spec((), jnp.float32)
 
         def compile_both() -> TrainerMemory:
-            if self._pieces is not None:
-                kept, temp = self._pieces.compile(adapter, params, batch, self._spec((), jnp.int32))
-                memory = TrainerMemory(2 * _nbytes(adapter) + _nbytes(opt), kept + temp, _nbytes(batch), False)
-                self.remat = False
-                self._apply = self._apply_fn.lower(adapter, opt, adapter, scalar, self._spec((), jnp.int32)).compile()
-                return memory
             choices = (False, True) if self.remat is None else (self.remat,)
             for remat in choices:  # kept activations first: recomputed only if those do not fit
                 self._micro = self._micro_fn.lower(adapter, adapter, params, batch, remat).compile()
@@ -199,10 +188,7 @@ class LoRATrainer:
 
     def park(self) -> "ParkedState":
         """Copy the whole state to the host (the accumulator of a step half done included) and free it
-        on the device: the job yields its memory; unpark resumes exactly there. Not while a micro-batch
-        is in pieces (its saved activations would be lost): run its pieces to the end first."""
-        if self.in_progress:
-            raise ValueError("a micro-batch is in progress: run its remaining pieces before parking")
+        on the device: the job yields its memory; unpark resumes exactly there."""
         adapter, opt_leaves = self.state_to_host()
         parked = ParkedState(adapter, opt_leaves, self._layout.unravel(np.asarray(self._acc)), self.step)
         self.release()
@@ -213,8 +199,6 @@ class LoRATrainer:
 
     def release(self) -> None:
         """Free the device state (the job yields or ends); init_state puts it back."""
-        if self._pieces is not None:
-            self._pieces.drop()
         for tree in (self.adapter, self.opt_state, self._acc):
             for x in jax.tree_util.tree_leaves(tree):
                 x.delete()
@@ -227,30 +211,12 @@ class LoRATrainer:
         self._acc, loss, count = self._micro(self.adapter, self._acc, self._params, batch)
         return loss, count
 
-    @property
-    def in_progress(self) -> bool:
-        """A micro-batch has begun in pieces and its last piece has not run."""
-        return self._pieces is not None and self._pieces.in_progress
-
-    def run_piece(self, batch: TrainBatch | None = None) -> tuple[jax.Array, jax.Array] | None:
-        """The next unit of work: the whole micro step for `batch` (dispatched, not waited for), or with
-        pieces the next piece (waited for; `batch` begins a micro-batch, given only when none is in
-        progress). Returns (loss_sum, completion tokens) once the micro-batch is done, else None."""
-        if self._pieces is None:
-            return self.micro_step(batch)
-        on_device = jax.device_put(batch, self._sharding) if batch is not None else None
-        self._acc, out = self._pieces.run_piece(self.adapter, self._params, self._acc, on_device)
-        return out
-
     def warm_up(self) -> None:
         """Run the micro step once on a batch of padding (zero weights: the accumulator stays as it is)
         and wait: a program's first run pays one-off costs that no iteration should be timed with."""
         b, l = self.micro_batch_shape
         zeros = np.zeros((b, l), np.int32)
-        out = self.run_piece(TrainBatch(zeros, zeros, zeros, zeros, np.zeros((b, l), np.float32)))
-        while out is None:
-            out = self.run_piece()
-        jax.block_until_ready(out)
+        jax.block_until_ready(self.micro_step(TrainBatch(zeros, zeros, zeros, zeros, np.zeros((b, l), np.float32))))
 
     def apply_step(self, num_tokens: float) -> tuple[float, float]:
         """The optimizer step over the micro-batches since the last one (waited for); returns the

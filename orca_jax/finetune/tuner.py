@@ -61,7 +61,6 @@ class _Run:
     step_loss: float = 0.0
     step_learned: float = 0.0  # completion tokens of the current step so far
     step_tokens: int = 0
-    micro_tokens: int = 0  # tokens of the micro-batch in progress
     saved_step: int = 0  # optimizer step of the newest checkpoint
     memory_checked: bool = False  # its compiled memory fits memory_gib (checked once)
     parked: ParkedState | None = None  # its state while it gave the KV pool's pages back
@@ -75,9 +74,6 @@ class FineTuner:
                  base_model: str, max_len: int, loan: KVLoan | None = None):
         """`stage`: the runner's one stage (its decoder, served params and sharding); `loan`: the KV
         pool's lendable pages (None: the job's memory was held back from the pool at start)."""
-        if config.layers_per_piece and model_config.num_layers % config.layers_per_piece:
-            raise ValueError(f"--fine-tuning-layers-per-piece must divide the model's {model_config.num_layers} "
-                             f"layers, got {config.layers_per_piece}")
         self.config = config
         self.store = JobStore(config.directory or default_directory())
         self.policy = DeferralPolicy(config.deferral_bound_s, max_inference_slowdown=config.max_inference_slowdown,
@@ -204,14 +200,7 @@ class FineTuner:
         if self._loan is None or not self._loan.lent:
             return False
         run = self._run
-        if run is not None and run.ready and run.trainer.in_progress:  # a micro-batch in pieces ends first
-            try:
-                while self._run is run and run.trainer.in_progress:
-                    self._iterate(run)
-            except Exception as error:  # a job's failure is the job's, never the server's
-                log.exception("fine-tuning job %s failed", run.job.id)
-                self._fail(run.job, "training_error", f"{type(error).__name__}: {error}")
-        if run is not None and self._run is run and run.ready:
+        if run is not None and run.ready:
             run.parked = run.trainer.park()
             run.ready = False
             self.parks += 1
@@ -284,8 +273,7 @@ class FineTuner:
             plan = self._plans.pop(job.id)
         stage, hp = self._stage, job.hyperparameters
         trainer = LoRATrainer(stage.model, stage.params, job.lora, hp, (plan.rows, plan.length), plan.total_steps,
-                              stage.replicated, self.config.remat, int(self.config.memory_gib * GIB),
-                              self.config.layers_per_piece)
+                              stage.replicated, self.config.remat, int(self.config.memory_gib * GIB))
         compiled = trainer.start_compiling(self._model_config)
         compiled.add_done_callback(lambda _: self._wakeup())
         if self._loan is not None:  # the smaller pool's programs, compiled alongside (once per engine)
@@ -360,23 +348,15 @@ class FineTuner:
         run.trainer.warm_up()  # a first run's one-off costs stay out of the iteration estimate
 
     def _iterate(self, run: _Run) -> int:
-        """One micro-batch forward and backward, or one piece of it (waited for), and the optimizer
-        step after a step's last; returns the tokens a finished micro-batch ran over (0 for a piece
-        that did not finish one)."""
+        """One micro-batch forward and backward (waited for), and the optimizer step after a step's
+        last; returns the tokens the forward ran over."""
         job = run.job
-        if run.trainer.in_progress:
-            out = run.trainer.run_piece()
-        else:
-            if not run.batches:
-                run.batches = run.plan.micro_batches(job.step)
-                run.step_loss = run.step_learned = run.step_tokens = 0
-            arrays = run.batches.pop(0)
-            run.micro_tokens = int(np.count_nonzero(arrays["segment_ids"]))
-            out = run.trainer.run_piece(host_batch(**arrays))
-        if out is None:
-            return 0
-        loss, learned = out
-        tokens = run.micro_tokens
+        if not run.batches:
+            run.batches = run.plan.micro_batches(job.step)
+            run.step_loss = run.step_learned = run.step_tokens = 0
+        arrays = run.batches.pop(0)
+        loss, learned = run.trainer.micro_step(host_batch(**arrays))
+        tokens = int(np.count_nonzero(arrays["segment_ids"]))
         run.step_loss += float(loss)  # waits for the device: the iteration ends when its work does
         run.step_learned += float(learned)
         run.step_tokens += tokens

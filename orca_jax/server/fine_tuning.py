@@ -57,10 +57,6 @@ def add_fine_tuning_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fine-tuning iterations also run between inference iterations while every decoding "
                        "request's time per output token so far stays within this many milliseconds after "
                        "the iteration (with --fine-tuning-max-inference-slowdown too, both must allow it)")
-    group.add_argument("--fine-tuning-layers-per-piece", type=int, default=defaults.layers_per_piece,
-                       help="run a micro-batch's forward and backward as pieces of this many layers, one between "
-                       "two inference iterations, so a job beside running requests stalls them for one piece "
-                       "(must divide the model's layers; 0: the whole micro-batch at once)")
     group.add_argument("--fine-tuning-memory-gib", type=float, default=defaults.memory_gib,
                        help="device memory a job may use, taken from the KV pool (a job needing more is refused)")
     group.add_argument("--fine-tuning-memory-policy", choices=[m.value for m in FineTuningMemory],
@@ -82,8 +78,7 @@ def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig |
                             memory_policy=FineTuningMemory(args.fine_tuning_memory_policy),
                             keep_checkpoints=args.fine_tuning_keep_checkpoints,
                             max_inference_slowdown=args.fine_tuning_max_inference_slowdown,
-                            tpot_slo_ms=args.fine_tuning_tpot_slo_ms,
-                            layers_per_piece=args.fine_tuning_layers_per_piece)
+                            tpot_slo_ms=args.fine_tuning_tpot_slo_ms)
 
 
 # ---- bodies ---------------------------------------------------------------------------------------

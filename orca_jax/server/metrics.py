@@ -86,7 +86,7 @@ class _EngineStatsCollector(Collector):
              stats.prefix_cache_hits),
             ("generation_tokens", "Tokens generated", stats.generated_tokens_total),
             ("iterations", "Engine iterations run", stats.iterations),
-            ("fine_tuning_iterations", "Fine-tuning iterations run (one micro-batch's forward and backward, or one piece of it)",
+            ("fine_tuning_iterations", "Fine-tuning iterations run (one micro-batch's forward and backward)",
              stats.fine_tuning_iterations),
             ("fine_tuning_tokens", "Tokens fine-tuning iterations ran over (their rate: fine-tuning tokens/s)",
              stats.fine_tuning_tokens_total),

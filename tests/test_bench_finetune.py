@@ -41,6 +41,12 @@ def test_bench_finetune_runs_end_to_end(tmp_path):
         assert summary["tpot_slo"][factor]["tpot_slo_s"] == slo["tpot_slo_s"]
     assert sum(run["fine_tuning_beside"] for run in result["tpot_slo"]["1000.0"]["runs"]) > 0
     assert all(run["fine_tuning_beside"] == 0 for run in result["with_job"])  # Deferred Continuous Batching alone
+    # The report's tables: one summary row per setting, scalars only.
+    from orca_jax.bench.finetune import tables
+
+    found = tables({"finetune": result})
+    assert len(found["summary"]) == 1 + 1 + 2  # Deferred Continuous Batching, k = 1.2, two SLOs
+    assert all(not isinstance(v, (dict, list)) for row in found["summary"] for v in row.values())
 
 
 @pytest.mark.slow  # ~40 s: two engines, a job on each, and a burst on each

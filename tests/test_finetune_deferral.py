@@ -182,7 +182,7 @@ def test_bound_holds_under_a_steady_stream(loaded, tmp_path):
 
     # Beside running requests, within a slowdown of 2: iterations run while requests do, at most about
     # half the stream's time, and the requests' tokens stay theirs.
-    tuner.policy.max_inference_slowdown = 2.0
+    tuner.policy.set_limits(max_inference_slowdown=2.0)
     start = time.monotonic()
     beside = run_stream(engine, interval_s=0.25)
     wall = time.monotonic() - start
@@ -193,15 +193,15 @@ def test_bound_holds_under_a_steady_stream(loaded, tmp_path):
 
     # Beside running requests within a TPOT SLO: iterations run while requests decode, and no request's
     # TPOT passes the SLO by more than what one iteration running past its estimate can add.
-    tuner.policy.max_inference_slowdown = 1.0
-    tuner.policy.tpot_slo_s = slo = 2 * iteration_s + max(tpot for *_, tpot in alone.values())
+    slo = 2 * iteration_s + max(tpot for *_, tpot in alone.values())
+    tuner.policy.set_limits(tpot_slo_s=slo)
     before = tuner.policy.stats.beside
     within = run_stream(engine, interval_s=0.25)
     assert tuner.policy.stats.beside > before
     assert max(tpot for *_, tpot in within.values()) <= slo + SLACK_S / (SAMPLING.max_tokens - 1), (slo, within)
     assert {rid: tokens for rid, (tokens, *_) in within.items()} == {rid: tokens for rid, (tokens, *_) in alone.items()}
     # A SLO no decoding request meets even alone: never beside them.
-    tuner.policy.tpot_slo_s = 1e-4
+    tuner.policy.set_limits(tpot_slo_s=1e-4)
     before = tuner.policy.stats.beside
     run_stream(engine, interval_s=0.25)
     assert tuner.policy.stats.beside == before

@@ -193,20 +193,20 @@ def run(args: argparse.Namespace) -> Results:
     results.section("finetune", result)
     result["beside"] = {}
     for slowdown in [float(k) for k in args.max_inference_slowdowns.split(",") if k]:
-        tuner.policy.max_inference_slowdown = slowdown
+        tuner.policy.set_limits(max_inference_slowdown=slowdown)
         result["beside"][str(slowdown)] = [run_poisson(engine, trace) for trace in traces]
         results.section("finetune", result)
-    tuner.policy.max_inference_slowdown = 1.0
+    tuner.policy.set_limits()
     result["tpot_slo"] = {}
     medium_alone = result["alone"][len(traces) // 2]["tpot_s"]["p99"]
     for factor in [float(f) for f in args.tpot_slo_factors.split(",") if f]:
         if medium_alone is None:  # a trace without two-token requests: nothing to set the SLO from
             break
-        tuner.policy.tpot_slo_s = factor * medium_alone
+        tuner.policy.set_limits(tpot_slo_s=factor * medium_alone)
         result["tpot_slo"][str(factor)] = {"tpot_slo_s": tuner.policy.tpot_slo_s,
                                            "runs": [run_poisson(engine, trace) for trace in traces]}
         results.section("finetune", result)
-    tuner.policy.tpot_slo_s = None
+    tuner.policy.set_limits()
     tuner.cancel(job_id)
     result["summary"] = summary(result)
     results.section("finetune", result)
@@ -244,7 +244,7 @@ def _targets(alone: list[dict], shared: list[dict], ft: float) -> dict:
 def tables(result: dict) -> dict[str, list[dict]]:
     found = summary(result["finetune"])
     out = {"serving with and without the job": found["rows"],
-           "summary": [{k: v for k, v in found.items() if k not in ("rows", "beside")}]}
+           "summary": [{k: v for k, v in found.items() if k not in ("rows", "beside", "tpot_slo")}]}
     for slowdown, beside in found["beside"].items():
         out[f"beside running requests, slowdown {slowdown}"] = beside["rows"]
         out["summary"].append({"max_inference_slowdown": slowdown} | {k: v for k, v in beside.items() if k != "rows"})

@@ -57,13 +57,8 @@ class DeferralPolicy:
                  tpot_slo_s: float | None = None):
         if bound_s <= 0:
             raise ValueError(f"the deferral bound must be positive, got {bound_s}")
-        if max_inference_slowdown < 1.0:
-            raise ValueError(f"the inference slowdown must be at least 1, got {max_inference_slowdown}")
-        if tpot_slo_s is not None and tpot_slo_s <= 0:
-            raise ValueError(f"the TPOT SLO must be positive, got {tpot_slo_s}")
         self.bound_s = bound_s
-        self.max_inference_slowdown = max_inference_slowdown
-        self.tpot_slo_s = tpot_slo_s
+        self.set_limits(max_inference_slowdown, tpot_slo_s)
         self._recent: collections.deque[float] = collections.deque(maxlen=window)
         self._credit = 0.0  # seconds of fine-tuning the running requests may still be stalled for
         self._credit_clock: float | None = None  # when the credit last accrued (None: no request ran)
@@ -81,6 +76,14 @@ class DeferralPolicy:
             return True
         estimate = self.iteration_estimate
         return estimate is not None and (now - oldest_waiting_arrival) + estimate <= self.bound_s
+
+    def set_limits(self, max_inference_slowdown: float = 1.0, tpot_slo_s: float | None = None) -> None:
+        """Change the limits beside running requests (a benchmark sweeps them on one running job)."""
+        if max_inference_slowdown < 1.0:
+            raise ValueError(f"the inference slowdown must be at least 1, got {max_inference_slowdown}")
+        if tpot_slo_s is not None and tpot_slo_s <= 0:
+            raise ValueError(f"the TPOT SLO must be positive, got {tpot_slo_s}")
+        self.max_inference_slowdown, self.tpot_slo_s = max_inference_slowdown, tpot_slo_s
 
     @property
     def runs_beside(self) -> bool:

@@ -6,6 +6,7 @@ pages again and ends with the adapter of a run never interrupted."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from orca_jax.engine import Engine
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.models.loader import load_model
-from orca_jax.request import SamplingParams
+from orca_jax.request import Request, RequestStatus, SamplingParams
 
 # Examples of 54-78 tokens in rows of 128, one row per micro-batch: three micro-batches per step, so a
 # park can fall inside a step, with its accumulated gradient.
@@ -75,6 +76,15 @@ def test_a_job_borrows_the_pages_and_gives_them_back_to_a_burst(loaded, tmp_path
     stats = engine.stats()
     assert tuner.job(job_id)["status"] == "running"
     assert stats.fine_tuning_parks_total >= 1 and stats.kv_pages_lent == 0
+
+    # Under a TPOT SLO a parked job does not resume beside running requests, however much slack they
+    # have (a resume's copies are no iteration's length): only in an idle turn.
+    tuner.policy.set_limits(tpot_slo_s=10.0)
+    decoding = Request("d", [1, 2], SamplingParams(max_tokens=100), status=RequestStatus.RUNNING)
+    decoding.first_token_time, decoding.output_token_ids = time.monotonic() - 1.0, [7] * 50
+    assert not tuner.maybe_run_beside(time.monotonic(), lambda: [decoding])
+    assert not engine.kv.lent
+    tuner.policy.set_limits()
 
     drive(engine, lambda: tuner.job(job_id)["status"] in ("succeeded", "failed"))
     job = tuner.job(job_id)

@@ -64,6 +64,12 @@ def test_beside_running_requests_fine_tuning_keeps_its_share():
     credit = policy._credit
     policy.may_run_beside(now=1000.0)
     assert policy._credit == credit
+    # New limits start afresh: a debt run up under a TPOT SLO is not the new slowdown's.
+    policy.set_limits(tpot_slo_s=0.02)
+    policy.record(5.0, tokens=10, deferred=False, beside=True)
+    policy.set_limits(max_inference_slowdown=1.5)
+    assert not policy.may_run_beside(now=2000.0)  # the credit starts accruing
+    assert policy.may_run_beside(now=2000.03)
 
 
 def decoding(first_token_time: float, num_tokens: int) -> Request:

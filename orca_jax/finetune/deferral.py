@@ -58,10 +58,10 @@ class DeferralPolicy:
         if bound_s <= 0:
             raise ValueError(f"the deferral bound must be positive, got {bound_s}")
         self.bound_s = bound_s
-        self.set_limits(max_inference_slowdown, tpot_slo_s)
-        self._recent: collections.deque[float] = collections.deque(maxlen=window)
         self._credit = 0.0  # seconds of fine-tuning the running requests may still be stalled for
         self._credit_clock: float | None = None  # when the credit last accrued (None: no request ran)
+        self.set_limits(max_inference_slowdown, tpot_slo_s)
+        self._recent: collections.deque[float] = collections.deque(maxlen=window)
         self.stats = DeferralStats()
 
     @property
@@ -84,6 +84,7 @@ class DeferralPolicy:
         if tpot_slo_s is not None and tpot_slo_s <= 0:
             raise ValueError(f"the TPOT SLO must be positive, got {tpot_slo_s}")
         self.max_inference_slowdown, self.tpot_slo_s = max_inference_slowdown, tpot_slo_s
+        self._credit, self._credit_clock = 0.0, None  # what the old limits banked or owed is not the new ones'
 
     @property
     def runs_beside(self) -> bool:

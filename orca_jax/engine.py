@@ -289,8 +289,8 @@ class Engine:
 
         While no request runs, a fine-tuning iteration runs instead if Deferred Continuous Batching
         allows (finetune/deferral.py); while requests run, one may run first if the job's inference
-        slowdown, or its TPOT SLO, allows. A job that borrowed KV pages gives them back first if a request the smaller
-        pool could not admit has waited half the deferral bound (kv_loan.py).
+        slowdown, or its TPOT SLO, allows. A job that borrowed KV pages gives them back first if a
+        request the smaller pool could not admit has waited half the deferral bound (kv_loan.py).
         """
         if self.kv_loan is not None and self.kv_loan.lent:
             refused = self.scheduler.oldest_refused_arrival
@@ -300,7 +300,7 @@ class Engine:
             if not self._in_flight and not self.scheduler.num_running:
                 if self.fine_tuning.maybe_run(self.scheduler.oldest_waiting_arrival, time.monotonic()):
                     return []
-            else:  # requests run: an iteration before this one's inference, within the slowdown's share or the TPOT SLO
+            else:  # requests run: an iteration before this one's inference, within the slowdown or the TPOT SLO
                 self.fine_tuning.maybe_run_beside(time.monotonic(), lambda: self.scheduler.requests)
         start = phase_start = time.perf_counter()
         dropped: list[RequestOutput] = []

@@ -135,7 +135,8 @@ def test_serve_cli_fine_tunes_and_serves_after_a_restart(base_dir, tmp_path):
                "--num-kv-pages", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--attention-backend",
                "jnp", "--log-level", "warning", "--enable-fine-tuning", "--fine-tuning-dir", str(tmp_path),
                "--max-lora-rank", "8", "--fine-tuning-deferral-bound-s", "0.2", "--api-key", KEY,
-               "--fine-tuning-memory-policy", "reserve"]  # the other policy than the in-process tests
+               "--fine-tuning-memory-policy", "reserve",  # the other policy than the in-process tests
+               "--fine-tuning-tpot-slo-ms", "50"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
 

@@ -100,8 +100,7 @@ class RequestLevelScheduler:
         return tuple(self._waiting) + tuple(self._batch.requests if self._batch else ())
 
     def get(self, request_id: str) -> Request | None:
-        pool = list(self.requests)
-        return next((r for r in pool if r.request_id == request_id), None)
+        return next((r for r in self.requests if r.request_id == request_id), None)
 
     def real_lengths(self, request_id: str) -> tuple[int, int]:
         """(prompt tokens, max_tokens) the request came with, before padding."""

@@ -74,43 +74,25 @@ def token_losses_sum(decoder: Decoder, params, hidden: jax.Array, labels: jax.Ar
     return jnp.sum(jax.lax.map(chunk_loss, (split(hidden), split(labels), split(weights))))
 
 
-def embed(decoder: Decoder, params, batch: TrainBatch) -> jax.Array:
-    """The micro-batch's tokens embedded: [T = B * L, H]."""
-    b, l = batch.token_ids.shape
-    return decoder.embed(params, batch.token_ids.reshape(b * l), batch.positions.reshape(b * l))
-
-
-def layers_forward(decoder: Decoder, scaling: float, adapter_layers: list[dict], layer_params: list, x: jax.Array,
-                   batch: TrainBatch, remat: bool = False) -> jax.Array:
-    """x [T, H] through a run of consecutive layers (their served params and the trained adapter's
-    layers, fp32 peft layout, in step), each the serving Block with the adapter as a one-slot table."""
-    b, l = batch.token_ids.shape
-    positions = batch.positions.reshape(b * l)
-    meta = PackedCausal(batch.segment_ids)
-    table = adapter_table({"layers": adapter_layers}, decoder, scaling)
-    tokens = LoRATokens(jnp.ones((b * l, 1), x.dtype))  # every token uses the one slot
-
-    def layer(params, x, lora):
-        return _apply_block(decoder, params, x, positions, None, meta, lora, tokens)[0]
-
-    layer = jax.checkpoint(layer) if remat else layer
-    for params, lora in zip(layer_params, table):
-        x = layer(params, x, lora)
-    return x
-
-
-def head_loss(decoder: Decoder, params, x: jax.Array, batch: TrainBatch) -> tuple[jax.Array, jax.Array]:
-    """(f32[] summed loss over completion tokens, f32[] their count) from the last layer's x [T, H]."""
-    weights = batch.weights.reshape(-1).astype(jnp.float32)
-    return token_losses_sum(decoder, params, x, batch.labels.reshape(-1), weights), jnp.sum(weights)
-
-
 def loss_sums(adapter: dict, params, batch: TrainBatch, *, decoder: Decoder, scaling: float,
               remat: bool = True) -> tuple[jax.Array, jax.Array]:
     """(f32[] summed loss over completion tokens, f32[] their count) of one micro-batch."""
-    x = layers_forward(decoder, scaling, adapter["layers"], params["layers"], embed(decoder, params, batch), batch,
-                       remat)
-    return head_loss(decoder, params, x, batch)
+    b, l = batch.token_ids.shape
+    positions = batch.positions.reshape(b * l)
+    x = decoder.embed(params, batch.token_ids.reshape(b * l), positions)  # [T, H]
+    meta = PackedCausal(batch.segment_ids)
+    table = adapter_table(adapter, decoder, scaling)
+    tokens = LoRATokens(jnp.ones((b * l, 1), x.dtype))  # every token uses the one slot
+
+    def layer(layer_params, x, lora):
+        return _apply_block(decoder, layer_params, x, positions, None, meta, lora, tokens)[0]
+
+    layer = jax.checkpoint(layer) if remat else layer
+    for layer_params, lora in zip(params["layers"], table):
+        x = layer(layer_params, x, lora)
+    weights = batch.weights.reshape(b * l).astype(jnp.float32)
+    loss = token_losses_sum(decoder, params, x, batch.labels.reshape(b * l), weights)
+    return loss, jnp.sum(weights)
 
 
 def grad_fn(decoder: Decoder, scaling: float, remat: bool = True):

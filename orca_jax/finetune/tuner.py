@@ -185,11 +185,9 @@ class FineTuner:
         return True
 
     def maybe_run_beside(self, now: float, requests: Callable[[], Iterable[Request]] = tuple) -> bool:
-        """While requests run: one fine-tuning iteration if the policy allows it (only with
-        max_inference_slowdown > 1 or a TPOT SLO, and only for a job ready to iterate, or parked: a job
-        starts in idle turns). `requests`: the unfinished ones, for the TPOT SLO's accounts. Under a
-        TPOT SLO a parked job resumes only in idle turns: its copies (~0.7 s for llama-8b) are no
-        iteration's length, so no request's slack is known to cover them."""
+        """While requests run: one iteration if the policy allows it (`requests`: the unfinished ones,
+        for a TPOT SLO), for a job ready to iterate or parked (a job starts in idle turns; under a TPOT
+        SLO it also resumes only there: ~0.7 s of copies for llama-8b that no request's slack covers)."""
         run = self._run
         resumable = run is not None and run.parked is not None and self.policy.tpot_slo_s is None
         if run is None or not (run.ready or resumable) or not self.policy.may_run_beside(now, requests):

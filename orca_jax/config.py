@@ -273,7 +273,7 @@ class FineTuningConfig:
 
     directory: str | None = None  # uploaded files, jobs, checkpoints; None: finetune.default_directory()
     deferral_bound_s: float = 0.5  # the longest a waiting request is held back for fine-tuning
-    memory_gib: float = 4.0  # device memory a job may use, taken from the KV pool (memory_policy)
+    memory_gib: float = 4.0  # device memory a job may use on each device, taken from the KV pool (memory_policy)
     memory_policy: FineTuningMemory = FineTuningMemory.LEND
     keep_checkpoints: int = 3  # newest checkpoints kept per job
     # Recompute each layer's activations in the backward (less memory, ~1.3x the time), keep them, or
@@ -376,5 +376,7 @@ class EngineConfig:
             if self.lora is None:
                 raise ValueError("fine-tuning serves its adapters through LoRA slots: enable LoRA too "
                                  "(EngineConfig.lora, --enable-lora)")
-            if self.parallel.num_stages * self.parallel.tensor_parallel * self.parallel.num_processes != 1:
-                raise ValueError("fine-tuning runs on one device for now (no pipeline or tensor parallelism)")
+            if self.parallel.num_stages * self.parallel.num_processes != 1:
+                raise ValueError("fine-tuning runs on one pipeline stage of one process for now (tensor "
+                                 "parallelism is supported; pipeline stages and several controller processes "
+                                 "are not): drop --pipeline-parallel-size or --enable-fine-tuning")

@@ -105,7 +105,8 @@ class ModelRunner:
         self.stages = [
             Stage(i, len(meshes), layers, mesh, self.tensor_plan,
                   decoder.Decoder(config, shard_over_heads(attention, mesh),
-                                  real_vocab_size=self.tensor_plan.vocab_size), lora)
+                                  real_vocab_size=self.tensor_plan.vocab_size, kv_repeat=self.tensor_plan.kv_repeat),
+                  lora)
             for i, (layers, mesh) in enumerate(zip(stage_layer_ranges(config.num_layers, len(meshes)), meshes))]
         self.page_size = cache_config.page_size
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
@@ -123,7 +124,11 @@ class ModelRunner:
         # one request of the longest length, so inference always makes progress.
         self.full_pages = self.num_pages
         kept = 1 + -(-config.max_seq_len // self.page_size)
-        self.lendable_pages = max(0, min(pages_for_budget(config.kv_bytes_per_token, self.page_size, lendable_bytes),
+        # lendable_bytes is per device: a page frees its layers' share of its tokens' K/V on each device
+        # (KV heads split over the tensor axis, replicated ones included).
+        per_device = max(stage.config.kv_bytes_per_token * len(stage.layers)
+                         // (config.num_layers * stage.mesh.shape[TENSOR]) for stage in self.stages)
+        self.lendable_pages = max(0, min(pages_for_budget(per_device, self.page_size, lendable_bytes),
                                          self.num_pages - kept))
         self._params_ready = self._start_making_params(params, seed)
         for stage in self.stages:

@@ -12,6 +12,7 @@ told otherwise; the loss is computed over chunks of tokens so a [T, vocab] logit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax.config import ModelConfig
 from orca_jax.finetune.adapter_params import model_layout
 from orca_jax.lora.layout import slot_layer
 from orca_jax.lora.ops import LoRATokens
@@ -38,13 +40,22 @@ class TrainBatch(NamedTuple):
     weights: jax.Array  # f32[B, L]: 1 where labels[b, l] is a completion token to learn, else 0
 
 
+def model_shapes(decoder: Decoder) -> ModelConfig:
+    """The model's own shapes behind a (tensor-parallel) device decoder: its real KV heads, which an
+    adapter's k and v projections have (the vocabulary's padding changes no adapter shape)."""
+    config = decoder.config
+    return dataclasses.replace(config, num_kv_heads=config.num_kv_heads // decoder.kv_repeat)
+
+
 def adapter_table(adapter: dict, decoder: Decoder, scaling: float) -> list[dict]:
     """The trained adapter (fp32, peft layout) as one adapter-table layer per layer, slot count 1, in
-    the base's dtype."""
+    the base's dtype. Its k and v B are repeated as the device's KV heads are (lora/layout.py), inside
+    the differentiated function, so each repeat's gradient adds up into the one trained head."""
     config = decoder.config
     rank = jax.tree_util.tree_leaves(adapter)[0].shape[0]
     dtype = jnp.dtype(config.dtype)
-    return [slot_layer(model_layout(layer, config, scaling, jnp), config, 1, rank, dtype, xp=jnp)
+    return [slot_layer(model_layout(layer, model_shapes(decoder), scaling, jnp), config, decoder.kv_repeat, rank,
+                       dtype, xp=jnp)
             for layer in adapter["layers"]]
 
 

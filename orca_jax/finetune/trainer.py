@@ -26,7 +26,7 @@ from orca_jax.config import ModelConfig
 from orca_jax.finetune.adapter_params import module_shapes
 from orca_jax.finetune.flat import FlatLayout
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters
-from orca_jax.finetune.model import TrainBatch, grad_fn
+from orca_jax.finetune.model import TrainBatch, grad_fn, model_shapes
 from orca_jax.models.decoder import Decoder
 
 
@@ -98,7 +98,7 @@ class LoRATrainer:
         self._tx = make_optimizer(hp, total_steps)
         self.remat = remat  # decided by start_compiling when None
         self._memory_bytes = memory_bytes
-        layer = adapter_layer_specs(decoder.config, spec, self._spec)
+        layer = adapter_layer_specs(model_shapes(decoder), spec, self._spec)
         # The adapter, its accumulator and AdamW's moments are vectors on the device (flat.py).
         self._layout = layout = FlatLayout({"layers": [layer] * decoder.config.num_layers})
 
@@ -115,8 +115,10 @@ class LoRATrainer:
             return (optax.apply_updates(adapter, updates), opt_state, zeros,
                     jnp.stack([optax.global_norm(grads), schedule(step)]))
 
-        self._micro_fn = jax.jit(micro, donate_argnums=(1,), static_argnums=(4,))
-        self._apply_fn = jax.jit(apply, donate_argnums=(0, 1, 2))
+        # Every result replicated, as the arguments are: under tensor parallelism the partitioner
+        # would otherwise pick its own layout for them, which the next call's arguments would not match.
+        self._micro_fn = jax.jit(micro, donate_argnums=(1,), static_argnums=(4,), out_shardings=sharding)
+        self._apply_fn = jax.jit(apply, donate_argnums=(0, 1, 2), out_shardings=sharding)
         self._micro = self._apply = None
         self.adapter = self.opt_state = self._acc = None
         self.step = 0  # optimizer steps taken

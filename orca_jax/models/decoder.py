@@ -196,6 +196,9 @@ class Decoder:
     # The real vocabulary when config.vocab_size is padded for tensor parallelism (tensor_plan.py):
     # logits at or past it are masked to -inf, so sampling, argmax and logprobs never see them.
     real_vocab_size: int | None = None
+    # Device KV heads per model KV head (tensor_plan.py replicates them so every shard owns whole ones):
+    # what an adapter trained on this decoder maps back to the model's own shapes with.
+    kv_repeat: int = 1
 
     @property
     def block(self) -> Block:

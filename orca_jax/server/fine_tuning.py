@@ -58,7 +58,8 @@ def add_fine_tuning_arguments(parser: argparse.ArgumentParser) -> None:
                        "request's time per output token so far stays within this many milliseconds after "
                        "the iteration (with --fine-tuning-max-inference-slowdown too, both must allow it)")
     group.add_argument("--fine-tuning-memory-gib", type=float, default=defaults.memory_gib,
-                       help="device memory a job may use, taken from the KV pool (a job needing more is refused)")
+                       help="device memory a job may use on each device, taken from the KV pool (a job needing more "
+                       "is refused)")
     group.add_argument("--fine-tuning-memory-policy", choices=[m.value for m in FineTuningMemory],
                        default=defaults.memory_policy.value,
                        help="lend: the KV pool lends its top pages to a running job and takes them back when "

@@ -39,7 +39,7 @@ def test_the_flat_layout_round_trips_the_adapter_and_adamws_state():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_the_trainers_state_is_three_vectors_and_parks_as_trees(tmp_path):
+def test_the_trainers_state_is_three_vectors_and_checkpoints_as_trees(tmp_path):
     directory = str(tmp_path / "model")
     write_hf_dir(directory, "llama")
     engine = Engine(engine_config(str(tmp_path / "jobs")), load_model(directory))
@@ -51,9 +51,13 @@ def test_the_trainers_state_is_three_vectors_and_parks_as_trees(tmp_path):
     trainer.init_state(start)
     moments = [x for x in jax.tree_util.tree_leaves(trainer.opt_state) if x.ndim]
     assert trainer.adapter.ndim == 1 and len(moments) == 2  # adapter; AdamW's mu and nu
-    parked = trainer.park()
-    assert jax.tree_util.tree_structure(parked.adapter) == jax.tree_util.tree_structure(start)
-    for a, b in zip(jax.tree_util.tree_leaves(parked.adapter), jax.tree_util.tree_leaves(start)):
+    parked = trainer.park()  # parks as vectors; a checkpoint of it is in the tree's layout
+    assert trainer.adapter is None and parked.adapter.shape == (trainer._layout.size,)
+    adapter, opt_leaves = trainer.state_to_host(parked)
+    assert jax.tree_util.tree_structure(adapter) == jax.tree_util.tree_structure(start)
+    for a, b in zip(jax.tree_util.tree_leaves(adapter), jax.tree_util.tree_leaves(start)):
         np.testing.assert_array_equal(a, b)
     # The saved optimizer state is in the tree's layout: as many arrays as AdamW keeps for the tree.
-    assert len(parked.opt_leaves) == len(jax.tree_util.tree_leaves(jax.eval_shape(optax.adamw(1e-3).init, start))) + 1
+    assert len(opt_leaves) == len(jax.tree_util.tree_leaves(jax.eval_shape(optax.adamw(1e-3).init, start))) + 1
+    trainer.unpark(parked)
+    assert trainer.adapter.sharding == stage.replicated and trainer.state_to_host()[0].keys() == adapter.keys()

@@ -61,11 +61,14 @@ class TrainerMemory:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParkedState:
-    """A trainer's state on the host while its job has given its device memory back."""
+    """A trainer's state on the host while its job has given its device memory back, in the device's
+    layout (flat.py): parking and resuming copy four vectors and rebuild nothing. Rebuilding the trees
+    on the host took 1.6 s of host time for llama-8b's rank-16 adapter (2 s on a 2-core CPU), against
+    0.11 s to copy the vectors; state_to_host makes the trees only when a checkpoint is written."""
 
-    adapter: dict  # fp32 master weights, peft layout
-    opt_leaves: list[np.ndarray]  # AdamW's state, flattened
-    accumulator: dict  # the gradient summed over the current step's micro-batches so far
+    adapter: np.ndarray  # f32[size]: fp32 master weights
+    opt_state: object  # AdamW's state, its moments f32[size] each (numpy leaves)
+    accumulator: np.ndarray  # f32[size]: the gradient summed over the current step's micro-batches so far
     step: int  # optimizer steps taken
 
 
@@ -182,22 +185,27 @@ class LoRATrainer:
         self._acc = jax.device_put(zeros, self._sharding)
         self.step = step
 
-    def state_to_host(self) -> tuple[dict, list[np.ndarray]]:
-        """(the adapter, the optimizer state's arrays, both in the tree's layout) as numpy, for a checkpoint."""
+    def state_to_host(self, parked: "ParkedState | None" = None) -> tuple[dict, list[np.ndarray]]:
+        """(the adapter, the optimizer state's arrays, both in the tree's layout) as numpy, for a
+        checkpoint: the device's state, or `parked`'s."""
         layout = self._layout
-        state = layout.state_to_trees(jax.device_get(self.opt_state))
-        return layout.unravel(np.asarray(self.adapter)), [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
+        adapter, opt_state = (self.adapter, self.opt_state) if parked is None else (parked.adapter, parked.opt_state)
+        state = layout.state_to_trees(jax.device_get(opt_state))
+        return layout.unravel(np.asarray(adapter)), [np.asarray(x) for x in jax.tree_util.tree_leaves(state)]
 
     def park(self) -> "ParkedState":
         """Copy the whole state to the host (the accumulator of a step half done included) and free it
         on the device: the job yields its memory; unpark resumes exactly there."""
-        adapter, opt_leaves = self.state_to_host()
-        parked = ParkedState(adapter, opt_leaves, self._layout.unravel(np.asarray(self._acc)), self.step)
+        adapter, opt_state, acc = jax.device_get((self.adapter, self.opt_state, self._acc))
+        parked = ParkedState(adapter, opt_state, acc, self.step)
         self.release()
         return parked
 
     def unpark(self, parked: "ParkedState") -> None:
-        self.init_state(parked.adapter, parked.opt_leaves, parked.step, parked.accumulator)
+        """Put a parked state back on the device as it was."""
+        self.adapter, self.opt_state, self._acc = jax.device_put(
+            (parked.adapter, parked.opt_state, parked.accumulator), self._sharding)
+        self.step = parked.step
 
     def release(self) -> None:
         """Free the device state (the job yields or ends); init_state puts it back."""

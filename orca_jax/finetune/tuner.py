@@ -386,8 +386,7 @@ class FineTuner:
         """The adapter (peft) and AdamW's state at the current step; the oldest beyond keep_checkpoints go."""
         job = run.job
         path = self.store.checkpoint_dir(job.id, job.step)
-        parked = run.parked
-        adapter, opt_leaves = run.trainer.state_to_host() if parked is None else (parked.adapter, parked.opt_leaves)
+        adapter, opt_leaves = run.trainer.state_to_host(run.parked)
         save_peft(path, adapter, job.lora, self._model_config, self.base_model)
         np.savez(os.path.join(path, "optimizer.npz"), **{str(i): leaf for i, leaf in enumerate(opt_leaves)})
         checkpoint = {"object": "fine_tuning.job.checkpoint", "id": new_id("ftckpt"), "created_at": int(time.time()),

@@ -96,7 +96,8 @@ class FineTuningJob:
 
 
 def _write_json(path: str, data) -> None:
-    tmp = f"{path}.tmp"
+    """Write `data` to `path` atomically: readers see the old file or the new one, never a part."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # writers in two threads each have their own
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
     os.replace(tmp, path)
@@ -112,6 +113,9 @@ class JobStore:
         os.makedirs(self.files_dir, exist_ok=True)
         os.makedirs(self.jobs_dir, exist_ok=True)
         self._lock = threading.Lock()  # events are appended from the engine thread, read from others
+        # A job is saved from the engine thread, the thread reading its file and the caller cancelling
+        # it: one at a time, each writing the job as it is when its turn comes (so the newest state wins).
+        self._save_lock = threading.Lock()
 
     # ---- files ---------------------------------------------------------------------------------------
     def save_file(self, data: bytes, filename: str, purpose: str) -> dict:
@@ -140,8 +144,9 @@ class JobStore:
         return os.path.join(self.jobs_dir, os.path.basename(job_id))
 
     def save_job(self, job: FineTuningJob) -> None:
-        os.makedirs(self.job_dir(job.id), exist_ok=True)
-        _write_json(os.path.join(self.job_dir(job.id), "job.json"), job.to_json())
+        with self._save_lock:
+            os.makedirs(self.job_dir(job.id), exist_ok=True)
+            _write_json(os.path.join(self.job_dir(job.id), "job.json"), job.to_json())
 
     def load_jobs(self) -> list[FineTuningJob]:
         """Every job on disk, oldest first."""

@@ -64,6 +64,7 @@ def test_a_bad_config_file_is_a_flag_error(tmp_path, capsys, text, message):
     (["--header-timeout-s", "0"], "header_timeout_s must be positive"),
     (["--default-max-tokens", "-1"], "--default-max-tokens must be 0"),
     (["--enable-fine-tuning", "--fine-tuning-tpot-slo-ms", "0"], "tpot_slo_ms must be positive"),
+    (["--enable-fine-tuning", "--pipeline-parallel-size", "2"], "pipeline stages and several controller processes"),
 ])
 def test_flag_errors_are_one_line_not_a_traceback(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -86,6 +87,8 @@ def test_fine_tuning_flags_reach_the_config():
                                                  "--fine-tuning-max-inference-slowdown", "1.5"])).fine_tuning
     assert config.tpot_slo_ms == 40.0 and config.max_inference_slowdown == 1.5
     assert engine_config_from_args(parse_args(["--enable-fine-tuning"])).fine_tuning.tpot_slo_ms is None
+    tensor = engine_config_from_args(parse_args(["--enable-fine-tuning", "--tensor-parallel-size", "2"]))
+    assert tensor.fine_tuning is not None and tensor.parallel.tensor_parallel == 2
 
 
 def test_dtype_auto_is_the_checkpoints_and_lists_take_json_or_commas():

@@ -376,7 +376,8 @@ class EngineConfig:
             if self.lora is None:
                 raise ValueError("fine-tuning serves its adapters through LoRA slots: enable LoRA too "
                                  "(EngineConfig.lora, --enable-lora)")
-            if self.parallel.num_stages * self.parallel.num_processes != 1:
-                raise ValueError("fine-tuning runs on one pipeline stage of one process for now (tensor "
-                                 "parallelism is supported; pipeline stages and several controller processes "
-                                 "are not): drop --pipeline-parallel-size or --enable-fine-tuning")
+            # Several controller processes are refused above: fine-tuning needs LoRA.
+            if self.parallel.num_stages != 1:
+                raise ValueError("fine-tuning runs on one pipeline stage for now (tensor parallelism is "
+                                 "supported; pipeline stages are not): drop --pipeline-parallel-size or "
+                                 "--enable-fine-tuning")

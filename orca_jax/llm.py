@@ -66,6 +66,8 @@ class LLM:
     also caps logprobs; None: SamplingConfig's default); each such request costs one more forward over
     its prompt (prompt_logprobs.py).
     max_num_seqs and max_num_batched_tokens default to the device's and the model's (engine_defaults.py).
+    precompile compiles every program a batch can need before the first generate (False: each on its
+    first use, which a notebook exploring one prompt may prefer; generate then pauses to compile).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int | None = None,
@@ -77,7 +79,8 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, enable_fine_tuning: bool = False,
                  fine_tuning_dir: str | None = None, enable_prompt_logprobs: bool = False,
-                 max_logprobs: int | None = None, engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+                 max_logprobs: int | None = None, precompile: bool = True, engine_config: EngineConfig | None = None,
+                 loaded: LoadedModel | None = None):
         if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
             loaded = loaded or load_model(model, dtype=dtype)  # the defaults depend on its size
             defaults = batch_defaults(UsageContext.OFFLINE, loaded.config.num_params)  # engine_defaults.py
@@ -96,7 +99,8 @@ class LLM:
             seed=seed, sampling=SamplingConfig(enable_prompt_logprobs=enable_prompt_logprobs,
                                                **({} if max_logprobs is None else {"max_logprobs": max_logprobs})),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or enable_fine_tuning else None,
-            fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None)
+            fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None,
+            precompile=precompile)
         self.engine = Engine(config, loaded)
         self.tokenizer = self.engine.tokenizer
 

@@ -125,7 +125,8 @@ class ModelRunner:
         self.full_pages = self.num_pages
         kept = 1 + -(-config.max_seq_len // self.page_size)
         # lendable_bytes is per device: a page frees its layers' share of its tokens' K/V on each device
-        # (KV heads split over the tensor axis, replicated ones included).
+        # (KV heads split over the tensor axis, replicated ones included). The fullest stage's: a job
+        # trains on one stage (config.py refuses fine-tuning with several), so this is that stage's.
         per_device = max(stage.config.kv_bytes_per_token * len(stage.layers)
                          // (config.num_layers * stage.mesh.shape[TENSOR]) for stage in self.stages)
         self.lendable_pages = max(0, min(pages_for_budget(per_device, self.page_size, lendable_bytes),

@@ -26,15 +26,11 @@ def test_serve_takes_the_devices_defaults_unless_told():
     assert engine_config_from_args(parse_args([])).scheduler.max_num_batched_tokens == 512  # no device: the CPU's
 
 
-def test_llm_takes_the_devices_defaults_unless_told(monkeypatch):
-    import orca_jax.llm
+def test_llm_takes_the_devices_defaults_unless_told():
     from orca_jax import LLM
 
-    class ConfigOnly:  # the engine LLM would build, less its compiling (41 s of this suite for two engines)
-        def __init__(self, config, loaded):
-            self.config, self.tokenizer = config, loaded.tokenizer
-
-    monkeypatch.setattr(orca_jax.llm, "Engine", ConfigOnly)
-    assert LLM("tiny-llama", num_kv_pages=16).engine.config.scheduler.max_num_seqs == 64
-    llm = LLM("tiny-llama", num_kv_pages=16, max_num_seqs=8)
+    # Nothing precompiled: compiling every program of two engines took 41 s of this suite.
+    assert LLM("tiny-llama", num_kv_pages=16, precompile=False).engine.config.scheduler.max_num_seqs == 64
+    llm = LLM("tiny-llama", num_kv_pages=16, max_num_seqs=8, precompile=False)
+    assert not llm.engine.config.precompile
     assert (llm.engine.config.scheduler.max_num_seqs, llm.engine.config.scheduler.max_num_batched_tokens) == (8, 512)

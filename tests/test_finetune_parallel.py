@@ -89,6 +89,7 @@ def results():
     return run_on_fake_devices(4, "-c", SCRIPT)
 
 
+@pytest.mark.slow  # the fixture's subprocess runs both cases: ~60 s
 def test_gradient_equals_one_devices(results):
     grad = results["grad"]
     assert grad["4"]["kv_heads"] == 4 and grad["4"]["vocab"] == 252  # replicated and padded at tp = 4
@@ -99,7 +100,7 @@ def test_gradient_equals_one_devices(results):
         assert grad[tp]["error"] < 1e-5, (tp, grad[tp]["error"])  # measured 6e-7 (tp 2), 1e-6 (tp 4)
 
 
-@pytest.mark.slow  # ~40 s: two engines' programs and two jobs in the subprocess
+@pytest.mark.slow  # ~40 s of the fixture's: two engines' programs and two jobs
 def test_job_at_tp4_equals_one_device(results):
     one, four = results["job"]["1"], results["job"]["4"]
     assert one["status"] == four["status"] == "succeeded"
@@ -112,9 +113,12 @@ def test_job_at_tp4_equals_one_device(results):
     assert four["answers"] == four["wanted"] == one["answers"]
 
 
-def test_pipeline_stages_are_refused():
-    with pytest.raises(ValueError, match="tensor parallelism is supported; pipeline stages"):
+def test_pipeline_stages_and_several_processes_are_refused():
+    with pytest.raises(ValueError, match="tensor parallelism is supported; pipeline stages are not"):
         EngineConfig(parallel=ParallelConfig(num_stages=2), lora=LoRAConfig(),
+                     fine_tuning=FineTuningConfig(directory="/tmp/unused"))
+    with pytest.raises(ValueError, match="not supported with several controller processes"):
+        EngineConfig(parallel=ParallelConfig(num_processes=2, coordinator_address="localhost:1234"), lora=LoRAConfig(),
                      fine_tuning=FineTuningConfig(directory="/tmp/unused"))
     EngineConfig(parallel=ParallelConfig(tensor_parallel=2), lora=LoRAConfig(),
                  fine_tuning=FineTuningConfig(directory="/tmp/unused"))  # accepted

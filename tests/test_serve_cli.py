@@ -64,7 +64,7 @@ def test_a_bad_config_file_is_a_flag_error(tmp_path, capsys, text, message):
     (["--header-timeout-s", "0"], "header_timeout_s must be positive"),
     (["--default-max-tokens", "-1"], "--default-max-tokens must be 0"),
     (["--enable-fine-tuning", "--fine-tuning-tpot-slo-ms", "0"], "tpot_slo_ms must be positive"),
-    (["--enable-fine-tuning", "--pipeline-parallel-size", "2"], "pipeline stages and several controller processes"),
+    (["--enable-fine-tuning", "--pipeline-parallel-size", "2"], "tensor parallelism is supported; pipeline stages"),
 ])
 def test_flag_errors_are_one_line_not_a_traceback(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -5,7 +5,7 @@ modules over 32 layers), and a compiled program's call handles every argument an
 host. On an H100 (llama-8b, 512 tokens) the micro step's call took 11.4 ms to return, of a 48.2 ms
 step, with the adapter, the accumulator and the result as trees; as vectors, 3.6 ms of 43.7 ms
 (benchmarks/probes/pieces_cost.json). The tree is rebuilt inside the programs (static slices, free)
-and on the host wherever a person or peft sees it (checkpoints, parking, the finished adapter), so the
+and on the host wherever a person or peft sees it (checkpoints, the finished adapter), so the
 on-disk layout is the tree's. Layer i's arrays are contiguous, in layer order.
 """
 

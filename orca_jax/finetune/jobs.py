@@ -14,6 +14,7 @@ A job found queued or running at start-up resumes from its newest checkpoint (or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -47,7 +48,8 @@ def new_id(prefix: str) -> str:
 
 @dataclasses.dataclass
 class FineTuningJob:
-    """One job; mutated only by the engine thread (FineTuner), read anywhere through `snapshot`."""
+    """One job; mutated under its FineTuner's lock (by the engine thread, the thread reading its file, or
+    a caller cancelling it), read anywhere through `snapshot`."""
 
     id: str
     model: str  # the base model's served name, or the adapter continued
@@ -143,10 +145,13 @@ class JobStore:
     def job_dir(self, job_id: str) -> str:
         return os.path.join(self.jobs_dir, os.path.basename(job_id))
 
-    def save_job(self, job: FineTuningJob) -> None:
+    def save_job(self, job: FineTuningJob, job_lock: threading.Lock | None = None) -> None:
+        """Write the job as it is now; `job_lock`: the lock its mutations hold (taken for the snapshot)."""
         with self._save_lock:
+            with job_lock or contextlib.nullcontext():
+                data = job.to_json()
             os.makedirs(self.job_dir(job.id), exist_ok=True)
-            _write_json(os.path.join(self.job_dir(job.id), "job.json"), job.to_json())
+            _write_json(os.path.join(self.job_dir(job.id), "job.json"), data)
 
     def load_jobs(self) -> list[FineTuningJob]:
         """Every job on disk, oldest first."""

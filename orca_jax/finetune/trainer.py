@@ -67,7 +67,7 @@ class ParkedState:
     0.11 s to copy the vectors; state_to_host makes the trees only when a checkpoint is written."""
 
     adapter: np.ndarray  # f32[size]: fp32 master weights
-    opt_state: object  # AdamW's state, its moments f32[size] each (numpy leaves)
+    opt_state: optax.OptState  # AdamW's state, its moments f32[size] each (numpy leaves)
     accumulator: np.ndarray  # f32[size]: the gradient summed over the current step's micro-batches so far
     step: int  # optimizer steps taken
 
@@ -84,7 +84,7 @@ def _nbytes(tree) -> int:
 
 
 class LoRATrainer:
-    """One job's training state on one device and its compiled programs."""
+    """One job's training state on its stage's devices (replicated) and its compiled programs."""
 
     def __init__(self, decoder: Decoder, params, spec: LoRASpec, hp: TrainingHyperparameters,
                  micro_batch_shape: tuple[int, int], total_steps: int, sharding, remat: bool | None = None,
@@ -164,11 +164,10 @@ class LoRATrainer:
         return future
 
     # ---- state ---------------------------------------------------------------------------------------
-    def init_state(self, adapter: dict, opt_leaves: list[np.ndarray] | None = None, step: int = 0,
-                   accumulator: dict | None = None) -> None:
+    def init_state(self, adapter: dict, opt_leaves: list[np.ndarray] | None = None, step: int = 0) -> None:
         """Put the adapter (host, fp32 peft layout) on the device with a fresh optimizer state, or the
         saved one (`opt_leaves`, from state_to_host) at optimizer step `step`, and a zero gradient
-        accumulator (or `accumulator`, a parked step's)."""
+        accumulator (a parked job comes back through unpark instead, its accumulator included)."""
         layout = self._layout
         host = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), adapter)
         self.adapter = jax.device_put(layout.ravel(host), self._sharding)
@@ -181,8 +180,7 @@ class LoRATrainer:
                                  f"{treedef.num_leaves}")
             state = layout.state_to_vectors(jax.tree_util.tree_unflatten(treedef, list(opt_leaves)))
             self.opt_state = jax.device_put(state, self._sharding)
-        zeros = layout.ravel(accumulator) if accumulator is not None else np.zeros(layout.size, np.float32)
-        self._acc = jax.device_put(zeros, self._sharding)
+        self._acc = jax.device_put(np.zeros(layout.size, np.float32), self._sharding)
         self.step = step
 
     def state_to_host(self, parked: "ParkedState | None" = None) -> tuple[dict, list[np.ndarray]]:

@@ -5,10 +5,11 @@ Jobs run one at a time, in creation order. A job's dataset is tokenized and its 
 on threads of their own (serving goes on meanwhile); the engine thread then runs its iterations when
 Deferred Continuous Batching allows (`maybe_run`, deferral.py). With the KV pool lending its pages
 (kv_loan.py), a job starts once it has borrowed them, and parks (its state on the host) whenever the
-engine needs them back (`yield_memory`); its next turn borrows them again and goes on where it was. Everything else about a job (state
-changes, events, checkpoints, the final peft directory and its registration with the LoRA manager)
-happens on the engine thread too, so no request ever sees a half-registered adapter. Other threads
-read jobs only through snapshots (`job`, `jobs`), under the lock.
+engine needs them back (`yield_memory`); its next turn borrows them again and goes on where it was. Everything else about a job (events,
+checkpoints, the final peft directory and its registration with the LoRA manager) happens on the engine
+thread too, so no request ever sees a half-registered adapter; its status may also change on the thread
+reading its file or a caller's that cancels it, always under the lock. Other threads read jobs only
+through snapshots (`job`, `jobs`), under the lock.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class FineTuner:
                             int(time.time()), suffix, continue_from)
         with self._lock:
             self._jobs[job.id] = job
-        self.store.save_job(job)
+        self.store.save_job(job, self._lock)
         self.store.add_event(job.id, f"Created fine-tuning job: {job.id}")
         self._preparer.submit(self._prepare, job)
         return job.to_openai()
@@ -242,7 +243,7 @@ class FineTuner:
             for name, value in fields.items():
                 setattr(job, name, value)
             job.status = status
-        self.store.save_job(job)
+        self.store.save_job(job, self._lock)
 
     def _prepare(self, job: FineTuningJob) -> None:
         """On the data thread: tokenize the dataset and plan the steps; the job is then queued."""
@@ -259,7 +260,7 @@ class FineTuner:
             self._plans[job.id] = plan
             job.total_steps = plan.total_steps
             validated, job.status = job.status is JobStatus.VALIDATING_FILES, JobStatus.QUEUED
-        self.store.save_job(job)
+        self.store.save_job(job, self._lock)
         if validated:
             self.store.add_event(job.id, f"Validated the training file: {len(examples)} examples, "
                                          f"{plan.total_steps} steps")
@@ -399,7 +400,7 @@ class FineTuner:
             job.checkpoints.append(checkpoint)
             dropped = job.checkpoints[:-self.config.keep_checkpoints]
             del job.checkpoints[:-self.config.keep_checkpoints]
-        self.store.save_job(job)
+        self.store.save_job(job, self._lock)
         for old in dropped:
             self.store.drop_checkpoint(old["path"])
         run.saved_step = job.step
@@ -451,5 +452,5 @@ class FineTuner:
             if job.status is JobStatus.RUNNING:
                 self.store.add_event(job.id, "The server restarted; the job resumes from its newest checkpoint")
             job.status = JobStatus.QUEUED
-            self.store.save_job(job)
+            self.store.save_job(job, self._lock)
             self._preparer.submit(self._prepare, job)

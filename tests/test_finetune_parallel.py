@@ -78,6 +78,7 @@ SCRIPT = textwrap.dedent("""
         trained, _ = read_peft(lora.lora_path, "x", llm.engine.model_config)
         answers = [o.token_ids for o in llm.generate([p for p, _ in TOY], greedy, lora_request=lora, use_tqdm=False)]
         out["job"][tp] = {"status": job["status"], "curve": curve, "answers": answers, "before": before,
+                          "loans": llm.engine.stats().kv_loans_total,
                           "wanted": [llm.tokenizer.encode(c)[:3] for _, c in TOY],
                           "adapter": [np.asarray(x).tolist() for x in jax.tree_util.tree_leaves(trained)]}
     print(json.dumps(out))
@@ -109,6 +110,7 @@ def test_job_at_tp4_equals_one_device(results):
     assert four["curve"] == pytest.approx(one["curve"], rel=1e-4)  # measured 5e-7 apart
     for a, b in zip(four["adapter"], one["adapter"]):
         np.testing.assert_allclose(a, b, atol=1e-4)  # measured 3.6e-6 at most, of weights up to 0.25
+    assert four["loans"] >= 1  # the job ran on KV pages the sharded pool lent it
     assert four["before"] != four["wanted"]
     assert four["answers"] == four["wanted"] == one["answers"]
 

@@ -4,7 +4,8 @@
   tp = 4 and whose vocabulary (250) is padded there: the adapter keeps the model's shapes, and each
   replicated head's gradient adds up into the one trained head.
 - A whole job through LLM.fine_tune at tp = 4 gives tp = 1's loss curve and adapter, and the adapter's
-  greedy answers are the trained ones (served at once through the sharded LoRA table).
+  greedy answers are the trained ones (served at once through the sharded LoRA table); the job ran
+  on KV pages the sharded pool lent it.
 One subprocess runs every case (the device count is fixed when jax starts).
 """
 

@@ -27,10 +27,14 @@ def test_serve_takes_the_devices_defaults_unless_told():
 
 
 def test_llm_takes_the_devices_defaults_unless_told():
-    from orca_jax import LLM
+    from orca_jax import LLM, SamplingParams
 
     # Nothing precompiled: compiling every program of two engines took 41 s of this suite.
     assert LLM("tiny-llama", num_kv_pages=16, precompile=False).engine.config.scheduler.max_num_seqs == 64
     llm = LLM("tiny-llama", num_kv_pages=16, max_num_seqs=8, precompile=False)
     assert not llm.engine.config.precompile
     assert (llm.engine.config.scheduler.max_num_seqs, llm.engine.config.scheduler.max_num_batched_tokens) == (8, 512)
+    # Nothing compiled yet; generate compiles what its batches need, then answers.
+    assert llm.engine.runner.compilation.num_compiled_programs == 0
+    [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out.token_ids) == 2 and llm.engine.runner.compilation.num_compiled_programs > 0

@@ -46,8 +46,9 @@ def make_optimizer(hp: TrainingHyperparameters, total_steps: int) -> optax.Gradi
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TrainerMemory:
-    """Device bytes a job needs besides the served model: kept for the whole job, and transient (XLA's
-    temporaries of one micro step, allocated while it runs)."""
+    """Device bytes a job needs on each of its devices besides the served model: kept for the whole job,
+    and transient (XLA's temporaries of one micro step, allocated while it runs). Under tensor
+    parallelism the state is replicated and the temporaries are the partitioned program's per device."""
 
     state_bytes: int  # adapter + AdamW moments + gradient accumulator
     temp_bytes: int  # the micro step's temporaries (activations, recomputed layer, loss chunk)

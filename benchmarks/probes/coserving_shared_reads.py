@@ -23,12 +23,13 @@ So the forward rides almost free, and the backward needs a kernel reading each W
 """
 import json
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from training_setup import write_result
 
 H, F, QKV, L = 4096, 14336, 6144, int(os.environ.get("PROBE_LAYERS", 32))
 B = 16  # decode tokens
@@ -143,7 +144,4 @@ for t in RIDES:
     row["backward_extra_blocked_ms"] = row["decode_plus_backward_blocked_ms"] - result["decode_ms"]
     result["rides"][str(t)] = row
     print(t, json.dumps(row), flush=True)
-path = os.path.join(os.environ.get("OUT", "."), "coserving_shared_reads.json")
-with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-print("wrote", path, file=sys.stderr)
+write_result(result, "coserving_shared_reads.json")

@@ -16,34 +16,20 @@ coserving_shared_reads.json); the adapter adds 1.45 ms to the forward and the lo
 import functools
 import json
 import os
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from orca_jax.bench.harness import random_model
-from orca_jax.config import EngineConfig, LoRAConfig, SchedulerConfig
-from orca_jax.engine import Engine
-from orca_jax.finetune.adapter_params import init_adapter
-from orca_jax.finetune.hparams import LoRASpec, resolve_targets
-from orca_jax.finetune.model import TrainBatch, adapter_table, grad_fn, loss_sums
+from orca_jax.finetune.model import adapter_table, grad_fn, loss_sums
 from orca_jax.lora.ops import LoRATokens
 from orca_jax.models.attention import PackedCausal
 from orca_jax.models.decoder import _apply_block
+from training_setup import MODEL, Setup, write_result
 
-MODEL = os.environ.get("PROBE_MODEL", "llama-8b")
 SIZES = tuple(int(n) for n in os.environ.get("PROBE_SIZES", "64,512").split(","))
 
-engine = Engine(EngineConfig(model=MODEL, dtype="bfloat16", scheduler=SchedulerConfig(max_num_seqs=8),
-                             lora=LoRAConfig(max_loras=1, max_lora_rank=16), precompile=False), random_model(MODEL))
-stage = engine.runner.stages[0]
-decoder = stage.model
-spec = LoRASpec(16, 32.0, resolve_targets(None, engine.model_config.family))
-adapter = jax.device_put(jax.tree_util.tree_map(lambda a: a + 0.01, init_adapter(engine.model_config, spec, 0)))
-vocab = engine.model_config.vocab_size
-rng = np.random.default_rng(0)
+setup = Setup(b_offset=0.01)  # B non-zero: the adapter's whole gradient is computed
+decoder, spec = setup.stage.model, setup.spec
 
 
 def layers(adapter, params, batch, lora: bool):
@@ -58,16 +44,6 @@ def layers(adapter, params, batch, lora: bool):
     return jnp.sum(x.astype(jnp.float32))
 
 
-def timed_ms(fn, batch, n=20) -> float:
-    jax.block_until_ready(fn(adapter, stage.params, batch))
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(adapter, stage.params, batch))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
 parts = {
     "layers_ms": jax.jit(functools.partial(layers, lora=False)),
     "layers_lora_ms": jax.jit(functools.partial(layers, lora=True)),
@@ -77,15 +53,8 @@ parts = {
 }
 result = {"model": MODEL, "device": jax.devices()[0].device_kind, "sizes": {}}
 for length in SIZES:
-    ids = rng.integers(1, vocab, (1, length)).astype(np.int32)
-    weights = np.zeros((1, length), np.float32)
-    weights[:, length // 2:-1] = 1.0
-    batch = jax.device_put(TrainBatch(ids, np.arange(length, dtype=np.int32)[None], np.ones((1, length), np.int32),
-                                      np.roll(ids, -1, axis=1), weights))
-    row = {name: timed_ms(fn, batch) for name, fn in parts.items()}
+    batch = setup.row(length)
+    row = {name: setup.timed_ms(fn, batch) for name, fn in parts.items()}
     result["sizes"][str(length)] = row
     print(length, json.dumps(row), flush=True)
-path = os.path.join(os.environ.get("OUT", "."), "train_step_parts.json")
-with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-print("wrote", path, file=sys.stderr)
+write_result(result, "train_step_parts.json")

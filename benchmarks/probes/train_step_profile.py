@@ -21,35 +21,19 @@ import glob
 import gzip
 import json
 import os
-import sys
 import tempfile
 
 import jax
-import numpy as np
 
-from orca_jax.bench.harness import random_model
-from orca_jax.config import EngineConfig, LoRAConfig, SchedulerConfig
-from orca_jax.engine import Engine
-from orca_jax.finetune.adapter_params import init_adapter
-from orca_jax.finetune.hparams import LoRASpec, resolve_targets
-from orca_jax.finetune.model import TrainBatch, grad_fn, loss_sums
+from orca_jax.finetune.model import grad_fn, loss_sums
+from training_setup import MODEL, Setup, write_result
 
-MODEL = os.environ.get("PROBE_MODEL", "llama-8b")
 LENGTH = int(os.environ.get("PROBE_LENGTH", 64))
 CALLS = 5
 
-engine = Engine(EngineConfig(model=MODEL, dtype="bfloat16", scheduler=SchedulerConfig(max_num_seqs=8),
-                             lora=LoRAConfig(max_loras=1, max_lora_rank=16), precompile=False), random_model(MODEL))
-stage = engine.runner.stages[0]
-spec = LoRASpec(16, 32.0, resolve_targets(None, engine.model_config.family))
-adapter = jax.device_put(init_adapter(engine.model_config, spec, 0))
-vocab = engine.model_config.vocab_size
-rng = np.random.default_rng(0)
-ids = rng.integers(1, vocab, (1, LENGTH)).astype(np.int32)
-weights = np.zeros((1, LENGTH), np.float32)
-weights[:, LENGTH // 2:-1] = 1.0
-batch = jax.device_put(TrainBatch(ids, np.arange(LENGTH, dtype=np.int32)[None], np.ones((1, LENGTH), np.int32),
-                                  np.roll(ids, -1, axis=1), weights))
+setup = Setup()
+stage, spec, adapter = setup.stage, setup.spec, setup.adapter
+batch = setup.row(LENGTH)
 params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(stage.params))
 result = {"model": MODEL, "device": jax.devices()[0].device_kind, "tokens": LENGTH, "params_bytes": params_bytes,
           "programs": {}}
@@ -105,7 +89,4 @@ for name, (ms, count) in by_kernel.items():
 result["kinds_ms_per_call"] = {k: {"ms": ms, "kernels": n}
                                for k, (ms, n) in sorted(by_kind.items(), key=lambda kv: -kv[1][0])}
 print(json.dumps(result, indent=1), flush=True)
-out_path = os.path.join(os.environ.get("OUT", "."), os.environ.get("PROBE_OUTPUT", "train_step_profile.json"))
-with open(out_path, "w") as f:
-    json.dump(result, f, indent=1)
-print("wrote", out_path, file=sys.stderr)
+write_result(result, os.environ.get("PROBE_OUTPUT", "train_step_profile.json"))

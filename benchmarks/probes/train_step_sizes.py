@@ -18,56 +18,24 @@ more device time per token than today's 512-token step, until the small step com
 import functools
 import json
 import os
-import sys
-import time
 
 import jax
-import numpy as np
 
-from orca_jax.bench.harness import random_model
-from orca_jax.config import EngineConfig, LoRAConfig, SchedulerConfig
-from orca_jax.engine import Engine
-from orca_jax.finetune.adapter_params import init_adapter
-from orca_jax.finetune.hparams import LoRASpec, resolve_targets
-from orca_jax.finetune.model import TrainBatch, grad_fn, loss_sums
+from orca_jax.finetune.model import grad_fn, loss_sums
+from training_setup import MODEL, Setup, write_result
 
-MODEL = os.environ.get("PROBE_MODEL", "llama-8b")
 SIZES = tuple(int(n) for n in os.environ.get("PROBE_SIZES", "64,128,256,512").split(","))
 
-engine = Engine(EngineConfig(model=MODEL, dtype="bfloat16", scheduler=SchedulerConfig(max_num_seqs=8),
-                             lora=LoRAConfig(max_loras=1, max_lora_rank=16), precompile=False), random_model(MODEL))
-stage = engine.runner.stages[0]
-spec = LoRASpec(16, 32.0, resolve_targets(None, engine.model_config.family))
-adapter = jax.device_put(init_adapter(engine.model_config, spec, 0))
-vocab = engine.model_config.vocab_size
-rng = np.random.default_rng(0)
-
-
-def timed_ms(fn, batch, n=20) -> float:
-    jax.block_until_ready(fn(adapter, stage.params, batch))
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(adapter, stage.params, batch))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
-forward = jax.jit(functools.partial(loss_sums, decoder=stage.model, scaling=spec.scaling, remat=False))
-gradient = jax.jit(grad_fn(stage.model, spec.scaling, remat=False))
+setup = Setup()
+decoder, spec = setup.stage.model, setup.spec
+forward = jax.jit(functools.partial(loss_sums, decoder=decoder, scaling=spec.scaling, remat=False))
+gradient = jax.jit(grad_fn(decoder, spec.scaling, remat=False))
 result = {"model": MODEL, "device": jax.devices()[0].device_kind, "sizes": {}}
 for length in SIZES:
-    ids = rng.integers(1, vocab, (1, length)).astype(np.int32)
-    weights = np.zeros((1, length), np.float32)
-    weights[:, length // 2:-1] = 1.0
-    batch = jax.device_put(TrainBatch(ids, np.arange(length, dtype=np.int32)[None], np.ones((1, length), np.int32),
-                                      np.roll(ids, -1, axis=1), weights))
-    row = {"forward_ms": timed_ms(forward, batch), "gradient_ms": timed_ms(gradient, batch)}
+    batch = setup.row(length)
+    row = {"forward_ms": setup.timed_ms(forward, batch), "gradient_ms": setup.timed_ms(gradient, batch)}
     row["backward_ms"] = row["gradient_ms"] - row["forward_ms"]
     row["gradient_ms_per_token"] = row["gradient_ms"] / length
     result["sizes"][str(length)] = row
     print(length, json.dumps(row), flush=True)
-path = os.path.join(os.environ.get("OUT", "."), "train_step_sizes.json")
-with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-print("wrote", path, file=sys.stderr)
+write_result(result, "train_step_sizes.json")

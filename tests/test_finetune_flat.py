@@ -46,7 +46,7 @@ def test_the_trainers_state_is_three_vectors_and_checkpoints_as_trees(tmp_path):
     stage, config = engine.runner.stages[0], engine.model_config
     spec = LoRASpec(4, 8.0, resolve_targets(None, config.family))
     trainer = LoRATrainer(stage.model, stage.params, spec, FAST, (1, 32), 10, stage.replicated, False)
-    trainer.start_compiling(config).result()
+    trainer.start_compiling().result()
     start = init_adapter(config, spec, seed=0)
     trainer.init_state(start)
     moments = [x for x in jax.tree_util.tree_leaves(trainer.opt_state) if x.ndim]

@@ -64,7 +64,7 @@ def test_activations_are_kept_when_they_fit_and_recomputed_when_not(tmp_path):
 
     def compiled(budget):
         trainer = LoRATrainer(stage.model, stage.params, spec, FAST, (2, 64), 10, stage.replicated, None, budget)
-        return trainer, trainer.start_compiling(engine.model_config).result()
+        return trainer, trainer.start_compiling().result()
 
     roomy, kept = compiled(None)
     assert roomy.remat is False and kept.remat is False

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> Results:
     stage = engine.runner.stages[0]
     compile_start = time.monotonic()
     early = LoRATrainer(stage.model, stage.params, spec, hp, (plan.rows, plan.length), plan.total_steps,
-                        stage.replicated, fine_tuning.remat, int(fine_tuning.memory_gib * 2**30)).start_compiling(engine.model_config)
+                        stage.replicated, fine_tuning.remat, int(fine_tuning.memory_gib * 2**30)).start_compiling()
     early.result()
     result["job_compile_s"] = time.monotonic() - compile_start
     result["capacity_rps"] = capacity(engine, make_trace(DatasetName.UNIFORM, args.num_prompts, None, args.seed, lengths))

@@ -63,9 +63,9 @@ class TrainerMemory:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParkedState:
     """A trainer's state on the host while its job has given its device memory back, in the device's
-    layout (flat.py): parking and resuming copy four vectors and rebuild nothing. Rebuilding the trees
-    on the host took 1.6 s of host time for llama-8b's rank-16 adapter (2 s on a 2-core CPU), against
-    0.11 s to copy the vectors; state_to_host makes the trees only when a checkpoint is written."""
+    layout (flat.py): parking and resuming copy four vectors and rebuild nothing. With the trees rebuilt
+    on the host, an H100 run had the job iterating again 1.60 s after a burst; with the vectors, 0.58 s
+    (benchmarks/results/h100/notes.md). state_to_host makes the trees only when a checkpoint is written."""
 
     adapter: np.ndarray  # f32[size]: fp32 master weights
     opt_state: optax.OptState  # AdamW's state, its moments f32[size] each (numpy leaves)
@@ -131,7 +131,7 @@ class LoRATrainer:
     def _spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)
 
-    def _specs(self, model_config: ModelConfig):
+    def _specs(self):
         adapter = self._spec((self._layout.size,), jnp.float32)
         opt = jax.tree_util.tree_map(lambda s: self._spec(s.shape, s.dtype), jax.eval_shape(self._tx.init, adapter))
         b, l = self.micro_batch_shape
@@ -140,10 +140,9 @@ class LoRATrainer:
                                         self._params)
         return adapter, opt, batch, params
 
-    def start_compiling(self, model_config: ModelConfig) -> concurrent.futures.Future:
-        """Compile both programs (for `model_config`'s adapter shapes) on a thread of their own; the
-        future gives TrainerMemory."""
-        adapter, opt, batch, params = self._specs(model_config)
+    def start_compiling(self) -> concurrent.futures.Future:
+        """Compile both programs on a thread of their own; the future gives TrainerMemory."""
+        adapter, opt, batch, params = self._specs()
         scalar = self._spec((), jnp.float32)
 
         def compile_both() -> TrainerMemory:
@@ -170,12 +169,11 @@ class LoRATrainer:
         saved one (`opt_leaves`, from state_to_host) at optimizer step `step`, and a zero gradient
         accumulator (a parked job comes back through unpark instead, its accumulator included)."""
         layout = self._layout
-        host = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float32), adapter)
-        self.adapter = jax.device_put(layout.ravel(host), self._sharding)
+        self.adapter = jax.device_put(layout.ravel(adapter), self._sharding)  # ravel casts to f32
         if opt_leaves is None:
             self.opt_state = jax.jit(self._tx.init, out_shardings=self._sharding)(self.adapter)
         else:  # saved in the tree's layout (a checkpoint reads the same whatever the device layout)
-            treedef = jax.tree_util.tree_structure(jax.eval_shape(self._tx.init, host))
+            treedef = jax.tree_util.tree_structure(jax.eval_shape(self._tx.init, adapter))
             if len(opt_leaves) != treedef.num_leaves:
                 raise ValueError(f"a saved optimizer state of {len(opt_leaves)} arrays; this one has "
                                  f"{treedef.num_leaves}")

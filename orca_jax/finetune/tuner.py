@@ -5,11 +5,11 @@ Jobs run one at a time, in creation order. A job's dataset is tokenized and its 
 on threads of their own (serving goes on meanwhile); the engine thread then runs its iterations when
 Deferred Continuous Batching allows (`maybe_run`, deferral.py). With the KV pool lending its pages
 (kv_loan.py), a job starts once it has borrowed them, and parks (its state on the host) whenever the
-engine needs them back (`yield_memory`); its next turn borrows them again and goes on where it was. Everything else about a job (events,
-checkpoints, the final peft directory and its registration with the LoRA manager) happens on the engine
-thread too, so no request ever sees a half-registered adapter; its status may also change on the thread
-reading its file or a caller's that cancels it, always under the lock. Other threads read jobs only
-through snapshots (`job`, `jobs`), under the lock.
+engine needs them back (`yield_memory`); its next turn borrows them again and goes on where it was.
+Everything else about a job (events, checkpoints, the final peft directory and its registration with
+the LoRA manager) happens on the engine thread too, so no request ever sees a half-registered adapter;
+its status may also change on the thread reading its file or a caller's that cancels it, always under
+the lock. Other threads read jobs only through snapshots (`job`, `jobs`), under the lock.
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class FineTuner:
                             int(time.time()), suffix, continue_from)
         with self._lock:
             self._jobs[job.id] = job
-        self.store.save_job(job, self._lock)
+        self._save(job)
         self.store.add_event(job.id, f"Created fine-tuning job: {job.id}")
         self._preparer.submit(self._prepare, job)
         return job.to_openai()
@@ -188,7 +188,8 @@ class FineTuner:
     def maybe_run_beside(self, now: float, requests: Callable[[], Iterable[Request]] = tuple) -> bool:
         """While requests run: one iteration if the policy allows it (`requests`: the unfinished ones,
         for a TPOT SLO), for a job ready to iterate or parked (a job starts in idle turns; under a TPOT
-        SLO it also resumes only there: ~0.7 s of copies for llama-8b that no request's slack covers)."""
+        SLO it also resumes only there: ~0.6 s for llama-8b, the pages and the state, that no request's
+        slack covers)."""
         run = self._run
         resumable = run is not None and run.parked is not None and self.policy.tpot_slo_s is None
         if run is None or not (run.ready or resumable) or not self.policy.may_run_beside(now, requests):
@@ -238,12 +239,15 @@ class FineTuner:
             self._checkpoint(run)
 
     # ---- inside ------------------------------------------------------------------------------------
+    def _save(self, job: FineTuningJob) -> None:
+        self.store.save_job(job, self._lock)  # its snapshot taken under the lock its changes hold
+
     def _set(self, job: FineTuningJob, status: JobStatus, **fields) -> None:
         with self._lock:
             for name, value in fields.items():
                 setattr(job, name, value)
             job.status = status
-        self.store.save_job(job, self._lock)
+        self._save(job)
 
     def _prepare(self, job: FineTuningJob) -> None:
         """On the data thread: tokenize the dataset and plan the steps; the job is then queued."""
@@ -260,7 +264,7 @@ class FineTuner:
             self._plans[job.id] = plan
             job.total_steps = plan.total_steps
             validated, job.status = job.status is JobStatus.VALIDATING_FILES, JobStatus.QUEUED
-        self.store.save_job(job, self._lock)
+        self._save(job)
         if validated:
             self.store.add_event(job.id, f"Validated the training file: {len(examples)} examples, "
                                          f"{plan.total_steps} steps")
@@ -276,7 +280,7 @@ class FineTuner:
         stage, hp = self._stage, job.hyperparameters
         trainer = LoRATrainer(stage.model, stage.params, job.lora, hp, (plan.rows, plan.length), plan.total_steps,
                               stage.replicated, self.config.remat, int(self.config.memory_gib * GIB))
-        compiled = trainer.start_compiling(self._model_config)
+        compiled = trainer.start_compiling()
         compiled.add_done_callback(lambda _: self._wakeup())
         if self._loan is not None:  # the smaller pool's programs, compiled alongside (once per engine)
             self._loan.prepare().add_done_callback(lambda _: self._wakeup())
@@ -400,7 +404,7 @@ class FineTuner:
             job.checkpoints.append(checkpoint)
             dropped = job.checkpoints[:-self.config.keep_checkpoints]
             del job.checkpoints[:-self.config.keep_checkpoints]
-        self.store.save_job(job, self._lock)
+        self._save(job)
         for old in dropped:
             self.store.drop_checkpoint(old["path"])
         run.saved_step = job.step
@@ -452,5 +456,5 @@ class FineTuner:
             if job.status is JobStatus.RUNNING:
                 self.store.add_event(job.id, "The server restarted; the job resumes from its newest checkpoint")
             job.status = JobStatus.QUEUED
-            self.store.save_job(job, self._lock)
+            self._save(job)
             self._preparer.submit(self._prepare, job)

@@ -16,7 +16,7 @@ The model: an iteration decodes every running request and prefills up to max_num
 new ones (chunked), in tau = a + b x decoding + c x prefilled ms (a, b from the decode alone at 16 and
 48 requests, c from a 512-token ride); inputs and outputs uniform as the bench's. It leaves out the
 host (async scheduling, the job's own turns) and iteration-time noise; the calibration row says how far
-that puts it from the engine (at 15d80a7: the light rate's share 0.376 simulated, 0.303 measured; the
+that puts it from the engine (at 4406aab: the light rate's share 0.376 simulated, 0.303 measured; the
 medium's p99 TPOT x1.09 and x1.11). Means over SEEDS runs of DURATION_S seconds; no jax.
 
 The answer (coserving_sim.json): holding admission buys 0.376 -> 0.428 at the light rate but makes

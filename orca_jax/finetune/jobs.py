@@ -97,6 +97,11 @@ class FineTuningJob:
                    status=JobStatus(data.pop("status")), **data)
 
 
+def fine_tuned_model_name(job: FineTuningJob) -> str:
+    """OpenAI's shape, ft:<model>[:<suffix>]:<id>, where model is what the job started from."""
+    return ":".join(["ft", job.model, *([job.suffix] if job.suffix else []), job.id.removeprefix("ftjob-")[:8]])
+
+
 def _write_json(path: str, data) -> None:
     """Write `data` to `path` atomically: readers see the old file or the new one, never a part."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # writers in two threads each have their own

@@ -1,4 +1,4 @@
-"""The engine's fine-tuning jobs: the queue, the running job's trainer, checkpoints, and the finished
+"""The engine's fine-tuning jobs: the queue, the running job (job_run.py), and the finished
 adapters served through the LoRA slots.
 
 Jobs run one at a time, in creation order. A job's dataset is tokenized and its two programs compiled
@@ -15,31 +15,26 @@ the lock. Other threads read jobs only through snapshots (`job`, `jobs`), under 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 
-import numpy as np
-
 from orca_jax.config import FineTuningConfig, ModelConfig
-from orca_jax.finetune.adapter_params import init_adapter, read_peft, save_peft
+from orca_jax.finetune.adapter_params import read_peft
 from orca_jax.finetune.data import TrainingPlan, read_jsonl
 from orca_jax.finetune.deferral import DeferralPolicy
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters, resolve_targets
-from orca_jax.finetune.jobs import FineTuningJob, JobStatus, JobStore, new_id
-from orca_jax.finetune.model import host_batch
-from orca_jax.finetune.trainer import LoRATrainer, ParkedState, TrainerMemory
+from orca_jax.finetune.job_run import GIB, JobRun, RunContext
+from orca_jax.finetune.jobs import FineTuningJob, JobStatus, JobStore, fine_tuned_model_name, new_id
+from orca_jax.finetune.trainer import LoRATrainer
 from orca_jax.kv_loan import KVLoan
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
 from orca_jax.request import Request
 
 log = logging.getLogger(__name__)
-GIB = 2**30
 DEFAULT_RANK = 16
 
 
@@ -47,25 +42,6 @@ def default_directory() -> str:
     """$ORCA_JAX_FINE_TUNING_DIR, else ~/.cache/orca_jax/fine_tuning."""
     return os.environ.get("ORCA_JAX_FINE_TUNING_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "orca_jax", "fine_tuning")
-
-
-@dataclasses.dataclass
-class _Run:
-    """The running job: its plan, trainer, and where it stands inside the current step."""
-
-    job: FineTuningJob
-    plan: TrainingPlan
-    trainer: LoRATrainer
-    compiled: concurrent.futures.Future  # -> TrainerMemory
-    ready: bool = False
-    batches: list = dataclasses.field(default_factory=list)  # the current step's micro-batches left
-    step_loss: float = 0.0
-    step_learned: float = 0.0  # completion tokens of the current step so far
-    step_tokens: int = 0
-    saved_step: int = 0  # optimizer step of the newest checkpoint
-    memory_checked: bool = False  # its compiled memory fits memory_gib (checked once)
-    parked: ParkedState | None = None  # its state while it gave the KV pool's pages back
-    waiting_for_pages: bool = False  # told the job's events that requests hold the pages it borrows
 
 
 class FineTuner:
@@ -84,10 +60,11 @@ class FineTuner:
         self._loan = loan
         self.parks = 0  # times a running job gave its memory back to inference, since start
         self._lock = threading.Lock()
+        self._context = RunContext(self.store, self._lock, model_config, base_model, config.keep_checkpoints)
         self._jobs: dict[str, FineTuningJob] = {}
         self._plans: dict[str, TrainingPlan] = {}  # prepared datasets of queued jobs
         self._served: dict[str, LoRARequest] = {}  # fine_tuned_model -> its adapter, for the server
-        self._run: _Run | None = None
+        self._run: JobRun | None = None
         self._wakeup: Callable[[], None] = lambda: None
         self._preparer = concurrent.futures.ThreadPoolExecutor(1, "orca-finetune-data")
         for job in self.store.load_jobs():
@@ -224,8 +201,10 @@ class FineTuner:
                     self.policy.debit(time.perf_counter() - start)
             else:
                 start = time.perf_counter()
-                tokens = self._iterate(run)
+                tokens = run.iterate()
                 self.policy.record(time.perf_counter() - start, tokens, deferred, beside)
+                if run.finished:
+                    self._finish(run)
         except Exception as error:  # a job's failure is the job's, never the server's
             job = run.job if run is not None else None
             log.exception("fine-tuning job %s failed", job.id if job else "?")
@@ -236,11 +215,11 @@ class FineTuner:
         """The engine stops: checkpoint the running job's last finished step, so it resumes there."""
         run = self._run
         if run is not None and (run.ready or run.parked is not None) and run.job.step > run.saved_step:
-            self._checkpoint(run)
+            run.checkpoint()
 
     # ---- inside ------------------------------------------------------------------------------------
     def _save(self, job: FineTuningJob) -> None:
-        self.store.save_job(job, self._lock)  # its snapshot taken under the lock its changes hold
+        self._context.save(job)
 
     def _set(self, job: FineTuningJob, status: JobStatus, **fields) -> None:
         with self._lock:
@@ -284,7 +263,7 @@ class FineTuner:
         compiled.add_done_callback(lambda _: self._wakeup())
         if self._loan is not None:  # the smaller pool's programs, compiled alongside (once per engine)
             self._loan.prepare().add_done_callback(lambda _: self._wakeup())
-        self._run = _Run(job, plan, trainer, compiled)
+        self._run = JobRun(job, plan, trainer, compiled, self._context)
         self._set(job, JobStatus.RUNNING)
         self.store.add_event(job.id, f"Fine-tuning job started ({plan.rows} rows x {plan.length} tokens "
                                      "per iteration)")
@@ -292,11 +271,15 @@ class FineTuner:
     def _loan_prepared(self) -> bool:
         return self._loan is None or self._loan.prepare().done()
 
-    def _become_ready(self, run: _Run) -> None:
+    def _become_ready(self, run: JobRun) -> None:
         """Its programs are compiled: check its memory (once), borrow the KV pool's pages (when it
         lends them), then put its state on the device: fresh, from a checkpoint, or as it parked."""
-        if not run.memory_checked and not self._check_memory(run):
-            return
+        if not run.memory_checked:
+            source = "lent by the KV pool" if self._loan is not None else "held back from the KV pool"
+            problem = run.memory_problem(self.config.memory_gib, source)
+            if problem is not None:
+                self._fail(run.job, "insufficient_memory", problem)
+                return
         if self._loan is not None and not self._loan.lend():
             if not run.waiting_for_pages:
                 run.waiting_for_pages = True
@@ -308,119 +291,15 @@ class FineTuner:
             run.parked = None
             self.store.add_event(run.job.id, f"Resumed at step {run.job.step}")
         else:
-            self._init_state(run)
+            run.init_state()
         run.ready = True
 
-    def _check_memory(self, run: _Run) -> bool:
-        memory: TrainerMemory = run.compiled.result()
-        source = "lent by the KV pool" if self._loan is not None else "held back from the KV pool"
-        if memory.total_bytes > self.config.memory_gib * GIB:
-            self._fail(run.job, "insufficient_memory",
-                       f"the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
-                       f"({memory.state_bytes / GIB:.2f} GiB adapter and optimizer state, "
-                       f"{memory.temp_bytes / GIB:.2f} GiB activations of one iteration) but "
-                       f"{self.config.memory_gib:.2f} GiB is {source} for fine-tuning (--fine-tuning-memory-gib); "
-                       "lower micro_batch_tokens or the LoRA rank, or raise --fine-tuning-memory-gib")
-            return False
-        self.store.add_event(run.job.id, f"Compiled; the job needs {memory.total_bytes / GIB:.2f} GiB of device "
-                                         f"memory ({memory.state_bytes / GIB:.2f} GiB state, "
-                                         f"{memory.temp_bytes / GIB:.2f} GiB activations, "
-                                         f"{'recomputed' if memory.remat else 'kept'} for the backward) of the "
-                                         f"{self.config.memory_gib:.2f} GiB {source}",
-                             data={"state_bytes": memory.state_bytes, "temp_bytes": memory.temp_bytes,
-                                   "batch_bytes": memory.batch_bytes, "remat": memory.remat})
-        run.memory_checked = True
-        return True
-
-    def _init_state(self, run: _Run) -> None:
-        job, hp = run.job, run.job.hyperparameters
-        if job.checkpoints:
-            newest = job.checkpoints[-1]
-            adapter, _ = read_peft(newest["path"], job.id, self._model_config)
-            with np.load(os.path.join(newest["path"], "optimizer.npz")) as saved:
-                leaves = [saved[str(i)] for i in range(len(saved.files))]
-            run.trainer.init_state(adapter, leaves, newest["step_number"])
-            run.saved_step = newest["step_number"]
-            with self._lock:
-                job.step = newest["step_number"]
-                job.trained_tokens = newest["trained_tokens"]
-            self.store.add_event(job.id, f"Resumed from the checkpoint of step {job.step}")
-        else:
-            with self._lock:  # a restart before the first checkpoint: from the start again
-                job.step = job.trained_tokens = 0
-            start = read_peft(job.continue_from, job.model, self._model_config)[0] if job.continue_from \
-                else init_adapter(self._model_config, job.lora, hp.seed)
-            run.trainer.init_state(start)
-        run.trainer.warm_up()  # a first run's one-off costs stay out of the iteration estimate
-
-    def _iterate(self, run: _Run) -> int:
-        """One micro-batch forward and backward (waited for), and the optimizer step after a step's
-        last; returns the tokens the forward ran over."""
-        job = run.job
-        if not run.batches:
-            run.batches = run.plan.micro_batches(job.step)
-            run.step_loss = run.step_learned = run.step_tokens = 0
-        arrays = run.batches.pop(0)
-        loss, learned = run.trainer.micro_step(host_batch(**arrays))
-        tokens = int(np.count_nonzero(arrays["segment_ids"]))
-        run.step_loss += float(loss)  # waits for the device: the iteration ends when its work does
-        run.step_learned += float(learned)
-        run.step_tokens += tokens
-        if run.batches:
-            return tokens
-        norm, rate = run.trainer.apply_step(run.step_learned)
-        train_loss = run.step_loss / max(run.step_learned, 1.0)
-        with self._lock:
-            job.step += 1
-            job.trained_tokens += run.step_tokens
-            job.train_loss = train_loss
-        self.store.add_event(job.id, f"Step {job.step}/{job.total_steps}: training loss={train_loss:.4f}",
-                             data={"step": job.step, "total_steps": job.total_steps, "train_loss": train_loss,
-                                   "learning_rate": rate, "grad_norm": norm})
-        if self._checkpoint_due(run):
-            self._checkpoint(run)
-        if job.step >= job.total_steps:
-            self._finish(run)
-        return tokens
-
-    def _checkpoint_due(self, run: _Run) -> bool:
-        every = run.job.hyperparameters.checkpoint_every or run.plan.steps_per_epoch
-        return run.job.step % every == 0 or run.job.step >= run.job.total_steps
-
-    def _checkpoint(self, run: _Run) -> None:
-        """The adapter (peft) and AdamW's state at the current step; the oldest beyond keep_checkpoints go."""
-        job = run.job
-        path = self.store.checkpoint_dir(job.id, job.step)
-        adapter, opt_leaves = run.trainer.state_to_host(run.parked)
-        save_peft(path, adapter, job.lora, self._model_config, self.base_model)
-        np.savez(os.path.join(path, "optimizer.npz"), **{str(i): leaf for i, leaf in enumerate(opt_leaves)})
-        checkpoint = {"object": "fine_tuning.job.checkpoint", "id": new_id("ftckpt"), "created_at": int(time.time()),
-                      "fine_tuning_job_id": job.id, "step_number": job.step, "trained_tokens": job.trained_tokens,
-                      "fine_tuned_model_checkpoint": f"{self._model_name(job)}:ckpt-step-{job.step}",
-                      "metrics": {"step": job.step}, "path": path}
-        with open(os.path.join(path, "state.json"), "w", encoding="utf-8") as f:
-            json.dump(checkpoint, f)
-        with self._lock:
-            job.checkpoints.append(checkpoint)
-            dropped = job.checkpoints[:-self.config.keep_checkpoints]
-            del job.checkpoints[:-self.config.keep_checkpoints]
-        self._save(job)
-        for old in dropped:
-            self.store.drop_checkpoint(old["path"])
-        run.saved_step = job.step
-
-    def _model_name(self, job: FineTuningJob) -> str:
-        """OpenAI's shape, ft:<model>[:<suffix>]:<id>, where model is what the job started from."""
-        return ":".join(["ft", job.model, *([job.suffix] if job.suffix else []), job.id.removeprefix("ftjob-")[:8]])
-
-    def _finish(self, run: _Run) -> None:
+    def _finish(self, run: JobRun) -> None:
         """Save the peft directory and serve it under the job's fine_tuned_model at once."""
         job = run.job
-        path = self.store.adapter_dir(job.id)
-        adapter, _ = run.trainer.state_to_host()
-        save_peft(path, adapter, job.lora, self._model_config, self.base_model)
+        path = run.save_adapter()
         self._end_run()
-        name = self._model_name(job)
+        name = fine_tuned_model_name(job)
         self._serve(LoRARequest(name, self._lora.new_id(), path))
         self._set(job, JobStatus.SUCCEEDED, fine_tuned_model=name, finished_at=int(time.time()))
         self.store.add_event(job.id, f"The job has successfully completed: {name}")

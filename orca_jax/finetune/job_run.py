@@ -1,0 +1,170 @@
+"""The running fine-tuning job, on the engine thread: its trainer, where it stands inside the current
+step, and what it does with them: check its compiled memory, put its state on the device (fresh, from a
+checkpoint, or as it parked), run one micro-batch, end a step, write a checkpoint.
+
+The tuner (tuner.py) decides when a run may do these, and owns what a run ends in: the job's queue,
+its finish and its failure. A run changes its job's fields under the tuner's lock (`RunContext.lock`),
+as every writer of a job does (jobs.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import threading
+import time
+
+import numpy as np
+
+from orca_jax.config import ModelConfig
+from orca_jax.finetune.adapter_params import init_adapter, read_peft, save_peft
+from orca_jax.finetune.data import TrainingPlan
+from orca_jax.finetune.jobs import FineTuningJob, JobStore, fine_tuned_model_name, new_id
+from orca_jax.finetune.model import host_batch
+from orca_jax.finetune.trainer import LoRATrainer, ParkedState, TrainerMemory
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What a run shares with its tuner."""
+
+    store: JobStore
+    lock: threading.Lock  # the tuner's: every change to a job is made under it
+    model_config: ModelConfig
+    base_model: str
+    keep_checkpoints: int
+
+    def save(self, job: FineTuningJob) -> None:
+        self.store.save_job(job, self.lock)  # its snapshot taken under the lock its changes hold
+
+
+@dataclasses.dataclass
+class JobRun:
+    """The running job: its plan, trainer, and where it stands inside the current step."""
+
+    job: FineTuningJob
+    plan: TrainingPlan
+    trainer: LoRATrainer
+    compiled: concurrent.futures.Future  # -> TrainerMemory
+    context: RunContext
+    ready: bool = False
+    batches: list = dataclasses.field(default_factory=list)  # the current step's micro-batches left
+    step_loss: float = 0.0
+    step_learned: float = 0.0  # completion tokens of the current step so far
+    step_tokens: int = 0
+    saved_step: int = 0  # optimizer step of the newest checkpoint
+    memory_checked: bool = False  # its compiled memory fits memory_gib (checked once)
+    parked: ParkedState | None = None  # its state while it gave the KV pool's pages back
+    waiting_for_pages: bool = False  # told the job's events that requests hold the pages it borrows
+
+    @property
+    def finished(self) -> bool:
+        return self.job.step >= self.job.total_steps
+
+    def memory_problem(self, memory_gib: float, source: str) -> str | None:
+        """Once compiled: why its memory cannot fit the `memory_gib` `source` (lent by / held back from
+        the KV pool) gives fine-tuning, or None (and an event saying what it needs)."""
+        memory: TrainerMemory = self.compiled.result()
+        if memory.total_bytes > memory_gib * GIB:
+            return (f"the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
+                    f"({memory.state_bytes / GIB:.2f} GiB adapter and optimizer state, "
+                    f"{memory.temp_bytes / GIB:.2f} GiB activations of one iteration) but "
+                    f"{memory_gib:.2f} GiB is {source} for fine-tuning (--fine-tuning-memory-gib); "
+                    "lower micro_batch_tokens or the LoRA rank, or raise --fine-tuning-memory-gib")
+        self.context.store.add_event(
+            self.job.id, f"Compiled; the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
+                         f"({memory.state_bytes / GIB:.2f} GiB state, {memory.temp_bytes / GIB:.2f} GiB activations, "
+                         f"{'recomputed' if memory.remat else 'kept'} for the backward) of the "
+                         f"{memory_gib:.2f} GiB {source}",
+            data={"state_bytes": memory.state_bytes, "temp_bytes": memory.temp_bytes,
+                  "batch_bytes": memory.batch_bytes, "remat": memory.remat})
+        self.memory_checked = True
+        return None
+
+    def init_state(self) -> None:
+        """Its state on the device: from its newest checkpoint, else from the adapter it continues or
+        a fresh one."""
+        job, context = self.job, self.context
+        if job.checkpoints:
+            newest = job.checkpoints[-1]
+            adapter, _ = read_peft(newest["path"], job.id, context.model_config)
+            with np.load(os.path.join(newest["path"], "optimizer.npz")) as saved:
+                leaves = [saved[str(i)] for i in range(len(saved.files))]
+            self.trainer.init_state(adapter, leaves, newest["step_number"])
+            self.saved_step = newest["step_number"]
+            with context.lock:
+                job.step = newest["step_number"]
+                job.trained_tokens = newest["trained_tokens"]
+            context.store.add_event(job.id, f"Resumed from the checkpoint of step {job.step}")
+        else:
+            with context.lock:  # a restart before the first checkpoint: from the start again
+                job.step = job.trained_tokens = 0
+            start = read_peft(job.continue_from, job.model, context.model_config)[0] if job.continue_from \
+                else init_adapter(context.model_config, job.lora, job.hyperparameters.seed)
+            self.trainer.init_state(start)
+        self.trainer.warm_up()  # a first run's one-off costs stay out of the iteration estimate
+
+    def iterate(self) -> int:
+        """One micro-batch forward and backward (waited for), and the optimizer step (with its event,
+        and a checkpoint when due) after a step's last; returns the tokens the forward ran over."""
+        job = self.job
+        if not self.batches:
+            self.batches = self.plan.micro_batches(job.step)
+            self.step_loss = self.step_learned = self.step_tokens = 0
+        arrays = self.batches.pop(0)
+        loss, learned = self.trainer.micro_step(host_batch(**arrays))
+        tokens = int(np.count_nonzero(arrays["segment_ids"]))
+        self.step_loss += float(loss)  # waits for the device: the iteration ends when its work does
+        self.step_learned += float(learned)
+        self.step_tokens += tokens
+        if not self.batches:
+            self._end_step()
+        return tokens
+
+    def _end_step(self) -> None:
+        job = self.job
+        norm, rate = self.trainer.apply_step(self.step_learned)
+        train_loss = self.step_loss / max(self.step_learned, 1.0)
+        with self.context.lock:
+            job.step += 1
+            job.trained_tokens += self.step_tokens
+            job.train_loss = train_loss
+        self.context.store.add_event(job.id, f"Step {job.step}/{job.total_steps}: training loss={train_loss:.4f}",
+                                     data={"step": job.step, "total_steps": job.total_steps,
+                                           "train_loss": train_loss, "learning_rate": rate, "grad_norm": norm})
+        every = job.hyperparameters.checkpoint_every or self.plan.steps_per_epoch
+        if job.step % every == 0 or self.finished:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """The adapter (peft) and AdamW's state at the current step; the oldest beyond keep_checkpoints go."""
+        job, context = self.job, self.context
+        path = context.store.checkpoint_dir(job.id, job.step)
+        adapter, opt_leaves = self.trainer.state_to_host(self.parked)
+        save_peft(path, adapter, job.lora, context.model_config, context.base_model)
+        np.savez(os.path.join(path, "optimizer.npz"), **{str(i): leaf for i, leaf in enumerate(opt_leaves)})
+        checkpoint = {"object": "fine_tuning.job.checkpoint", "id": new_id("ftckpt"), "created_at": int(time.time()),
+                      "fine_tuning_job_id": job.id, "step_number": job.step, "trained_tokens": job.trained_tokens,
+                      "fine_tuned_model_checkpoint": f"{fine_tuned_model_name(job)}:ckpt-step-{job.step}",
+                      "metrics": {"step": job.step}, "path": path}
+        with open(os.path.join(path, "state.json"), "w", encoding="utf-8") as f:
+            json.dump(checkpoint, f)
+        with context.lock:
+            job.checkpoints.append(checkpoint)
+            dropped = job.checkpoints[:-context.keep_checkpoints]
+            del job.checkpoints[:-context.keep_checkpoints]
+        context.save(job)
+        for old in dropped:
+            context.store.drop_checkpoint(old["path"])
+        self.saved_step = job.step
+
+    def save_adapter(self) -> str:
+        """The trained adapter as a peft directory (the job's adapter dir); returns its path."""
+        path = self.context.store.adapter_dir(self.job.id)
+        adapter, _ = self.trainer.state_to_host()
+        save_peft(path, adapter, self.job.lora, self.context.model_config, self.context.base_model)
+        return path

@@ -3,5 +3,6 @@
 hparams.py (a job's settings), data.py (JSONL datasets, packing), adapter_params.py (the trained adapter
 in peft's layout; peft directories), model.py (the training forward and loss on the served decoder),
 trainer.py (AdamW, accumulation, compiled programs), deferral.py (Deferred Continuous Batching),
-jobs.py (jobs, events, checkpoints on disk), tuner.py (the engine's jobs), offline.py (LLM.fine_tune).
+jobs.py (jobs, events, checkpoints on disk), tuner.py (the engine's jobs), job_run.py (the running one),
+offline.py (LLM.fine_tune).
 """

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from process_helpers import ROOT, checkout_env
 
 
 def fake_device_env(num_devices: int) -> dict[str, str]:
     """The environment of a child process that sees num_devices CPU devices and this checkout's code."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
-               JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return checkout_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu")
 
 
 def run_on_fake_devices(num_devices: int, *argv: str, timeout: float = 600):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from hf_dirs import write_hf_dir
 from orca_jax.engine import Engine
 from orca_jax.models.loader import load_model
 from orca_jax.server import create_app
+from process_helpers import checkout_env
 from server_helpers import asgi_client, live_server
 from test_server_sigterm import REPO, _free_port, _wait_healthy
 
@@ -137,7 +137,7 @@ def test_serve_cli_fine_tunes_and_serves_after_a_restart(base_dir, tmp_path):
                "--max-lora-rank", "8", "--fine-tuning-deferral-bound-s", "0.2", "--api-key", KEY,
                "--fine-tuning-memory-policy", "reserve",  # the other policy than the in-process tests
                "--fine-tuning-tpot-slo-ms", "50"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = checkout_env()
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
 
     def serve():

@@ -1,6 +1,5 @@
 """`python -m orca_jax.generate`: stdout is the prompt and its continuation, nothing else."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +7,7 @@ from pathlib import Path
 from orca_jax.config import EngineConfig
 from orca_jax.engine import Engine
 from orca_jax.request import SamplingParams
+from process_helpers import checkout_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -16,7 +16,7 @@ def _generate(*argv: str, cache_dir) -> subprocess.CompletedProcess:
     # A JAX cache of its own: conftest's session cache keeps even tiny programs, and an XLA:CPU one
     # written by another process of the session failed to load here ("Function iota_reduce_fusion
     # not found"), depending on test order.
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache_dir)}
+    env = checkout_env(JAX_COMPILATION_CACHE_DIR=str(cache_dir))
     return subprocess.run([sys.executable, "-m", "orca_jax.generate", *argv], cwd=REPO, capture_output=True,
                           text=True, env=env, timeout=300)
 

@@ -1,11 +1,12 @@
 """What each install gives: the library alone (no serving packages) runs `LLM`; `serve` brings what
 serving imports, and no torch."""
 
-import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+from process_helpers import checkout_env
 
 REPO = Path(__file__).resolve().parent.parent
 SERVING = ("fastapi", "uvicorn", "httptools", "pydantic", "prometheus_client", "httpx", "starlette")
@@ -27,7 +28,7 @@ print(len(out[0].token_ids))
 
 
 def test_the_library_runs_without_the_serving_packages(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}  # see test_generate_cli
+    env = checkout_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path))  # see test_generate_cli
     result = subprocess.run([sys.executable, "-c", WITHOUT_SERVING], cwd=REPO, capture_output=True, text=True,
                             env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "2", result.stderr

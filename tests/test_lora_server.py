@@ -5,7 +5,6 @@ keeps serving; `python -m orca_jax.serve --enable-lora --lora-modules ...` end t
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ from orca_jax.engine import Engine
 from orca_jax.lora import LoRARequest
 from orca_jax.models.loader import load_model
 from orca_jax.server import create_app
+from process_helpers import checkout_env
 from server_helpers import asgi_client
 from test_lora_adapters import write_llama_adapter
 from test_server_sigterm import REPO, _free_port, _wait_healthy
@@ -137,7 +137,7 @@ def test_serve_cli_with_lora_modules(models, tmp_path):
               "--num-kv-pages", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--attention-backend", "jnp",
               "--log-level", "warning", "--enable-lora", "--max-loras", "2", "--max-lora-rank", str(MAX_RANK),
               "--max-cpu-loras", "2"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = checkout_env()
     write_llama_adapter(tmp_path / "rank16", r=16)
     bad = subprocess.run(common + ["--lora-modules", f"big={tmp_path / 'rank16'}"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)

@@ -3,7 +3,6 @@ file under command-line flags, --dtype float16, an inline --chat-template, HTTPS
 API key, CORS, --gpu-memory-utilization (no effect on CPU), request logging on and uvicorn's access
 log off, and the KV pool capped at what --max-num-seqs x --max-model-len can use."""
 
-import os
 import shutil
 import signal
 import socket
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from process_helpers import checkout_env
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "sk-e2e"
@@ -48,7 +49,7 @@ def test_serve_with_the_front_door_flags(tmp_path):
                "--ssl-certfile", str(cert), "--root-path", "/llm", "--api-key", KEY,
                "--allowed-origins", "https://app.example", "--gpu-memory-utilization", "0.5",
                "--disable-uvicorn-access-log", "--compilation-cache-dir", str(tmp_path / "xla")]
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    process = subprocess.Popen(command, cwd=REPO, env=checkout_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"https://127.0.0.1:{port}"
     tls = ssl.create_default_context(cafile=str(cert))
@@ -99,7 +100,7 @@ def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", "5",
                "--enable-prompt-logprobs",
                "--compilation-cache-dir", str(tmp_path / "xla")]
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    process = subprocess.Popen(command, cwd=REPO, env=checkout_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tool = {"type": "function", "function": {"name": "pick", "parameters": {
         "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"],

@@ -2,7 +2,6 @@
 uploads 503 (never 500), and exits 0 within its grace period."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -11,6 +10,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from process_helpers import checkout_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,7 +56,7 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_zero():
     command = [sys.executable, "-m", "orca_jax.serve", "--model", "tiny-llama", "--port", str(port),
                "--page-size", "128", "--num-kv-pages", "8", "--max-num-seqs", "4",
                "--max-num-batched-tokens", "8", "--log-level", "warning"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = checkout_env()
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
     url = f"http://127.0.0.1:{port}"

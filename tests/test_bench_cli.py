@@ -22,6 +22,7 @@ from orca_jax.models.presets import get_preset
 from orca_jax.sampler import sample_variants
 
 from mesh_helpers import ROOT, fake_device_env
+from process_helpers import checkout_env
 
 ENGINE = ["--model", "tiny-llama", "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--num-kv-pages", "128"]
 SHORT = ["--uniform-input-range", "8:96", "--uniform-output-range", "1:12"]
@@ -37,7 +38,7 @@ def _result(directory, name: str) -> dict:
 
 def _bench_in_child(argv: list[str], env=None, timeout: float = 900) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "orca_jax.bench", *argv], cwd=ROOT, capture_output=True, text=True,
-                          env=env or dict(os.environ, PYTHONPATH=ROOT), timeout=timeout)
+                          env=env or checkout_env(), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

@@ -1,9 +1,10 @@
 """The quickstart notebook is one of the documented ways in: it must run top to bottom on CPU."""
 
-import os
 import pathlib
 
 import pytest
+
+from process_helpers import checkout_env
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -14,8 +15,7 @@ NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "examples" / "quickstar
 @pytest.mark.slow
 def test_quickstart_notebook_runs(monkeypatch):
     # The kernel is a fresh process: let it import this checkout even when it is not pip-installed.
-    root = str(NOTEBOOK.parents[1])
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", checkout_env()["PYTHONPATH"])
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()

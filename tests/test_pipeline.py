@@ -5,7 +5,6 @@ One subprocess (tests/pipeline_cases.py) runs every case, so jax starts once wit
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -16,9 +15,8 @@ import pytest
 from orca_jax.config import ModelConfig, ModelFamily, ParallelConfig
 from orca_jax.sharding.mesh import check_parallel_fits, make_stage_meshes, stage_layer_ranges
 
-from mesh_helpers import run_on_fake_devices
+from mesh_helpers import ROOT, fake_device_env, run_on_fake_devices
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (2, 4)]  # (tensor parallel, stages), as in pipeline_cases
 MODELS = ("llama", "gpt")
 MODEL_VOCAB = {"llama": 255, "gpt": 257}  # odd, as pipeline_cases.MODELS has them
@@ -115,8 +113,7 @@ def test_two_processes_joined_by_jax_distributed_give_one_device_tokens(results,
     """Two processes on localhost form one mesh: tensor parallel 2 across them (as one process per GPU
     runs), or one 2-device stage on each (as one process per host runs, activations and tokens handed
     between processes by a collective). Process 0 schedules, process 1 mirrors every step."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = fake_device_env(devices_per_process)
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "tests/multihost_case.py", str(i), "2", port, str(tp), str(pp)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,10 +1,10 @@
 """The running fine-tuning job, on the engine thread: its trainer, where it stands inside the current
 step, and what it does with them: check its compiled memory, put its state on the device (fresh, from a
-checkpoint, or as it parked), run one micro-batch, end a step, write a checkpoint.
+checkpoint, or as it parked), run one micro-batch, end a step, write a checkpoint, park.
 
-The tuner (tuner.py) decides when a run may do these, and owns what a run ends in: the job's queue,
-its finish and its failure. A run changes its job's fields under the tuner's lock (`RunContext.lock`),
-as every writer of a job does (jobs.py).
+The tuner (tuner.py) decides when a run may do these (the KV pool's pages it borrows included), and
+owns what a run ends in: the job's queue, its finish and its failure. A run changes its job's fields
+under the tuner's lock (`RunContext.lock`), as every writer of a job does (jobs.py).
 """
 
 from __future__ import annotations
@@ -61,13 +61,9 @@ class JobRun:
     parked: ParkedState | None = None  # its state while it gave the KV pool's pages back
     waiting_for_pages: bool = False  # told the job's events that requests hold the pages it borrows
 
-    @property
-    def finished(self) -> bool:
-        return self.job.step >= self.job.total_steps
-
-    def memory_problem(self, memory_gib: float, source: str) -> str | None:
+    def check_memory(self, memory_gib: float, source: str) -> str | None:
         """Once compiled: why its memory cannot fit the `memory_gib` `source` (lent by / held back from
-        the KV pool) gives fine-tuning, or None (and an event saying what it needs)."""
+        the KV pool) gives fine-tuning; else None, after an event saying what it needs."""
         memory: TrainerMemory = self.compiled.result()
         if memory.total_bytes > memory_gib * GIB:
             return (f"the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
@@ -84,6 +80,31 @@ class JobRun:
                   "batch_bytes": memory.batch_bytes, "remat": memory.remat})
         self.memory_checked = True
         return None
+
+    def wait_for_pages(self) -> None:
+        """The KV pool could not lend the pages the job borrows (requests hold them): said once."""
+        if not self.waiting_for_pages:
+            self.waiting_for_pages = True
+            self.context.store.add_event(self.job.id, "Waiting for the KV pages the job borrows: requests hold them")
+
+    def become_ready(self) -> None:
+        """Its state on the device, as it parked or else new (init_state): it may iterate."""
+        self.waiting_for_pages = False
+        if self.parked is not None:
+            self.trainer.unpark(self.parked)
+            self.parked = None
+            self.context.store.add_event(self.job.id, f"Resumed at step {self.job.step}")
+        else:
+            self.init_state()
+        self.ready = True
+
+    def park(self) -> None:
+        """Its state to the host and its device arrays freed (the KV pool takes its pages back);
+        become_ready puts it back exactly as it was."""
+        self.parked = self.trainer.park()
+        self.ready = False
+        self.context.store.add_event(self.job.id, f"Paused at step {self.job.step}: requests need the KV pages "
+                                                  "the job borrowed; it goes on once they are free again")
 
     def init_state(self) -> None:
         """Its state on the device: from its newest checkpoint, else from the adapter it continues or
@@ -108,9 +129,10 @@ class JobRun:
             self.trainer.init_state(start)
         self.trainer.warm_up()  # a first run's one-off costs stay out of the iteration estimate
 
-    def iterate(self) -> int:
+    def iterate(self) -> tuple[int, bool]:
         """One micro-batch forward and backward (waited for), and the optimizer step (with its event,
-        and a checkpoint when due) after a step's last; returns the tokens the forward ran over."""
+        and a checkpoint when due) after a step's last; returns the tokens the forward ran over, and
+        whether that step was the job's last."""
         job = self.job
         if not self.batches:
             self.batches = self.plan.micro_batches(job.step)
@@ -121,9 +143,10 @@ class JobRun:
         self.step_loss += float(loss)  # waits for the device: the iteration ends when its work does
         self.step_learned += float(learned)
         self.step_tokens += tokens
-        if not self.batches:
-            self._end_step()
-        return tokens
+        if self.batches:
+            return tokens, False
+        self._end_step()
+        return tokens, self.job.step >= self.job.total_steps
 
     def _end_step(self) -> None:
         job = self.job
@@ -137,7 +160,7 @@ class JobRun:
                                      data={"step": job.step, "total_steps": job.total_steps,
                                            "train_loss": train_loss, "learning_rate": rate, "grad_norm": norm})
         every = job.hyperparameters.checkpoint_every or self.plan.steps_per_epoch
-        if job.step % every == 0 or self.finished:
+        if job.step % every == 0 or job.step >= job.total_steps:
             self.checkpoint()
 
     def checkpoint(self) -> None:

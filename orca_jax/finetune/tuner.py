@@ -181,11 +181,8 @@ class FineTuner:
             return False
         run = self._run
         if run is not None and run.ready:
-            run.parked = run.trainer.park()
-            run.ready = False
+            run.park()
             self.parks += 1
-            self.store.add_event(run.job.id, f"Paused at step {run.job.step}: requests need the KV pages the "
-                                             "job borrowed; it goes on once they are free again")
         self._loan.reclaim()
         return True
 
@@ -201,10 +198,10 @@ class FineTuner:
                     self.policy.debit(time.perf_counter() - start)
             else:
                 start = time.perf_counter()
-                tokens = run.iterate()
-                self.policy.record(time.perf_counter() - start, tokens, deferred, beside)
-                if run.finished:
+                tokens, done = run.iterate()
+                if done:  # its finish (the peft directory, the adapter served) is part of the iteration
                     self._finish(run)
+                self.policy.record(time.perf_counter() - start, tokens, deferred, beside)
         except Exception as error:  # a job's failure is the job's, never the server's
             job = run.job if run is not None else None
             log.exception("fine-tuning job %s failed", job.id if job else "?")
@@ -276,23 +273,14 @@ class FineTuner:
         lends them), then put its state on the device: fresh, from a checkpoint, or as it parked."""
         if not run.memory_checked:
             source = "lent by the KV pool" if self._loan is not None else "held back from the KV pool"
-            problem = run.memory_problem(self.config.memory_gib, source)
+            problem = run.check_memory(self.config.memory_gib, source)
             if problem is not None:
                 self._fail(run.job, "insufficient_memory", problem)
                 return
         if self._loan is not None and not self._loan.lend():
-            if not run.waiting_for_pages:
-                run.waiting_for_pages = True
-                self.store.add_event(run.job.id, "Waiting for the KV pages the job borrows: requests hold them")
+            run.wait_for_pages()
             return
-        run.waiting_for_pages = False
-        if run.parked is not None:
-            run.trainer.unpark(run.parked)
-            run.parked = None
-            self.store.add_event(run.job.id, f"Resumed at step {run.job.step}")
-        else:
-            run.init_state()
-        run.ready = True
+        run.become_ready()
 
     def _finish(self, run: JobRun) -> None:
         """Save the peft directory and serve it under the job's fine_tuned_model at once."""

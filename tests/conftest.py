@@ -11,6 +11,11 @@ import shutil
 import sys
 import tempfile
 
+# On a GPU machine the suite's processes share the device (a server or CLI started beside the engines
+# this process holds): each allocates as it needs instead of taking 75% of the memory at start, which
+# left a served child too little to start. Set before jax's first use of a device; children inherit it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))  # the *_helpers modules

@@ -1,7 +1,12 @@
 """The device's batch defaults: one table, the usage picks the column, an explicit value wins."""
 
+import jax
+
 from orca_jax.engine_defaults import BatchDefaults, UsageContext, batch_defaults, batch_defaults_for
+from orca_jax.models.presets import get_preset
 from orca_jax.server.cli_args import engine_config_from_args, parse_args
+
+ON_CPU = jax.default_backend() == "cpu"  # the suite also runs on a GPU machine (make test there)
 
 
 def test_the_table_by_device_and_usage():
@@ -14,7 +19,13 @@ def test_the_table_by_device_and_usage():
     assert batch_defaults_for("gpu", 18.0, UsageContext.SERVER) == BatchDefaults(128, 2048)
     assert batch_defaults_for("cpu", 24.0, UsageContext.OFFLINE) == BatchDefaults(64, 512)
     assert batch_defaults_for("tpu", 16.0, UsageContext.OFFLINE) == BatchDefaults(64, 512)
-    assert batch_defaults(UsageContext.OFFLINE, 8.0e9) == BatchDefaults(64, 512)  # this machine: a CPU
+    if ON_CPU:
+        assert batch_defaults(UsageContext.OFFLINE, 8.0e9) == BatchDefaults(64, 512)
+    else:  # the row of this device's platform and the memory XLA may take of it
+        device = jax.devices()[0]
+        gib = device.memory_stats()["bytes_limit"] / 2**30
+        assert batch_defaults(UsageContext.OFFLINE, 8.0e9) == batch_defaults_for(device.platform, gib,
+                                                                                 UsageContext.OFFLINE, 8.0e9)
 
 
 def test_serve_takes_the_devices_defaults_unless_told():
@@ -29,11 +40,15 @@ def test_serve_takes_the_devices_defaults_unless_told():
 def test_llm_takes_the_devices_defaults_unless_told():
     from orca_jax import LLM, SamplingParams
 
+    device = batch_defaults(UsageContext.OFFLINE, get_preset("tiny-llama").num_params)  # (64, 512) on a CPU
+    assert not ON_CPU or device == BatchDefaults(64, 512)
     # Nothing precompiled: compiling every program of two engines took 41 s of this suite.
-    assert LLM("tiny-llama", num_kv_pages=16, precompile=False).engine.config.scheduler.max_num_seqs == 64
+    assert LLM("tiny-llama", num_kv_pages=16, precompile=False).engine.config.scheduler.max_num_seqs == \
+        device.max_num_seqs
     llm = LLM("tiny-llama", num_kv_pages=16, max_num_seqs=8, precompile=False)
     assert not llm.engine.config.precompile
-    assert (llm.engine.config.scheduler.max_num_seqs, llm.engine.config.scheduler.max_num_batched_tokens) == (8, 512)
+    scheduler = llm.engine.config.scheduler
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (8, device.max_num_batched_tokens)
     # Nothing compiled yet; generate compiles what its batches need, then answers.
     assert llm.engine.runner.compilation.num_compiled_programs == 0
     [out] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)

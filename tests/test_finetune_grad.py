@@ -84,7 +84,10 @@ def test_remat_changes_nothing(setup):
     with_remat = jax.jit(grad_fn(stage.model, spec.scaling, remat=True))(adapter, stage.params, batch)
     without = jax.jit(grad_fn(stage.model, spec.scaling, remat=False))(adapter, stage.params, batch)
     for a, b in zip(jax.tree_util.tree_leaves(with_remat), jax.tree_util.tree_leaves(without)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+        a, b = np.asarray(a), np.asarray(b)
+        # Recomputed or kept, the same sums, added in an order the compiler picks: on an H100 they
+        # differed by up to 8e-7 on leaves whose largest entries are 0.28 and more (3e-6 of them).
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-5 * np.abs(b).max())
 
 
 # ---- a plain jax.grad reference: Llama written out in jnp, one padded row per example -------------

@@ -8,14 +8,18 @@ on a real model in test_structured_engine.py.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import re
+import tomllib
+from pathlib import Path
 
 import pytest
 
 from orca_jax.request import SamplingParams
 from orca_jax.server import create_app
+from orca_jax.server.app import package_version
 from orca_jax.server.structured import ToolCallSettings
 from orca_jax.structured import Constraint, ConstraintKind, JsonOptions
 from orca_jax.structured.tool_grammar import tool_call_constraint
@@ -280,8 +284,20 @@ async def test_tokenize_and_detokenize_prompt_and_chat_forms():
     assert back == {"prompt": "hé"}
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "token_id_out_of_range"
     assert no_key.status_code == 401  # like /v1, behind the key
-    assert version["version"] == __import__("importlib.metadata").metadata.version("orca_jax")
+    assert version["version"] == package_version()  # installed: the distribution's
     assert ping.status_code == 200 and ping.json() == {"status": "ok"}
+
+
+@pytest.mark.anyio
+async def test_version_of_a_checkout_not_installed(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    async with asgi_client(_app()) as client:
+        response = await client.get("/version")
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert response.status_code == 200 and response.json() == {"version": project["version"]}
 
 
 # ---- through the official openai client ------------------------------------------------------------

@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
+import tomllib
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
@@ -38,6 +40,19 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 _DOC_PATHS = ("/docs", "/redoc", "/openapi.json")  # the schema tells an intruder what to send
 
 _ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+
+
+def package_version() -> str:
+    """The installed distribution's version; for a checkout run without installing it (PYTHONPATH),
+    its pyproject.toml's, so /version answers rather than failing."""
+    try:
+        return importlib.metadata.version("orca_jax")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+            return tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
 
 # What a well-formed body (per the schema) can still be refused for: limits of the model and server
 # that JSON Schema cannot state. Each 400 carries the `code` (or `param`) named here.
@@ -171,7 +186,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
-        return VersionResponse(version=importlib.metadata.version("orca_jax"))
+        return VersionResponse(version=package_version())
 
     @app.get("/health", response_model=HealthStatus, response_model_exclude_none=True,
              responses={503: {"model": HealthStatus, "description": "starting or unhealthy"}})

@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from orca_jax.bench.harness import random_model

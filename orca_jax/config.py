@@ -123,7 +123,7 @@ class CacheConfig:
     # vLLM's meaning: weights + KV + workspace take at most this fraction of a GPU's memory. None:
     # what XLA was given (XLA_PYTHON_CLIENT_MEM_FRACTION, jax's default 0.75). Ignored on CPU.
     gpu_memory_utilization: float | None = None
-    # Requests sharing a prefix share its full pages (prefix_cache.py); on by default, as in vLLM v1.
+    # Requests sharing a prefix share its full pages (core/kv/prefix_index.py); on by default, as in vLLM v1.
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
@@ -251,7 +251,7 @@ class LoRAConfig:
 
 
 class FineTuningMemory(enum.Enum):
-    """Where a fine-tuning job's device memory comes from (kv_loan.py)."""
+    """Where a fine-tuning job's device memory comes from (finetune/kv_loan.py)."""
 
     LEND = "lend"  # the KV pool lends its top memory_gib of pages while a job runs, and takes them back
     RESERVE = "reserve"  # held back from the KV pool from the start, whether a job runs or not
@@ -310,7 +310,7 @@ class SamplingConfig:
     # bad words (one entry per tokenized word) and, below min_tokens, its stop and EOS tokens.
     logit_table_width: int = 64
     # Requests may ask for prompt_logprobs (vLLM's SamplingParams field): one more program per prompt
-    # length bucket (prompt_logprobs.py), compiled at start-up only when this is on.
+    # length bucket (worker/prompt_logprobs.py), compiled at start-up only when this is on.
     enable_prompt_logprobs: bool = False
 
     def __post_init__(self):

@@ -10,14 +10,14 @@ from tqdm.auto import tqdm
 
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation,
                              LoRAConfig, ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
+from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine, EngineStats
-from orca_jax.engine_defaults import UsageContext, batch_defaults
+from orca_jax.engine.defaults import UsageContext, batch_defaults
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
-from orca_jax.request import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -64,8 +64,8 @@ class LLM:
     lets fine_tune train adapters on the served model, keeping its jobs under fine_tuning_dir.
     enable_prompt_logprobs lets SamplingParams.prompt_logprobs be asked for (up to max_logprobs, which
     also caps logprobs; None: SamplingConfig's default); each such request costs one more forward over
-    its prompt (prompt_logprobs.py).
-    max_num_seqs and max_num_batched_tokens default to the device's and the model's (engine_defaults.py).
+    its prompt (worker/prompt_logprobs.py).
+    max_num_seqs and max_num_batched_tokens default to the device's and the model's (engine/defaults.py).
     precompile compiles every program a batch can need before the first generate (False: each on its
     first use, which a notebook exploring one prompt may prefer; generate then pauses to compile).
     """
@@ -83,7 +83,7 @@ class LLM:
                  loaded: LoadedModel | None = None):
         if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
             loaded = loaded or load_model(model, dtype=dtype)  # the defaults depend on its size
-            defaults = batch_defaults(UsageContext.OFFLINE, loaded.config.num_params)  # engine_defaults.py
+            defaults = batch_defaults(UsageContext.OFFLINE, loaded.config.num_params)  # engine/defaults.py
             max_num_seqs = max_num_seqs or defaults.max_num_seqs
             max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
         config = engine_config or EngineConfig(

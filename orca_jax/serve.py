@@ -20,12 +20,12 @@ from types import FrameType
 
 import uvicorn
 
-from orca_jax.kv_pool import XLA_MEM_FRACTION_ENV
 from orca_jax.server.app import CORSPolicy
-from orca_jax.server.lora import parse_lora_modules, register_lora_modules
 from orca_jax.server.cli_args import (PROG, allowed_hosts_from_args, build_parser, engine_config_from_args,
                                       http_limits_from_args, parse_args, read_chat_template,
                                       tool_call_settings_from_args)
+from orca_jax.server.lora import parse_lora_modules, register_lora_modules
+from orca_jax.worker.kv_pool import XLA_MEM_FRACTION_ENV
 
 __all__ = ["allowed_hosts_from_args", "build_parser", "engine_config_from_args", "main"]
 log = logging.getLogger("orca_jax.serve")
@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     raise_open_file_limit(limits.max_connections + SPARE_FILE_DESCRIPTORS)
 
     # Imported here so `--help` and flag errors come back without loading jax.
-    from orca_jax import multihost
+    from orca_jax.worker import multihost
     multihost.initialize(config.parallel)  # before anything else touches jax
     from orca_jax.engine import Engine
-    from orca_jax.engine_defaults import UsageContext, batch_defaults
+    from orca_jax.engine.defaults import UsageContext, batch_defaults
     from orca_jax.models.loader import load_model
     from orca_jax.models.weights import WeightsError
     from orca_jax.server import AsyncEngine, create_app, gc_and_gil
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     # compile as process 0's runner tells them (multihost.Mirror).
     try:
         loaded = load_model(config.model, dtype=config.dtype)
-        # The device's and the model's batch (engine_defaults.py) where the flags leave it open.
+        # The device's and the model's batch (engine/defaults.py) where the flags leave it open.
         config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER, loaded.config.num_params))
         engine = Engine(dataclasses.replace(config, precompile=False), loaded)
     except WeightsError as error:  # a model that cannot be read: one line, not a traceback

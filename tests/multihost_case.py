@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import sys
 
-from orca_jax import multihost
-from orca_jax.compilation import key_to_json
 from orca_jax.config import ParallelConfig
+from orca_jax.worker import multihost
+from orca_jax.worker.compilation import key_to_json
 
 
 def main() -> None:

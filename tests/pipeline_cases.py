@@ -11,13 +11,13 @@ import sys
 import jax
 import numpy as np
 
-from orca_jax.compilation import ForwardKey
 from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, ParallelConfig, SchedulerConfig
+from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.models import decoder
 from orca_jax.models.loader import LoadedModel
-from orca_jax.request import SamplingParams
 from orca_jax.tokenizer import ByteTokenizer
+from orca_jax.worker.compilation import ForwardKey
 
 sys.path.insert(0, "tests")
 from engine_helpers import drain  # noqa: E402

@@ -4,8 +4,8 @@ create_scheduler): the one way the scheduler tests build one."""
 from __future__ import annotations
 
 from orca_jax.config import SchedulerConfig
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.scheduler import Scheduler
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.sched.scheduler import Scheduler
 
 
 class FakeClock:

@@ -19,7 +19,7 @@ from orca_jax.bench.harness import engine_argv, engine_config, serve_flags
 from orca_jax.bench.plan import GIB, memory_plan
 from orca_jax.bench.sweep import compare_at_matched_latency, throughput_at_latency
 from orca_jax.models.presets import get_preset
-from orca_jax.sampler import sample_variants
+from orca_jax.sample.sampler import sample_variants
 
 from mesh_helpers import ROOT, fake_device_env
 from process_helpers import checkout_env

@@ -2,10 +2,10 @@
 
 import pytest
 
-from orca_jax.batch import BucketPolicy, next_power_of_two, token_ladder
 from orca_jax.bench.datasets import DatasetName as TraceKind
 from orca_jax.bench.datasets import make_trace
 from orca_jax.bench.plan import ragged_fed
+from orca_jax.worker.input_batch import BucketPolicy, next_power_of_two, token_ladder
 
 
 def test_ladder_doubles_then_is_geometric():

@@ -5,11 +5,11 @@ import random
 import numpy as np
 import pytest
 
-from orca_jax.batch import unpack_forward_inputs
-from orca_jax.compilation import ForwardKey, StageInKey
 from orca_jax.config import SchedulerConfig
-from orca_jax.request import SamplingParams
-from orca_jax.scheduler import QueueFullError, Scheduler
+from orca_jax.core.request import SamplingParams
+from orca_jax.core.sched.scheduler import QueueFullError, Scheduler
+from orca_jax.worker.compilation import ForwardKey, StageInKey
+from orca_jax.worker.input_batch import unpack_forward_inputs
 
 from engine_helpers import drain, tiny_engine
 from model_helpers import prompt_logits
@@ -272,7 +272,7 @@ def test_injected_scheduler_and_observer_seams():
     sees each dispatched batch and update, with the engine's own phase timings."""
     import functools
 
-    from orca_jax.policies import FCFS
+    from orca_jax.core.sched.policies import FCFS
 
     class LastArrivalFirst(FCFS):
         def sort_key(self, request):
@@ -318,7 +318,7 @@ def test_the_forward_updates_every_layers_kv_in_place():
 def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():
     """A stage keeps one buffer per bucket for the forward's packed inputs; each run's stage-in takes it
     donated and writes the new batch into it, so it keeps its device address (on GPU a moved buffer
-    re-records the forward's CUDA graph, see stage.py) and the forward reads this batch, not a
+    re-records the forward's CUDA graph, see worker/stage.py) and the forward reads this batch, not a
     stale one."""
     runner = tiny_engine().runner
     stage = runner.stages[0]

@@ -2,7 +2,7 @@
 
 import jax
 
-from orca_jax.engine_defaults import BatchDefaults, UsageContext, batch_defaults, batch_defaults_for
+from orca_jax.engine.defaults import BatchDefaults, UsageContext, batch_defaults, batch_defaults_for
 from orca_jax.models.presets import get_preset
 from orca_jax.server.cli_args import engine_config_from_args, parse_args
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from orca_jax.config import KVAllocation
-from orca_jax.request import SamplingParams
+from orca_jax.core.request import SamplingParams
 
 from engine_helpers import drain, tiny_engine
 from model_helpers import prompt_logits
@@ -186,7 +186,7 @@ class EvenTokensFrom:
         self.asked.append((request.request_id, step))
         if not request.request_id.startswith("even") or step < self.from_step:
             return None
-        from orca_jax.logits_rules import pack_token_mask
+        from orca_jax.sample.rules import pack_token_mask
         return pack_token_mask(range(0, 256, 2), 256)
 
 

@@ -1,4 +1,4 @@
-"""Compiled programs reloaded from disk without tracing (executable_cache.py): a second start loads
+"""Compiled programs reloaded from disk without tracing (worker/executable_cache.py): a second start loads
 every program, runs them to the same tokens, and never loads a program built for something else."""
 
 import glob
@@ -9,9 +9,9 @@ import jax
 import pytest
 from jax.experimental import serialize_executable
 
-from orca_jax.compilation import ForwardKey
-from orca_jax.executable_cache import ExecutableCache
-from orca_jax.request import SamplingParams
+from orca_jax.core.request import SamplingParams
+from orca_jax.worker.compilation import ForwardKey
+from orca_jax.worker.executable_cache import ExecutableCache
 
 from engine_helpers import drain, tiny_engine
 
@@ -90,7 +90,7 @@ def test_the_cache_keeps_to_its_size_by_dropping_the_least_recently_used(tmp_pat
 
 def test_nothing_is_stored_once_the_code_on_disk_is_not_the_code_running(cache_dir, monkeypatch):
     # A file saved while an engine starts must not label the old code's programs with the new digest.
-    from orca_jax import executable_cache
+    from orca_jax.worker import executable_cache
 
     monkeypatch.setattr(executable_cache, "source_digest", lambda: "edited since import")
     engine = engine_with(cache_dir)

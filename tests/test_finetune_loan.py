@@ -1,4 +1,4 @@
-"""The KV pool lends its top pages to a running fine-tuning job (kv_loan.py): on a tiny model the pool's
+"""The KV pool lends its top pages to a running fine-tuning job (finetune/kv_loan.py): on a tiny model the pool's
 arrays shrink while the job runs, a burst the smaller pool cannot admit makes the job park and the
 pages come back, the burst's tokens are those of a run without the job, and the job then borrows the
 pages again and ends with the adapter of a run never interrupted."""
@@ -14,11 +14,11 @@ import pytest
 from finetune_helpers import RECORDS, drive, engine_config, upload
 from hf_dirs import write_hf_dir
 from orca_jax.config import FineTuningMemory
+from orca_jax.core.request import Request, RequestStatus, SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.models.loader import load_model
-from orca_jax.request import Request, RequestStatus, SamplingParams
 
 # Examples of 54-78 tokens in rows of 128, one row per micro-batch: three micro-batches per step, so a
 # park can fall inside a step, with its accumulated gradient.

@@ -12,9 +12,9 @@ from orca_jax.config import CacheConfig
 from orca_jax.engine import Engine
 from orca_jax.finetune.hparams import LoRASpec, resolve_targets
 from orca_jax.finetune.trainer import LoRATrainer
-from orca_jax.kv_pool import GPU_KV_FRACTION, num_pages_for
 from orca_jax.models.loader import load_model
 from orca_jax.models.presets import PRESETS
+from orca_jax.worker.kv_pool import GPU_KV_FRACTION, num_pages_for
 
 GIB = 2**30
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from orca_jax.kv_cache import KVCacheError, KVCacheManager
-from orca_jax.kv_pool import pages_for_budget
+from orca_jax.core.kv.manager import KVCacheError, KVCacheManager
+from orca_jax.worker.kv_pool import pages_for_budget
 
 
 def assert_consistent(kv: KVCacheManager) -> None:

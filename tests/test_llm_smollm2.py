@@ -80,7 +80,7 @@ def test_repetition_penalty_and_min_tokens_equal_transformers(llm, hf_model):
 def test_bad_words_are_never_emitted(llm):
     """Words the model wrote greedily and at temperature 1, banned: their tokens never come back (as
     vLLM tokenizes a bad word: alone and after a space)."""
-    from orca_jax.logits_rules import bad_word_token_ids
+    from orca_jax.sample.rules import bad_word_token_ids
     for sampling in (dict(), dict(temperature=1.0, seed=7)):
         first = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=MAX_TOKENS, **sampling), use_tqdm=False)
         words = [list(dict.fromkeys(out.text.split()))[:3] for out in first]

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax.logits_processing import (LogitsArrays, PenaltyTables, count_sampled, fill_tables, process_logits,
+from orca_jax.sample.ops.penalties import (LogitsArrays, PenaltyTables, count_sampled, fill_tables, process_logits,
                                         unpack_mask)
-from orca_jax.logits_rules import pack_token_mask
+from orca_jax.sample.rules import pack_token_mask
 
 S, V, W, SLOTS = 6, 300, 5, 4
 

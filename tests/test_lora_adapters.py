@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from orca_jax.config import LoRAConfig
 from orca_jax.lora.adapter import LoRAError, load_adapter, random_adapter
 from orca_jax.lora.layout import layer_shapes, slot_layer
 from orca_jax.lora.manager import LoRAManager
-from orca_jax.config import LoRAConfig
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.presets import PRESETS
 

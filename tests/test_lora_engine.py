@@ -10,12 +10,12 @@ import jax
 import numpy as np
 
 from engine_helpers import drain, tiny_engine
-from orca_jax.compilation import ForwardKey, LoRAUpdateKey
 from orca_jax.config import KVAllocation, LoRAConfig
+from orca_jax.core.request import SamplingParams
 from orca_jax.lora import LoRARequest
 from orca_jax.lora.adapter import random_adapter
 from orca_jax.lora.ops import LoRATokens, dense_delta, gather_delta, ragged_dot_delta, reference_delta
-from orca_jax.request import SamplingParams
+from orca_jax.worker.compilation import ForwardKey, LoRAUpdateKey
 
 
 def lora_engine(max_loras=2, **overrides):
@@ -34,7 +34,7 @@ def add_random_adapters(engine, count: int, rank: int = 4) -> list[LoRARequest]:
 def test_program_count_and_loading_an_adapter_compiles_nothing():
     """With LoRA every bucket has a second forward (with the adapter term) and each stage one
     slot-update program: buckets 8, 16, 32 -> 3 stage-in + 6 forward + 1 update + 17 sampling (the
-    family of 8 per S, S 8 or 16, and the penalty-table fill; sampler.py) = 27. Then adapters are
+    family of 8 per S, S 8 or 16, and the penalty-table fill; sample/sampler.py) = 27. Then adapters are
     loaded, swapped and mixed with base requests, and nothing more compiles."""
     engine = lora_engine(max_num_seqs=16, max_num_batched_tokens=32, num_pages=400, precompile=True)
     compilation = engine.runner.compilation
@@ -210,8 +210,8 @@ def test_the_decode_kernels_give_the_gathered_forms_tokens(monkeypatch):
     with the gathered XLA form."""
     import jax
 
-    from orca_jax import stage
     from orca_jax.lora.ops import SmallBatchForm
+    from orca_jax.worker import stage
 
     rng = random.Random(2)
     jobs = [([rng.randrange(3, 250) for _ in range(rng.randint(2, 9))], i % 4) for i in range(6)]

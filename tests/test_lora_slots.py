@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 from orca_jax.config import KVAllocation, SchedulerConfig
-from orca_jax.kv_cache import KVCacheManager
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.sched.scheduler import Scheduler
 from orca_jax.lora.slots import AdapterSlots
-from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.scheduler import Scheduler
 
 
 def make(num_slots=2, max_num_seqs=8, num_pages=257, kv_allocation=KVAllocation.RESERVE):

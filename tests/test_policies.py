@@ -1,9 +1,9 @@
 """Each scheduling policy on a hand-built pool: its order and its admission answer (no scheduler)."""
 
 from orca_jax.config import SchedulingPolicy
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.policies import EDF, FCFS, POLICIES, Priority, make_policy
-from orca_jax.request import Request, SamplingParams
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.sched.policies import EDF, FCFS, POLICIES, Priority, make_policy
 
 
 def req(rid, arrival, *, priority=0, deadline=None, prompt_len=4, max_tokens=4) -> Request:
@@ -66,8 +66,8 @@ def test_every_config_value_has_a_policy():
 import pytest  # noqa: E402
 
 from orca_jax.config import SchedulerConfig  # noqa: E402
-from orca_jax.policies import DAS, SJF  # noqa: E402
-from orca_jax.request import RequestStatus  # noqa: E402
+from orca_jax.core.request import RequestStatus  # noqa: E402
+from orca_jax.core.sched.policies import DAS, SJF  # noqa: E402
 
 from scheduler_helpers import create_scheduler  # noqa: E402
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from orca_jax.config import KVAllocation, SchedulingPolicy
-from orca_jax.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.request import Request, RequestStatus, SamplingParams
 
 from scheduler_helpers import create_scheduler
 

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from orca_jax.config import KVAllocation, SchedulerConfig
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.request import Request, SamplingParams
-from orca_jax.scheduler import Scheduler
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.sched.scheduler import Scheduler
 
 from engine_helpers import tiny_engine
 

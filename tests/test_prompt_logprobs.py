@@ -1,4 +1,4 @@
-"""SamplingParams.prompt_logprobs (prompt_logprobs.py): the engine's extra forward over a prompt, checked
+"""SamplingParams.prompt_logprobs (worker/prompt_logprobs.py): the engine's extra forward over a prompt, checked
 against numpy on the serving forward's own logits at every position, against transformers on a tiny
 Hugging Face Llama, and on a tensor-parallel mesh of fake devices."""
 
@@ -13,11 +13,11 @@ from engine_helpers import drain, tiny_engine
 from mesh_helpers import run_on_fake_devices
 from model_helpers import prompt_logits
 from orca_jax import LLM
-from orca_jax.compilation import PromptLogprobsKey
 from orca_jax.config import EngineConfig, ParallelConfig, SamplingConfig
+from orca_jax.core.request import SamplingParams
 from orca_jax.lora.request import LoRARequest
-from orca_jax.prompt_logprobs import prompt_lengths
-from orca_jax.request import SamplingParams
+from orca_jax.worker.compilation import PromptLogprobsKey
+from orca_jax.worker.prompt_logprobs import prompt_lengths
 
 MAX_LOGPROBS = 6
 # fp32 on CPU: the packed dense forward and the paged serving forward differ by reassociation only.
@@ -165,7 +165,7 @@ TP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, "tests")
     from engine_helpers import tiny_engine
     from orca_jax.config import ParallelConfig, SamplingConfig
-    from orca_jax.request import SamplingParams
+    from orca_jax.core.request import SamplingParams
 
     prompt = [(11 * i + 5) % 250 + 3 for i in range(45)]
     results = {}

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from orca_jax.config import SchedulingPolicy
-from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.scheduler import QueueFullError, SchedulerOutput
+from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.sched.scheduler import QueueFullError, SchedulerOutput
 
 from scheduler_helpers import create_scheduler
 

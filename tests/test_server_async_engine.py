@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from orca_jax.request import SamplingParams
+from orca_jax.core.request import SamplingParams
+from orca_jax.core.sched.scheduler import QueueFullError
 from orca_jax.server.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
                                           EngineUnavailableError)
-from orca_jax.scheduler import QueueFullError
 
 from server_helpers import FakeEngine, wait_until
 

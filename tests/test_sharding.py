@@ -15,13 +15,12 @@ SCRIPT = textwrap.dedent("""
     import importlib.util, json, sys, tempfile
     import numpy as np
     sys.path.insert(0, "tests")
-    from orca_jax.config import ModelConfig, ModelFamily, ParallelConfig
+    from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, ParallelConfig, SchedulerConfig
+    from orca_jax.core.request import SamplingParams
+    from orca_jax.engine import Engine
     from orca_jax.models import decoder
     from orca_jax.models.loader import LoadedModel
-    from orca_jax.request import SamplingParams
     from orca_jax.tokenizer import ByteTokenizer
-    from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
-    from orca_jax.engine import Engine
     from engine_helpers import drain, tiny_engine
     from model_helpers import prompt_logits
 

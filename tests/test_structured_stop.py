@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from orca_jax.detokenizer import IncrementalDetokenizer
-from orca_jax.request import RequestStatus
+from orca_jax.core.request import RequestStatus
+from orca_jax.engine.detokenizer import IncrementalDetokenizer
 from orca_jax.structured import Constraint, ConstraintKind, GrammarCompiler
 from orca_jax.tokenizer import ByteTokenizer
 

@@ -10,11 +10,11 @@ import random
 import statistics
 import time
 
-from orca_jax.batch import BucketPolicy, build_batch
 from orca_jax.config import SchedulerConfig
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.request import Request, SamplingParams
-from orca_jax.scheduler import Scheduler
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.sched.scheduler import Scheduler
+from orca_jax.worker.input_batch import BucketPolicy, build_batch
 
 
 def run(caching, seed=0, n=512):

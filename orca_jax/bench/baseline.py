@@ -23,9 +23,9 @@ import dataclasses
 import time
 from typing import Callable, Sequence
 
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.request import Request, RequestStatus
-from orca_jax.scheduler import SchedulerOutput, plan_request
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, RequestStatus
+from orca_jax.core.sched.scheduler import SchedulerOutput, plan_request
 
 PAD_TOKEN_ID = 0
 

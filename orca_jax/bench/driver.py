@@ -18,13 +18,14 @@ from typing import Callable
 
 import numpy as np
 
-from orca_jax.batch import RaggedBatch
 from orca_jax.bench.baseline import RequestLevelScheduler
 from orca_jax.bench.datasets import Trace
 from orca_jax.config import SchedulingPolicy
-from orca_jax.engine import DispatchTiming, Engine
-from orca_jax.request import SamplingParams
-from orca_jax.scheduler import Scheduler, SchedulerOutput
+from orca_jax.core.request import SamplingParams
+from orca_jax.core.sched.scheduler import Scheduler, SchedulerOutput
+from orca_jax.engine import Engine
+from orca_jax.engine.core import DispatchTiming
+from orca_jax.worker.input_batch import RaggedBatch
 
 
 class SchedulerKind(enum.Enum):

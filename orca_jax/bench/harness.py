@@ -23,12 +23,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from orca_jax.batch import BucketPolicy
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
-from orca_jax.executable_cache import source_digest
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.request import Request, SamplingParams
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, SamplingParams
+from orca_jax.worker.executable_cache import source_digest
+from orca_jax.worker.input_batch import BucketPolicy
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -29,17 +29,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from orca_jax.batch import BucketPolicy
 from orca_jax.bench.datasets import DatasetName, add_dataset_arguments, int_list, lengths_from_args, make_trace
 from orca_jax.bench.harness import Results, add_result_arguments, replay_schedule
 from orca_jax.config import ModelConfig, SchedulerConfig
-from orca_jax.kv_pool import GPU_KV_FRACTION
+from orca_jax.core.sched.scheduler import Scheduler
 from orca_jax.models import decoder
 from orca_jax.models.presets import get_preset
-from orca_jax.scheduler import Scheduler
 from orca_jax.sharding import rules
 from orca_jax.sharding.mesh import TENSOR
 from orca_jax.sharding.tensor_plan import plan_for
+from orca_jax.worker.input_batch import BucketPolicy
+from orca_jax.worker.kv_pool import GPU_KV_FRACTION
 
 GIB = 2**30
 

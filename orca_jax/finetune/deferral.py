@@ -34,7 +34,7 @@ import collections
 import dataclasses
 from collections.abc import Callable, Iterable
 
-from orca_jax.request import Request, RequestStatus
+from orca_jax.core.request import Request, RequestStatus
 
 
 @dataclasses.dataclass(slots=True)

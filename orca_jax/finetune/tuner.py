@@ -22,17 +22,17 @@ import time
 from collections.abc import Callable, Iterable
 
 from orca_jax.config import FineTuningConfig, ModelConfig
+from orca_jax.core.request import Request
 from orca_jax.finetune.adapter_params import read_peft
 from orca_jax.finetune.data import TrainingPlan, read_jsonl
 from orca_jax.finetune.deferral import DeferralPolicy
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters, resolve_targets
 from orca_jax.finetune.job_run import GIB, JobRun, RunContext
 from orca_jax.finetune.jobs import FineTuningJob, JobStatus, JobStore, fine_tuned_model_name, new_id
+from orca_jax.finetune.kv_loan import KVLoan
 from orca_jax.finetune.trainer import LoRATrainer
-from orca_jax.kv_loan import KVLoan
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
-from orca_jax.request import Request
 
 log = logging.getLogger(__name__)
 DEFAULT_RANK = 16

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from orca_jax.request import Request
+from orca_jax.core.request import Request
 
 
 @dataclasses.dataclass(slots=True)

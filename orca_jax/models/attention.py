@@ -1,7 +1,7 @@
 """The attention a layer calls: serving's paged attention, or a training batch's packed causal one.
 
 Serving: write new K/V into their pages, then ragged attention. Everything the attention needs besides
-q/k/v travels in AttentionMetadata, built on the host by batch.py. The KV cache is one LayerKV per
+q/k/v travels in AttentionMetadata, built on the host by worker/input_batch.py. The KV cache is one LayerKV per
 layer (no layer index anywhere): the unit an unrolled layer loop updates in place, and the unit a
 pipeline stage owns. Swapping the attention implementation (jnp reference or Pallas kernel) changes
 nothing else.

@@ -16,11 +16,11 @@ import jinja2
 
 from orca_jax.config import (DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
                              ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
-from orca_jax.engine_defaults import BatchDefaults, UsageContext, batch_defaults_for
+from orca_jax.engine.defaults import BatchDefaults, UsageContext, batch_defaults_for
 from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
-from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.fine_tuning import add_fine_tuning_arguments, fine_tuning_config_from_args
+from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 from orca_jax.server.structured import DEFAULT_TOOL_CALL_FORMAT, ToolCallSettings
@@ -321,7 +321,7 @@ def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
 
 def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | None = None) -> EngineConfig:
     """Raises ValueError (from the configs' own checks) on inconsistent flags. `defaults`: the device's
-    batch (engine_defaults.batch_defaults, known once jax has started); the CPU's when None."""
+    batch (engine.defaults.batch_defaults, known once jax has started); the CPU's when None."""
     defaults = defaults or batch_defaults_for("cpu", 0.0, UsageContext.SERVER)
     fine_tuning = fine_tuning_config_from_args(args)
     lora = lora_config_from_args(args)

@@ -12,9 +12,8 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from orca_jax.core.request import SamplingParams
 from orca_jax.lora.request import LoRARequest
-from orca_jax.request import SamplingParams
-from orca_jax.tokenizer import with_chat_template
 from orca_jax.server.async_engine import (
     AsyncEngine, EngineOverloadedError, EngineUnavailableError, QueueFullError, RequestStream,
 )
@@ -29,6 +28,7 @@ from orca_jax.server.protocol_base import StrictBody, ignored_fields
 from orca_jax.server.responses import DetokenizeResponse, TokenizeResponse, new_id, unix_now
 from orca_jax.server.structured import ToolCallSettings, output_constraint, tool_plan
 from orca_jax.structured.constraint import Constraint
+from orca_jax.tokenizer import with_chat_template
 
 RETRY_AFTER_SECONDS = "1"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -10,11 +10,11 @@ import time
 from typing import TYPE_CHECKING, Mapping
 
 if TYPE_CHECKING:
-    from orca_jax.detokenizer import IncrementalDetokenizer
+    from orca_jax.engine.detokenizer import IncrementalDetokenizer
     from orca_jax.outputs import PromptLogprobs
+    from orca_jax.sample.rules import LogitsRules
     from orca_jax.structured.constraint import Constraint
     from orca_jax.structured.matcher import GrammarMatcher
-    from orca_jax.logits_rules import LogitsRules
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class Request:
     lora_slot: int = 0
     # Prefix caching: a caller's salt (vLLM's cache_salt: requests of different salts never share
     # pages; the adapter is salted in too, see kv_salt). page_keys: the content key of each full page
-    # of known tokens, computed once per page (prefix_cache.extend_page_keys), with the page's tokens.
+    # of known tokens, computed once per page (prefix_index.extend_page_keys), with the page's tokens.
     cache_salt: str | None = None
     page_keys: list[int] = dataclasses.field(default_factory=list)
     page_tokens: list[tuple[int, ...]] = dataclasses.field(default_factory=list)

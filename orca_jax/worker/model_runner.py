@@ -3,7 +3,7 @@
 An iteration is programs dispatched back to back: per pipeline stage (stage.py; one stage on all
 devices when unpipelined) a stage-in that copies the batch's packed inputs into a buffer that stays
 put, then the ragged forward pass reading it, with the K/V writes into the (donated) per-layer pages;
-then sampling on the last stage (sampler.py; its searches and random draws are slow to compile, so
+then sampling on the last stage (sample/sampler.py; its searches and random draws are slow to compile, so
 it stays out of the forward programs). Logits stay on device; only a small packed i32[S, 2 + 2K]
 array of token ids and logprobs reaches the host. Which programs exist and how they are compiled is the compilation
 manager's (compilation.py); the runner tells it how to lower each key.
@@ -21,26 +21,26 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from orca_jax import multihost
-from orca_jax.batch import RaggedBatch, empty_batch, pack_forward_inputs
-from orca_jax.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PenaltyFillKey,
-                                  PrecompileReport, ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey,
-                                  SampleKey, StageInKey)
 from orca_jax.config import AttentionBackend, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SamplingConfig
-from orca_jax.executable_cache import ExecutableCache
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels.ragged_attention_jnp import ragged_attention_jnp
-from orca_jax.kv_pool import num_pages_for, pages_for_budget
 from orca_jax.lora.adapter import LoRAAdapter
-from orca_jax.logits_processing import tables_bytes
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
 from orca_jax.outputs import PromptLogprobs
-from orca_jax.prompt_logprobs import PromptLogprobsProgram
-from orca_jax.sampler import Sampler
+from orca_jax.sample.ops.penalties import tables_bytes
+from orca_jax.sample.sampler import Sampler
 from orca_jax.sharding import rules, tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
-from orca_jax.stage import Handoff, Stage
+from orca_jax.worker import multihost
+from orca_jax.worker.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PenaltyFillKey,
+                                  PrecompileReport, ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey,
+                                  SampleKey, StageInKey)
+from orca_jax.worker.executable_cache import ExecutableCache
+from orca_jax.worker.input_batch import RaggedBatch, empty_batch, pack_forward_inputs
+from orca_jax.worker.kv_pool import num_pages_for, pages_for_budget
+from orca_jax.worker.prompt_logprobs import PromptLogprobsProgram
+from orca_jax.worker.stage import Handoff, Stage
 
 
 def choose_attention(backend: AttentionBackend, platform: str):
@@ -91,7 +91,7 @@ class ModelRunner:
                  lora: LoRAConfig | None = None, sampling: SamplingConfig = SamplingConfig(),
                  reserve_bytes: int = 0, lendable_bytes: int = 0):
         """`reserve_bytes`: device memory per device kept out of a pool sized from free memory;
-        `lendable_bytes`: how much of the pool a fine-tuning job may borrow (kv_loan.py)."""
+        `lendable_bytes`: how much of the pool a fine-tuning job may borrow (finetune/kv_loan.py)."""
         check_parallel_fits(parallel, config)
         # Vocabulary padded and KV heads replicated to fit the tensor size; from here on `config` is
         # the device shapes (the logits width, the KV pages), the plan keeps the model's own.
@@ -209,7 +209,7 @@ class ModelRunner:
     def resize_pool(self, lent: bool) -> None:
         """Give the lendable pages up (their memory is freed) or take them back (zeroed), on every
         stage; waits for the batches in flight. The programs for the new size must be compiled
-        (prepare_lending) and, for `lent`, nothing above the cut held (kv_cache.lend)."""
+        (prepare_lending) and, for `lent`, nothing above the cut held (KVCacheManager.lend)."""
         num_pages = self.full_pages - self.lendable_pages if lent else self.full_pages
         if num_pages != self.num_pages:
             for stage in self.stages:
@@ -231,7 +231,7 @@ class ModelRunner:
     def program_keys(self, buckets: Iterable[Bucket]) -> list[ProgramKey]:
         """Every program an iteration over these buckets can need: per bucket a stage-in and a forward
         per stage (with LoRA, a second forward with the adapter term, and one slot update per stage),
-        and the sampling family per sequence width (sampler.py); with prompt logprobs, their program per
+        and the sampling family per sequence width (sample/sampler.py); with prompt logprobs, their program per
         length bucket (prompt_logprobs.py)."""
         buckets = list(buckets)
         keys: list[ProgramKey] = [cls(bucket, stage.index) for bucket in buckets

@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orca_jax.compilation import Bucket
-from orca_jax.logits_rules import FILL_ENTRIES, FILL_RESETS, SampleMode, SamplingBatcher
-from orca_jax.scheduler import SchedulerOutput
+from orca_jax.core.sched.scheduler import SchedulerOutput
+from orca_jax.sample.rules import FILL_ENTRIES, FILL_RESETS, SampleMode, SamplingBatcher
+from orca_jax.worker.compilation import Bucket
 
 
 def next_power_of_two(n: int) -> int:

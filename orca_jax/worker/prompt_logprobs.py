@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from orca_jax.executable_cache import describe_arrays
 from orca_jax.models.attention import PackedCausal
 from orca_jax.models.decoder import Decoder, _apply_block
 from orca_jax.outputs import Logprob, PromptLogprobs
+from orca_jax.worker.executable_cache import describe_arrays
 
 SMALLEST_LENGTH = 16  # the shortest length bucket (shorter prompts are padded to it)
 LOGITS_CHUNK = 512  # rows whose logits exist at once

@@ -12,12 +12,12 @@ import time
 from typing import Callable, Sequence
 
 from orca_jax.config import KVAllocation, SchedulerConfig
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.lora.slots import AdapterSlots
-from orca_jax.plan import (PlanningView, ScheduledRequest, SchedulerInterface, SchedulerOutput,  # noqa: F401
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, RequestStatus, stop_status
+from orca_jax.core.sched.output import (PlanningView, ScheduledRequest, SchedulerInterface, SchedulerOutput,  # noqa: F401
                            own_view, plan_request, take_cached)
-from orca_jax.policies import Policy, make_policy
-from orca_jax.request import Request, RequestStatus, stop_status
+from orca_jax.core.sched.policies import Policy, make_policy
+from orca_jax.lora.slots import AdapterSlots
 
 
 class QueueFullError(RuntimeError):

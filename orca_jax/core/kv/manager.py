@@ -4,7 +4,7 @@
 The device pages live in the runner; this module only decides which page ids a request holds.
 Page 0 is a scratch page that padding tokens write into on device, so it is never handed out.
 
-With prefix caching (prefix_cache.py), a full page of known content can be held by several requests
+With prefix caching (prefix_index.py), a full page of known content can be held by several requests
 at once (a reference count per page) and outlives its holders: when the last one lets go, a cached
 page becomes evictable instead of free. Evictable pages count as free everywhere (admission, growth,
 the counters); the allocator takes one, dropping its content, only when the free list is empty.
@@ -13,7 +13,7 @@ Reservations keep ORCA's guarantee: a request's reservation is the number of pag
 it holds is counted once however many requests share it, and what it may still take (`pending`) is
 promised out of the free and evictable pages, so `allocate_up_to` can never run dry.
 
-A fine-tuning job borrows the pool's top `lendable_pages` (kv_loan.py). Those pages have a free list
+A fine-tuning job borrows the pool's top `lendable_pages` (finetune/kv_loan.py). Those pages have a free list
 of their own that is drawn from only when the rest of the pool is held, so under light load they
 stay free and can be lent without preempting anyone. `lend` succeeds only then (nothing held up
 there, every reservation fits below); while lent the pool is that much smaller; `reclaim` gives the
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from orca_jax.prefix_cache import PrefixIndex
-from orca_jax.request import Request
+from orca_jax.core.kv.prefix_index import PrefixIndex
+from orca_jax.core.request import Request
 
 
 class KVCacheError(RuntimeError):
@@ -180,7 +180,7 @@ class KVCacheManager:
         self._indexed.clear()
         return forgotten
 
-    # ---- the loan to fine-tuning (kv_loan.py) ----------------------------------------------------
+    # ---- the loan to fine-tuning (finetune/kv_loan.py) -------------------------------------------
     def can_lend(self) -> bool:
         """Whether the lendable pages could go now: none held, every reservation fits below them."""
         if self.lent or self.loan_start == self.num_pages:

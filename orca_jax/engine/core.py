@@ -16,24 +16,24 @@ import time
 import zlib
 from typing import Callable, Protocol
 
-from orca_jax import multihost
-from orca_jax.batch import BucketPolicy, RaggedBatch, build_batch
-from orca_jax.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.config import EngineConfig, ModelConfig
-from orca_jax.detokenizer import IncrementalDetokenizer
-from orca_jax.engine_stats import EngineStats
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.sched.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
+from orca_jax.engine.detokenizer import IncrementalDetokenizer
+from orca_jax.engine.stats import EngineStats
+from orca_jax.finetune.kv_loan import KVLoan, pool_arguments
 from orca_jax.finetune.tuner import FineTuner
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.kv_loan import KVLoan, pool_arguments
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
-from orca_jax.logits_rules import LogitsRules, SamplingBatcher, TokenMaskSource
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
-from orca_jax.request import Request, RequestStatus, SamplingParams
-from orca_jax.runner import ModelRunner, StepResult
-from orca_jax.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
+from orca_jax.sample.rules import LogitsRules, SamplingBatcher, TokenMaskSource
 from orca_jax.structured.manager import StructuredOutputManager
+from orca_jax.worker import multihost
+from orca_jax.worker.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
+from orca_jax.worker.input_batch import BucketPolicy, RaggedBatch, build_batch
+from orca_jax.worker.model_runner import ModelRunner, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class Engine:
         While no request runs, a fine-tuning iteration runs instead if Deferred Continuous Batching
         allows (finetune/deferral.py); while requests run, one may run first if the job's inference
         slowdown, or its TPOT SLO, allows. A job that borrowed KV pages gives them back first if a
-        request the smaller pool could not admit has waited half the deferral bound (kv_loan.py).
+        request the smaller pool could not admit has waited half the deferral bound (finetune/kv_loan.py).
         """
         if self.kv_loan is not None and self.kv_loan.lent:
             refused = self.scheduler.oldest_refused_arrival

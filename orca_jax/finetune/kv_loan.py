@@ -2,7 +2,7 @@
 
 FineTuningConfig.memory_policy LEND (the default): the pool is sized as if no job ever ran, and its top
 memory_gib of pages are lendable. A job that starts borrows them: the host allocator withdraws them
-(kv_cache.lend: only while none is held and every reservation fits below, which the allocator makes
+(KVCacheManager.lend: only while none is held and every reservation fits below, which the allocator makes
 likely by handing them out last, so no running request is ever preempted for a job), then every
 layer's K/V arrays are cut to the smaller pool, which frees that memory on the device for the job's
 state and activations. Inference then runs the forwards compiled for the smaller pool
@@ -23,9 +23,9 @@ import concurrent.futures
 import dataclasses
 import time
 
-from orca_jax.compilation import usable_cores
 from orca_jax.config import FineTuningConfig, FineTuningMemory
-from orca_jax.kv_cache import KVCacheManager
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.worker.compilation import usable_cores
 
 
 def pool_arguments(config: FineTuningConfig | None) -> dict:

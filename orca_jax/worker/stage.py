@@ -28,10 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from orca_jax.batch import forward_inputs_size, unpack_forward_inputs
-from orca_jax.compilation import Bucket
 from orca_jax.config import LoRAConfig
-from orca_jax.executable_cache import describe_arrays
 from orca_jax.lora.ops import LoRATokens, SmallBatchForm, small_batch_form
 from orca_jax.lora.table import StageLoRATable
 from orca_jax.models import decoder
@@ -40,6 +37,9 @@ from orca_jax.models.projections import fuse_projections
 from orca_jax.sharding import rules
 from orca_jax.sharding.mesh import TENSOR
 from orca_jax.sharding.tensor_plan import TensorPlan
+from orca_jax.worker.compilation import Bucket
+from orca_jax.worker.executable_cache import describe_arrays
+from orca_jax.worker.input_batch import forward_inputs_size, unpack_forward_inputs
 
 
 def stage_params(params, layers: range, first: bool, last: bool, tie_embeddings: bool):
@@ -157,7 +157,7 @@ class Stage:
         """Cut every layer's pages to the first num_pages, or add zeroed pages up to num_pages (waits
         for the batches in flight). One array at a time, each old one freed before the next is copied:
         the copy needs one layer's K or V of headroom, not a second pool. Pages kept keep their
-        content; the scheduler has made sure none above the cut is held (kv_cache.lend)."""
+        content; the scheduler has made sure none above the cut is held (KVCacheManager.lend)."""
         resize = self._resizers[(self.num_pages, num_pages)]
         layers = list(self.kv)
         for i in range(len(layers)):

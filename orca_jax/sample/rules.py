@@ -13,7 +13,7 @@ to another request).
 allowed_token_ids go through the bitmask rather than the logit table: a whitelist of any length then
 costs the same, and needs no table width.
 
-The batch's sampling mode is static (one program each, see sampling.py): GREEDY when no kept row
+The batch's sampling mode is static (one program each, see ops/sampling.py): GREEDY when no kept row
 samples; SAMPLE when every sampled row has 0 < top_k <= TOP_K_CANDIDATES (drawn from a bounded
 candidate set) or needs the whole vocabulary with no threshold (top_k 0, top_p 1); SEARCH when some
 row needs a top-p threshold over the whole vocabulary (top_p < 1, top_k 0); SEARCH_TOP_K when some
@@ -29,8 +29,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from orca_jax.plan import ScheduledRequest
-from orca_jax.request import Request, SamplingParams
+from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.sched.output import ScheduledRequest
 
 # Rows with 0 < top_k <= this draw from their top TOP_K_CANDIDATES tokens, found without sorting
 # the vocabulary (sampling.top_k_candidates).

@@ -1,7 +1,7 @@
 """How many KV pages the pool gets: explicit, or sized from the device memory the weights leave.
 
 Kept apart from the runner so the sizing rule (and its flags) reads in one place; the host-side page
-allocator that hands the pages out is kv_cache.py.
+allocator that hands the pages out is core/kv/manager.py.
 
 On a GPU, as vLLM's --gpu-memory-utilization means it: weights, KV and workspace together take at
 most that fraction of the device. XLA allocates from its own share of the GPU

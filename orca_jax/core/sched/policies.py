@@ -19,8 +19,8 @@ import types
 from typing import Callable, ClassVar, Protocol, Sequence
 
 from orca_jax.config import SchedulerConfig, SchedulingPolicy
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.request import Request, RequestStatus
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, RequestStatus
 
 
 class Policy(Protocol):

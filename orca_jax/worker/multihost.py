@@ -20,10 +20,10 @@ import json
 import jax
 import numpy as np
 
-from orca_jax.batch import BATCH_ARRAYS, BatchDims, RaggedBatch
-from orca_jax.compilation import ProgramKey, key_from_json, key_to_json
 from orca_jax.config import ParallelConfig
-from orca_jax.logits_rules import SampleMode
+from orca_jax.sample.rules import SampleMode
+from orca_jax.worker.compilation import ProgramKey, key_from_json, key_to_json
+from orca_jax.worker.input_batch import BATCH_ARRAYS, BatchDims, RaggedBatch
 
 _HEADER_LEN = 15
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
-from orca_jax.kv_cache import KVCacheManager
-from orca_jax.request import Request, SamplingParams
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request, SamplingParams
 
 
 # ---- the plan handed to the batch builder ---------------------------------------------------------

@@ -50,7 +50,7 @@ class EngineStats:
     inference_deferrals_total: int = 0
     inference_deferral_seconds_total: float = 0.0
     fine_tuning_parks_total: int = 0  # a job gave its borrowed KV pages back to waiting requests
-    # The KV pool's loan to fine-tuning (kv_loan.py): pages lent now, loans since start, and the seconds
+    # The KV pool's loan to fine-tuning (finetune/kv_loan.py): pages lent now, loans since start, and the seconds
     # the engine spent resizing the pool (both ways).
     kv_pages_lent: int = 0
     kv_loans_total: int = 0

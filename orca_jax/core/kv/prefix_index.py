@@ -19,7 +19,7 @@ import collections
 import itertools
 from typing import Callable, NamedTuple, Sequence
 
-from orca_jax.request import Request
+from orca_jax.core.request import Request
 
 ROOT_KEY = 0  # the "previous key" of a request's first page
 _ROOT_SERIAL = -1

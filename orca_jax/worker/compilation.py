@@ -27,8 +27,8 @@ from typing import Callable, Iterable, NamedTuple
 
 import jax
 
-from orca_jax.executable_cache import ExecutableCache
-from orca_jax.logits_rules import SampleMode
+from orca_jax.sample.rules import SampleMode
+from orca_jax.worker.executable_cache import ExecutableCache
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The sampling programs' device code: token selection (sampling.py) and logits processing (penalties.py)."""

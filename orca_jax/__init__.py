@@ -2,8 +2,8 @@
 
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                              ParallelConfig, SchedulerConfig, SchedulingPolicy)
-from orca_jax.core.request import SamplingParams
 from orca_jax.lora.request import LoRARequest
+from orca_jax.sampling_params import SamplingParams
 
 
 def __getattr__(name):

@@ -14,8 +14,8 @@ import sys
 import time
 
 from orca_jax.config import DTYPES, EngineConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.models import presets
+from orca_jax.sampling_params import SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,6 @@ from tqdm.auto import tqdm
 
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation,
                              LoRAConfig, ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine, EngineStats
 from orca_jax.engine.defaults import UsageContext, batch_defaults
 from orca_jax.finetune.hparams import TrainingHyperparameters
@@ -18,6 +17,7 @@ from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
+from orca_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]

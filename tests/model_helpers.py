@@ -9,9 +9,9 @@ from typing import Sequence
 import numpy as np
 
 from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, SchedulerConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.models.loader import SMOLLM2_GGUF, smollm2_gguf_path  # noqa: F401
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.input_batch import empty_batch, next_power_of_two
 
 PAGE_SIZE = 16  # several pages per test sequence, so page-table indexing is exercised

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 
 from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, ParallelConfig, SchedulerConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.models import decoder
 from orca_jax.models.loader import LoadedModel
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.tokenizer import ByteTokenizer
 from orca_jax.worker.compilation import ForwardKey
 

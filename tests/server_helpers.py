@@ -24,10 +24,10 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, SchedulerConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.core.sched.scheduler import QueueFullError
 from orca_jax.engine import EngineStats
 from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.in_thread import ServedApp, served_in_thread
 from orca_jax.tokenizer import ByteTokenizer, Tokenizer, byte_to_unicode

@@ -6,7 +6,8 @@ from orca_jax.bench.baseline import PAD_TOKEN_ID, RequestLevelScheduler
 from orca_jax.bench.datasets import LengthSpec, make_trace
 from orca_jax.bench.driver import SchedulerKind, run_trace, use_scheduler
 from orca_jax.core.kv.manager import KVCacheManager
-from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.request import Request, RequestStatus
+from orca_jax.sampling_params import SamplingParams
 
 from engine_helpers import tiny_engine
 

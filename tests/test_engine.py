@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from orca_jax.config import SchedulerConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.core.sched.scheduler import QueueFullError, Scheduler
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.compilation import ForwardKey, StageInKey
 from orca_jax.worker.input_batch import unpack_forward_inputs
 

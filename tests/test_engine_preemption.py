@@ -3,7 +3,7 @@
 import random
 
 from orca_jax.config import KVAllocation, SchedulingPolicy
-from orca_jax.core.request import SamplingParams
+from orca_jax.sampling_params import SamplingParams
 
 from engine_helpers import drain, tiny_engine
 

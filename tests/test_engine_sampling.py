@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from orca_jax.config import KVAllocation
-from orca_jax.core.request import SamplingParams
+from orca_jax.sampling_params import SamplingParams
 
 from engine_helpers import drain, tiny_engine
 from model_helpers import prompt_logits

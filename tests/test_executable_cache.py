@@ -9,7 +9,7 @@ import jax
 import pytest
 from jax.experimental import serialize_executable
 
-from orca_jax.core.request import SamplingParams
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.compilation import ForwardKey
 from orca_jax.worker.executable_cache import ExecutableCache
 

@@ -11,12 +11,13 @@ import pytest
 
 from finetune_helpers import RECORDS, drive, engine_config, upload
 from hf_dirs import write_hf_dir
-from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.request import Request, RequestStatus
 from orca_jax.engine import Engine
 from orca_jax.finetune.deferral import DeferralPolicy, tpot_slack
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.models.loader import load_model
 from orca_jax.sample.rules import SampleMode
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.compilation import SampleKey
 
 BOUND_S = 0.3

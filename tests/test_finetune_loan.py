@@ -14,11 +14,12 @@ import pytest
 from finetune_helpers import RECORDS, drive, engine_config, upload
 from hf_dirs import write_hf_dir
 from orca_jax.config import FineTuningMemory
-from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.request import Request, RequestStatus
 from orca_jax.engine import Engine
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.models.loader import load_model
+from orca_jax.sampling_params import SamplingParams
 
 # Examples of 54-78 tokens in rows of 128, one row per micro-batch: three micro-batches per step, so a
 # park can fall inside a step, with its accumulated gradient.

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 from orca_jax.config import EngineConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
+from orca_jax.sampling_params import SamplingParams
 from process_helpers import checkout_env
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,10 +18,10 @@ import pytest
 from hf_dirs import KINDS, write_hf_dir
 from model_helpers import hf_greedy, hf_logits, hf_offline, our_engine, our_greedy, our_logits
 from orca_jax.config import RopeScaling
-from orca_jax.core.request import SamplingParams
 from orca_jax.models.decoder import rope_inv_freq
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.models.weights import WeightsError
+from orca_jax.sampling_params import SamplingParams
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -6,10 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.request import Request
 from orca_jax.core.sched.output import ScheduledRequest
 from orca_jax.sample.rules import (FILL_ENTRIES, FILL_RESETS, TOP_K_CANDIDATES, LogitsRules, PenaltySlots,
                                    SampleMode, SamplingBatcher, bad_word_token_ids)
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.tokenizer import ByteTokenizer
 
 V = 256

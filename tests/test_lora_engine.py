@@ -11,10 +11,10 @@ import numpy as np
 
 from engine_helpers import drain, tiny_engine
 from orca_jax.config import KVAllocation, LoRAConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.lora import LoRARequest
 from orca_jax.lora.adapter import random_adapter
 from orca_jax.lora.ops import LoRATokens, dense_delta, gather_delta, ragged_dot_delta, reference_delta
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.compilation import ForwardKey, LoRAUpdateKey
 
 

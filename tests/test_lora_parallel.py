@@ -18,12 +18,12 @@ SCRIPT = textwrap.dedent("""
     sys.path.insert(0, "tests")
     from orca_jax.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ModelFamily, ParallelConfig,
                                  SchedulerConfig)
-    from orca_jax.core.request import SamplingParams
     from orca_jax.engine import Engine
     from orca_jax.lora import LoRARequest
     from orca_jax.lora.adapter import random_adapter
     from orca_jax.models import decoder
     from orca_jax.models.loader import LoadedModel
+    from orca_jax.sampling_params import SamplingParams
     from orca_jax.tokenizer import ByteTokenizer
     from orca_jax.worker.compilation import ForwardKey
     from engine_helpers import drain

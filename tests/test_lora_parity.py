@@ -9,11 +9,11 @@ import pytest
 from lora_helpers import MAX_RANK, write_adapters, write_base
 from model_helpers import hf_greedy, hf_logits, hf_offline, prompt_logits
 from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.lora import LoRARequest
 from orca_jax.lora.adapter import load_adapter
 from orca_jax.models.loader import load_model
+from orca_jax.sampling_params import SamplingParams
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -7,9 +7,10 @@ import random
 
 from orca_jax.config import KVAllocation, SchedulerConfig
 from orca_jax.core.kv.manager import KVCacheManager
-from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.request import Request, RequestStatus
 from orca_jax.core.sched.scheduler import Scheduler
 from orca_jax.lora.slots import AdapterSlots
+from orca_jax.sampling_params import SamplingParams
 
 
 def make(num_slots=2, max_num_seqs=8, num_pages=257, kv_allocation=KVAllocation.RESERVE):

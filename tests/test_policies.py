@@ -2,8 +2,9 @@
 
 from orca_jax.config import SchedulingPolicy
 from orca_jax.core.kv.manager import KVCacheManager
-from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.request import Request
 from orca_jax.core.sched.policies import EDF, FCFS, POLICIES, Priority, make_policy
+from orca_jax.sampling_params import SamplingParams
 
 
 def req(rid, arrival, *, priority=0, deadline=None, prompt_len=4, max_tokens=4) -> Request:

@@ -10,7 +10,8 @@ import random
 import pytest
 
 from orca_jax.config import KVAllocation, SchedulingPolicy
-from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.request import Request, RequestStatus
+from orca_jax.sampling_params import SamplingParams
 
 from scheduler_helpers import create_scheduler
 

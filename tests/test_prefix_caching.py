@@ -7,8 +7,9 @@ import pytest
 
 from orca_jax.config import KVAllocation, SchedulerConfig
 from orca_jax.core.kv.manager import KVCacheManager
-from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.request import Request
 from orca_jax.core.sched.scheduler import Scheduler
+from orca_jax.sampling_params import SamplingParams
 
 from engine_helpers import tiny_engine
 

@@ -14,8 +14,8 @@ from mesh_helpers import run_on_fake_devices
 from model_helpers import prompt_logits
 from orca_jax import LLM
 from orca_jax.config import EngineConfig, ParallelConfig, SamplingConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.lora.request import LoRARequest
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.compilation import PromptLogprobsKey
 from orca_jax.worker.prompt_logprobs import prompt_lengths
 
@@ -165,7 +165,7 @@ TP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, "tests")
     from engine_helpers import tiny_engine
     from orca_jax.config import ParallelConfig, SamplingConfig
-    from orca_jax.core.request import SamplingParams
+    from orca_jax.sampling_params import SamplingParams
 
     prompt = [(11 * i + 5) % 250 + 3 for i in range(45)]
     results = {}

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from orca_jax.core.request import SamplingParams
 from orca_jax.core.sched.scheduler import QueueFullError
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
                                           EngineUnavailableError)
 

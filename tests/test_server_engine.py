@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.server import create_app
 
 from server_helpers import live_server, parse_sse

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orca_jax.core.request import SamplingParams
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.server import create_app
 from orca_jax.server.app import package_version
 from orca_jax.server.structured import ToolCallSettings

@@ -16,10 +16,10 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     sys.path.insert(0, "tests")
     from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, ParallelConfig, SchedulerConfig
-    from orca_jax.core.request import SamplingParams
     from orca_jax.engine import Engine
     from orca_jax.models import decoder
     from orca_jax.models.loader import LoadedModel
+    from orca_jax.sampling_params import SamplingParams
     from orca_jax.tokenizer import ByteTokenizer
     from engine_helpers import drain, tiny_engine
     from model_helpers import prompt_logits

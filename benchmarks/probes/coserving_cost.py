@@ -25,11 +25,11 @@ import numpy as np
 
 from orca_jax.bench.harness import random_model
 from orca_jax.config import EngineConfig, FineTuningConfig, FineTuningMemory, LoRAConfig, SchedulerConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.finetune.adapter_params import init_adapter
 from orca_jax.finetune.hparams import LoRASpec, resolve_targets
 from orca_jax.finetune.model import TrainBatch, grad_fn, loss_sums
+from orca_jax.sampling_params import SamplingParams
 
 MODEL = os.environ.get("PROBE_MODEL", "llama-8b")
 DECODE_BATCHES = (16, 48)  # about the running batch at the light and medium rates of bench finetune

@@ -22,9 +22,9 @@ import numpy as np
 from orca_jax.bench.finetune import synthetic_dataset
 from orca_jax.bench.harness import random_model
 from orca_jax.config import EngineConfig, FineTuningConfig, LoRAConfig, SchedulerConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.finetune.hparams import TrainingHyperparameters
+from orca_jax.sampling_params import SamplingParams
 
 MODEL = os.environ.get("PROBE_MODEL", "llama-8b")
 BATCH = 16  # about the light rate's running batch

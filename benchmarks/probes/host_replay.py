@@ -12,8 +12,9 @@ import time
 
 from orca_jax.config import SchedulerConfig
 from orca_jax.core.kv.manager import KVCacheManager
-from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.request import Request
 from orca_jax.core.sched.scheduler import Scheduler
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.input_batch import BucketPolicy, build_batch
 
 

@@ -154,7 +154,7 @@ for label, req in (("base", None), ("adapter", lora)):
     engine_rows[label] = bench_lora.decode_ms(engine, req)
     prompt = np.random.default_rng(1).integers(3, engine.model_config.vocab_size, min(512, engine.max_model_len - 240)).tolist()
     engine.reset_prefix_cache()
-    from orca_jax.core.request import SamplingParams
+    from orca_jax.sampling_params import SamplingParams
     rid = engine.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True), lora_request=req)
     while not any(o.request_id == rid for o in engine.step()):
         pass

@@ -21,10 +21,10 @@ import numpy as np
 from orca_jax.bench.baseline import RequestLevelScheduler
 from orca_jax.bench.datasets import Trace
 from orca_jax.config import SchedulingPolicy
-from orca_jax.core.request import SamplingParams
 from orca_jax.core.sched.scheduler import Scheduler, SchedulerOutput
 from orca_jax.engine import Engine
 from orca_jax.engine.core import DispatchTiming
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.input_batch import RaggedBatch
 
 

@@ -28,11 +28,11 @@ import numpy as np
 from orca_jax.bench.datasets import DatasetName, Trace, add_dataset_arguments, lengths_from_args, make_trace
 from orca_jax.bench.harness import Results, add_engine_arguments, add_result_arguments, build_engine
 from orca_jax.config import FineTuningConfig, LoRAConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.finetune.data import TrainingPlan, examples_from_records
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters, resolve_targets
 from orca_jax.finetune.trainer import LoRATrainer
+from orca_jax.sampling_params import SamplingParams
 
 TPOT_TARGET = 1.2  # medium rate: p99 TPOT with the job over alone, at most
 FT_TARGET = 0.5  # light rate: fine-tuning tokens/s with inference over alone, at least

@@ -25,9 +25,9 @@ import numpy as np
 from orca_jax.bench.finetune import drive_until, percentiles, synthetic_dataset
 from orca_jax.bench.harness import Results, add_engine_arguments, add_result_arguments, build_engine
 from orca_jax.config import FineTuningConfig, FineTuningMemory, LoRAConfig
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.finetune.hparams import TrainingHyperparameters
+from orca_jax.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,8 @@ import numpy as np
 from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
 from orca_jax.core.kv.manager import KVCacheManager
-from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.request import Request
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.executable_cache import source_digest
 from orca_jax.worker.input_batch import BucketPolicy
 

@@ -28,7 +28,7 @@ from orca_jax.bench import roofline
 from orca_jax.bench.datasets import identical_trace, int_list
 from orca_jax.bench.driver import Probe, SchedulerKind, run_trace, use_scheduler
 from orca_jax.bench.harness import Results, add_engine_arguments, add_result_arguments, measured_engine, on_off
-from orca_jax.core.request import SamplingParams
+from orca_jax.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -30,11 +30,11 @@ from orca_jax.bench.datasets import DatasetName, Trace, add_dataset_arguments, l
 from orca_jax.bench.harness import Results, add_engine_arguments, add_result_arguments, build_engine, random_model
 from orca_jax.bench.roofline import time_call
 from orca_jax.config import LoRAConfig, ModelConfig, ModelFamily
-from orca_jax.core.request import SamplingParams
 from orca_jax.engine import Engine
 from orca_jax.lora import LoRARequest, ops
 from orca_jax.lora.adapter import projection_shapes, random_adapter
 from orca_jax.lora.layout import layer_shapes, nest
+from orca_jax.sampling_params import SamplingParams
 
 KERNEL_MAX_TOKENS = 32  # the ops section times the kernels up to this many tokens
 THROUGHPUT_TARGET = 0.8  # adapters' tokens/s over the base's, at least

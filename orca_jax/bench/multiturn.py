@@ -37,7 +37,7 @@ from orca_jax.bench.harness import (Results, add_engine_arguments, add_result_ar
                                     launched_server, serve_flags)
 from orca_jax.bench.serve_client import BenchRequest, Endpoint, ServeBenchConfig
 from orca_jax.bench.serve_stats import RequestRecord
-from orca_jax.core.request import SamplingParams
+from orca_jax.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

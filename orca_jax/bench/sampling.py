@@ -23,7 +23,7 @@ from typing import Callable
 from orca_jax.bench.datasets import DatasetName, add_dataset_arguments, lengths_from_args, make_trace
 from orca_jax.bench.driver import run_trace
 from orca_jax.bench.harness import Results, add_engine_arguments, add_result_arguments, measured_engine
-from orca_jax.core.request import SamplingParams
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.structured import Constraint
 
 # A list of records (an extraction's usual output), at least 128 of them: ~5,000 tokens at the least,

@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv.manager import KVCacheManager
-from orca_jax.core.request import Request, RequestStatus, SamplingParams
+from orca_jax.core.request import Request, RequestStatus
 from orca_jax.core.sched.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
 from orca_jax.engine.detokenizer import IncrementalDetokenizer
 from orca_jax.engine.stats import EngineStats
@@ -29,6 +29,7 @@ from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.sample.rules import LogitsRules, SamplingBatcher, TokenMaskSource
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.structured.manager import StructuredOutputManager
 from orca_jax.worker import multihost
 from orca_jax.worker.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for

@@ -29,8 +29,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.request import Request
 from orca_jax.core.sched.output import ScheduledRequest
+from orca_jax.sampling_params import SamplingParams
 
 # Rows with 0 < top_k <= this draw from their top TOP_K_CANDIDATES tokens, found without sorting
 # the vocabulary (sampling.top_k_candidates).

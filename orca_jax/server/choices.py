@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from orca_jax.core.request import SamplingParams
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.async_engine import AsyncEngine, RequestStream
 from orca_jax.server.formatting import Final
 from orca_jax.server.metrics import RequestTimer

@@ -12,8 +12,8 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from orca_jax.core.request import SamplingParams
 from orca_jax.lora.request import LoRARequest
+from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.async_engine import (
     AsyncEngine, EngineOverloadedError, EngineUnavailableError, QueueFullError, RequestStream,
 )

@@ -11,7 +11,8 @@ import dataclasses
 from typing import Protocol, Sequence
 
 from orca_jax.core.kv.manager import KVCacheManager
-from orca_jax.core.request import Request, SamplingParams
+from orca_jax.core.request import Request
+from orca_jax.sampling_params import SamplingParams
 
 
 # ---- the plan handed to the batch builder ---------------------------------------------------------

@@ -24,7 +24,7 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, SchedulerConfig
-from orca_jax.core.sched.scheduler import QueueFullError
+from orca_jax.core.sched.interface import QueueFullError
 from orca_jax.engine import EngineStats
 from orca_jax.outputs import RequestOutput, TokenLogprob
 from orca_jax.sampling_params import SamplingParams

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from orca_jax.config import SchedulerConfig
-from orca_jax.core.sched.scheduler import QueueFullError, Scheduler
+from orca_jax.core.sched.interface import QueueFullError
+from orca_jax.core.sched.scheduler import Scheduler
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.compilation import ForwardKey, StageInKey
 from orca_jax.worker.input_batch import unpack_forward_inputs

@@ -9,7 +9,7 @@ from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
 from orca_jax.models.presets import PRESETS
 from orca_jax.worker.kv_pool import (CPU_DEFAULT_KV_GIB, GPU_KV_FRACTION, XLA_MEM_FRACTION_ENV, max_useful_pages,
-                              num_pages_for)
+                                     num_pages_for)
 
 GIB = 2**30
 TINY = PRESETS["tiny-llama"]  # 2 layers x 2 KV heads x 16 dims x K,V x 4 bytes = 512 bytes a token

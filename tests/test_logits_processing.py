@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from orca_jax.sample.ops.penalties import (LogitsArrays, PenaltyTables, count_sampled, fill_tables, process_logits,
-                                        unpack_mask)
+                                           unpack_mask)
 from orca_jax.sample.rules import pack_token_mask
 
 S, V, W, SLOTS = 6, 300, 5, 4

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from orca_jax.sample.ops.sampling import (SamplingArrays, candidate_keep, order_key, pack, radix_threshold, sample,
-                               top_k_candidates, vocab_keep)
+                                          top_k_candidates, vocab_keep)
 from orca_jax.sample.rules import TOP_K_CANDIDATES, SampleMode
 
 VOCAB = 32

@@ -6,7 +6,8 @@ import pytest
 
 from orca_jax.config import SchedulingPolicy
 from orca_jax.core.request import Request, RequestStatus
-from orca_jax.core.sched.scheduler import QueueFullError, SchedulerOutput
+from orca_jax.core.sched.interface import QueueFullError
+from orca_jax.core.sched.output import SchedulerOutput
 from orca_jax.sampling_params import SamplingParams
 
 from scheduler_helpers import create_scheduler

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from orca_jax.core.sched.scheduler import QueueFullError
+from orca_jax.core.sched.interface import QueueFullError
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
                                           EngineUnavailableError)

@@ -1,6 +1,6 @@
 """The paper's request-level baseline (FasterTransformer with its custom scheduler), on our engine.
 
-A scheduler behind orca_jax.scheduler.SchedulerInterface, injected into an Engine in place of ORCA's
+A scheduler behind orca_jax.core.sched.interface.SchedulerInterface, injected into an Engine in place of ORCA's
 (Engine(scheduler_factory=...) or Engine.replace_scheduler), so the comparison isolates scheduling: same model code, runner, KV pool and batch builder.
 Request-level semantics, as in ORCA section 2.2 and 6:
 - when the engine is idle, up to max_num_seqs waiting requests form a batch (dynamic batching);
@@ -25,7 +25,8 @@ from typing import Callable, Sequence
 
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request, RequestStatus
-from orca_jax.core.sched.scheduler import SchedulerOutput, plan_request
+from orca_jax.core.sched.output import SchedulerOutput
+from orca_jax.core.sched.planner import plan_request
 
 PAD_TOKEN_ID = 0
 

@@ -21,7 +21,8 @@ import numpy as np
 from orca_jax.bench.baseline import RequestLevelScheduler
 from orca_jax.bench.datasets import Trace
 from orca_jax.config import SchedulingPolicy
-from orca_jax.core.sched.scheduler import Scheduler, SchedulerOutput
+from orca_jax.core.sched.output import SchedulerOutput
+from orca_jax.core.sched.scheduler import Scheduler
 from orca_jax.engine import Engine
 from orca_jax.engine.core import DispatchTiming
 from orca_jax.sampling_params import SamplingParams

@@ -19,7 +19,9 @@ from typing import Callable, Protocol
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request, RequestStatus
-from orca_jax.core.sched.scheduler import Scheduler, SchedulerInterface, SchedulerOutput
+from orca_jax.core.sched.interface import SchedulerInterface
+from orca_jax.core.sched.output import SchedulerOutput
+from orca_jax.core.sched.scheduler import Scheduler
 from orca_jax.engine.detokenizer import IncrementalDetokenizer
 from orca_jax.engine.stats import EngineStats
 from orca_jax.finetune.kv_loan import KVLoan, pool_arguments

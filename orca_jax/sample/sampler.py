@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 
 from orca_jax.config import SamplingConfig
 from orca_jax.sample.ops.penalties import (LogitsArrays, PenaltyTables, count_sampled, empty_tables, fill_tables,
-                                        process_logits)
+                                           process_logits)
 from orca_jax.sample.ops.sampling import SamplingArrays, pack, sample
 from orca_jax.sample.rules import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.worker.compilation import PenaltyFillKey, SampleKey

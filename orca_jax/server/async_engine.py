@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from orca_jax.core.sched.scheduler import QueueFullError
+from orca_jax.core.sched.interface import QueueFullError
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from orca_jax.core.sched.scheduler import SchedulerOutput
+from orca_jax.core.sched.output import SchedulerOutput
 from orca_jax.sample.rules import FILL_ENTRIES, FILL_RESETS, SampleMode, SamplingBatcher
 from orca_jax.worker.compilation import Bucket
 

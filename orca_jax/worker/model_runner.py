@@ -34,8 +34,8 @@ from orca_jax.sharding import rules, tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
 from orca_jax.worker import multihost
 from orca_jax.worker.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PenaltyFillKey,
-                                  PrecompileReport, ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey,
-                                  SampleKey, StageInKey)
+                                         PrecompileReport, ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey,
+                                         SampleKey, StageInKey)
 from orca_jax.worker.executable_cache import ExecutableCache
 from orca_jax.worker.input_batch import RaggedBatch, empty_batch, pack_forward_inputs
 from orca_jax.worker.kv_pool import num_pages_for, pages_for_budget

@@ -14,14 +14,11 @@ from typing import Callable, Sequence
 from orca_jax.config import KVAllocation, SchedulerConfig
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request, RequestStatus, stop_status
-from orca_jax.core.sched.output import (PlanningView, ScheduledRequest, SchedulerInterface, SchedulerOutput,  # noqa: F401
-                           own_view, plan_request, take_cached)
+from orca_jax.core.sched.interface import QueueFullError
+from orca_jax.core.sched.output import SchedulerOutput
+from orca_jax.core.sched.planner import PlanningView, own_view, plan_request, take_cached
 from orca_jax.core.sched.policies import Policy, make_policy
 from orca_jax.lora.slots import AdapterSlots
-
-
-class QueueFullError(RuntimeError):
-    """The request pool holds SchedulerConfig.max_waiting requests already; try again later."""
 
 
 class Scheduler:

@@ -1,0 +1,69 @@
+"""How a request's share of an iteration's plan is made: `plan_request` gives the request the KV pages
+its tokens need and records them; `take_cached` first takes pages of its prompt that others published
+meanwhile (no jax).
+
+Apart from scheduler.py so that file holds only Algorithm 1's decisions; every scheduler (Algorithm 1's,
+and the request-level baseline the benchmarks compare with) plans through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.core.request import Request
+from orca_jax.core.sched.output import ScheduledRequest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanningView:
+    """Where a request stands for planning: its own state, advanced past the batch it is in flight in."""
+
+    start: int  # tokens in the KV cache once every in-flight batch has run
+    step: int  # output tokens sampled once every in-flight batch has run
+    token_source: int  # row of the in-flight batch whose sample is the next token to feed; -1: none
+    num_prompt_tokens: int  # Request.num_initiation_tokens: the prompt, or all it had when preempted
+
+    @property
+    def in_initiation(self) -> bool:
+        return self.start < self.num_prompt_tokens
+
+
+def own_view(request: Request) -> PlanningView:
+    """A request planned from its own state (in no unreturned batch)."""
+    return PlanningView(request.num_computed_tokens, len(request.output_token_ids), -1,
+                        request.num_initiation_tokens)
+
+
+def take_cached(request: Request, view: PlanningView, kv: KVCacheManager, max_tokens: int) -> PlanningView:
+    """A request in its prompt whose pages end where it would compute next (in no batch in flight)
+    takes the cached pages that follow, published since it was admitted, up to max_tokens in all;
+    returns its view past them."""
+    if not view.in_initiation or view.token_source >= 0 or view.start != request.num_computed_tokens:
+        return view
+    gained = kv.extend_with_cached(request, view.start, max_tokens)
+    if not gained:
+        return view
+    request.num_computed_tokens += gained
+    if request.num_preemptions == 0:  # what its client hears of: its first life's hits
+        request.num_cached_tokens += gained
+    return dataclasses.replace(view, start=view.start + gained)
+
+
+def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
+                 view: PlanningView | None = None) -> ScheduledRequest:
+    """Allocate KV pages for a request's next num_new_tokens and return its share of the plan."""
+    view = view or own_view(request)
+    end = view.start + num_new_tokens
+    # A request with the same prompt planned earlier in this batch may have published pages this
+    # chunk would compute: take them, keeping the chunk's end (its budget share) and its last token.
+    start = take_cached(request, view, kv, min(end, view.num_prompt_tokens) - 1).start
+    kv.allocate_up_to(request.request_id, end)
+    # Pages this batch completes are shareable from now on: a later request reading them runs in a
+    # later batch, or in this one, whose forward writes every new token's K/V before any layer attends.
+    kv.publish(request, end)
+    tokens = (0,) if view.token_source >= 0 else tuple(request.token_ids_at(start, end - start))
+    return ScheduledRequest(
+        request=request, start=start, token_ids=tokens,
+        page_ids=tuple(kv.page_ids(request.request_id)[:kv.num_pages_for(end)]), seed=request.seed,
+        sampling=request.sampling, step=view.step, token_source=view.token_source, lora_slot=request.lora_slot)

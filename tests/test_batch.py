@@ -7,7 +7,7 @@ import pytest
 
 from orca_jax.core.request import Request
 from orca_jax.core.sched.output import ScheduledRequest, SchedulerOutput
-from orca_jax.sample.rules import SampleMode
+from orca_jax.sample.mode import SampleMode
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.input_batch import (BucketPolicy, build_batch, empty_batch, forward_inputs_size, pack_forward_inputs,
                                          unpack_forward_inputs)

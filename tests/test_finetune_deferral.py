@@ -16,7 +16,7 @@ from orca_jax.engine import Engine
 from orca_jax.finetune.deferral import DeferralPolicy, tpot_slack
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.models.loader import load_model
-from orca_jax.sample.rules import SampleMode
+from orca_jax.sample.mode import SampleMode
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.compilation import SampleKey
 

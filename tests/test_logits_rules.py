@@ -8,8 +8,9 @@ import pytest
 
 from orca_jax.core.request import Request
 from orca_jax.core.sched.output import ScheduledRequest
-from orca_jax.sample.rules import (FILL_ENTRIES, FILL_RESETS, TOP_K_CANDIDATES, LogitsRules, PenaltySlots,
-                                   SampleMode, SamplingBatcher, bad_word_token_ids)
+from orca_jax.sample.batcher import PenaltySlots, SamplingBatcher
+from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, TOP_K_CANDIDATES, SampleMode
+from orca_jax.sample.rules import LogitsRules, bad_word_token_ids
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.tokenizer import ByteTokenizer
 

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from orca_jax.sample.mode import TOP_K_CANDIDATES, SampleMode
 from orca_jax.sample.ops.sampling import (SamplingArrays, candidate_keep, order_key, pack, radix_threshold, sample,
                                           top_k_candidates, vocab_keep)
-from orca_jax.sample.rules import TOP_K_CANDIDATES, SampleMode
 
 VOCAB = 32
 BIG_VOCAB = 8192  # 256 blocks: the candidate search prunes (more blocks than TOP_K_CANDIDATES)

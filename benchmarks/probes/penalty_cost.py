@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.sample.ops.penalties import LogitsArrays, count_sampled, empty_tables, fill_tables, process_logits
 from orca_jax.sample.ops.sampling import SamplingArrays
-from orca_jax.sample.rules import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.sample.sampler import _sample_plain, _sample_processed
 
 S, V, W, K = 128, 128256, 8, 20

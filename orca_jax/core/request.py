@@ -6,17 +6,36 @@ import dataclasses
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from orca_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from orca_jax.engine.detokenizer import IncrementalDetokenizer
     from orca_jax.outputs import PromptLogprobs
     from orca_jax.sample.rules import LogitsRules
     from orca_jax.structured.matcher import GrammarMatcher
 
 log = logging.getLogger(__name__)
+
+
+class Detokenizer(Protocol):
+    """A request's output text and stop strings (the engine's IncrementalDetokenizer): fed by the stop
+    check here, read by the engine when it builds outputs."""
+
+    text: str  # all decoded text so far (cut at a stop string once one is seen)
+    stop_string: str | None  # the stop string that was found, once one is
+
+    def add(self, token_ids: list[int], find_stop: bool = True) -> bool:
+        """Account for token_ids (the whole output so far); True when a stop string was found."""
+        ...
+
+    def flush(self) -> None:
+        """Release everything held back (the request has finished)."""
+        ...
+
+    def take_new_text(self) -> str:
+        """The text emitted since the last call."""
+        ...
 
 
 class RequestStatus(enum.Enum):
@@ -45,7 +64,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0  # the sampling seed, resolved once when the request is added (SamplingParams.seed or derived)
     # Text and stop strings of the output; None when nobody wants text (the scheduler's own tests).
-    detokenizer: IncrementalDetokenizer | None = None
+    detokenizer: Detokenizer | None = None
     # What the request asks of the logits, in token ids (bad words tokenized, stop tokens for
     # min_tokens); None: nothing beyond temperature, top-k, top-p and min-p.
     logits_rules: LogitsRules | None = None

@@ -30,7 +30,8 @@ from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model
 from orca_jax.outputs import RequestOutput, TokenLogprob
-from orca_jax.sample.rules import LogitsRules, SamplingBatcher, TokenMaskSource
+from orca_jax.sample.batcher import SamplingBatcher, TokenMaskSource
+from orca_jax.sample.rules import LogitsRules
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.structured.manager import StructuredOutputManager
 from orca_jax.worker import multihost

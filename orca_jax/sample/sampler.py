@@ -17,10 +17,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from orca_jax.config import SamplingConfig
+from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.sample.ops.penalties import (LogitsArrays, PenaltyTables, count_sampled, empty_tables, fill_tables,
                                            process_logits)
 from orca_jax.sample.ops.sampling import SamplingArrays, pack, sample
-from orca_jax.sample.rules import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.worker.compilation import PenaltyFillKey, SampleKey
 from orca_jax.worker.input_batch import RaggedBatch
 

@@ -26,8 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from orca_jax.core.request import Request, RequestStatus
-from orca_jax.core.sched.output import ScheduledRequest
-from orca_jax.sample.rules import keeps_sample
+from orca_jax.core.sched.output import ScheduledRequest, keeps_sample
 from orca_jax.structured.bitmask import ALL_ALLOWED
 from orca_jax.structured.matcher import GrammarCompiler, bitmask_width
 from orca_jax.tokenizer import BaseTokenizer

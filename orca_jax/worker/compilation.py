@@ -27,7 +27,7 @@ from typing import Callable, Iterable, NamedTuple
 
 import jax
 
-from orca_jax.sample.rules import SampleMode
+from orca_jax.sample.mode import SampleMode
 from orca_jax.worker.executable_cache import ExecutableCache
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ from typing import NamedTuple
 import numpy as np
 
 from orca_jax.core.sched.output import SchedulerOutput
-from orca_jax.sample.rules import FILL_ENTRIES, FILL_RESETS, SampleMode, SamplingBatcher
+from orca_jax.sample.batcher import SamplingBatcher
+from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.worker.compilation import Bucket
 
 
@@ -118,13 +119,13 @@ class RaggedBatch:
     seed: np.ndarray  # u32[S]
     step: np.ndarray  # i32[S]: tokens generated so far, so each draw gets a fresh key
     num_top_logprobs: int  # static: 0, or SamplingConfig.max_logprobs when any request asks
-    sample_mode: SampleMode  # static: which sampling program (logits_rules.SampleMode)
+    sample_mode: SampleMode  # static: which sampling program (sample/mode.py)
     num_real_tokens: int
     num_real_seqs: int
     # i32[T]: -1 where token_ids holds the token, else the row of the previous iteration's samples
     # (still on device) to take it from; None: every token is in token_ids.
     token_sources: np.ndarray | None = None
-    # Logits processing (logits_rules.SamplingBatcher; the sampling program's LogitsArrays): static
+    # Logits processing (sample/batcher.py's SamplingBatcher; the sampling program's LogitsArrays): static
     # whether the batch runs it; the arrays below are None unless it does.
     logits_processed: bool = False
     presence_penalty: np.ndarray | None = None  # f32[S]

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from orca_jax.config import ParallelConfig
-from orca_jax.sample.rules import SampleMode
+from orca_jax.sample.mode import SampleMode
 from orca_jax.worker.compilation import ProgramKey, key_from_json, key_to_json
 from orca_jax.worker.input_batch import BATCH_ARRAYS, BatchDims, RaggedBatch
 

@@ -9,6 +9,19 @@ from orca_jax.core.request import Request
 from orca_jax.core.sched.output import SchedulerOutput
 
 
+class AdapterAdmission(Protocol):
+    """What the scheduler asks of the device's LoRA adapter slots (lora/slots.py's AdapterSlots)."""
+
+    def admit(self, request: Request) -> bool:
+        """Pin a slot holding the request's adapter and set request.lora_slot; False: no slot can be
+        had now, the request waits (and the requests behind it go on)."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """The request gives its slot up (finished, preempted, or not admitted after all)."""
+        ...
+
+
 class QueueFullError(RuntimeError):
     """The request pool holds SchedulerConfig.max_waiting requests already; try again later."""
 

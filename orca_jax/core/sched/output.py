@@ -34,6 +34,11 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+def keeps_sample(item: ScheduledRequest) -> bool:
+    """Whether the row's sample becomes an output token (not a mid-prompt chunk's, discarded)."""
+    return item.token_source >= 0 or item.start + item.num_new_tokens >= item.request.num_tokens
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """The whole plan of one iteration, in the policy's order."""

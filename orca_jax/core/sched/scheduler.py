@@ -14,11 +14,10 @@ from typing import Callable, Sequence
 from orca_jax.config import KVAllocation, SchedulerConfig
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request, RequestStatus, stop_status
-from orca_jax.core.sched.interface import QueueFullError
+from orca_jax.core.sched.interface import AdapterAdmission, QueueFullError
 from orca_jax.core.sched.output import SchedulerOutput
 from orca_jax.core.sched.planner import PlanningView, own_view, plan_request, take_cached
 from orca_jax.core.sched.policies import Policy, make_policy
-from orca_jax.lora.slots import AdapterSlots
 
 
 class Scheduler:
@@ -30,7 +29,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  max_in_flight: int = 1, clock: Callable[[], float] = time.monotonic,
                  policy: Policy | None = None, token_target: Callable[[int], int] | None = None,
-                 adapters: AdapterSlots | None = None):
+                 adapters: AdapterAdmission | None = None):
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if max_in_flight <= 0:

@@ -2,7 +2,7 @@
 table (logit_bias, bad words, min_tokens' bans) and the presence / frequency / repetition penalties
 from token counts kept on device.
 
-The counts live in two tables with a row per penalty slot (logits_rules.PenaltySlots assigns them):
+The counts live in two tables with a row per penalty slot (sample/batcher.py's PenaltySlots assigns them):
 how often each token was generated, and which tokens the prompt holds (vLLM's repetition penalty
 counts both). The sampling program adds each kept row's sampled token to its slot right after drawing
 it, so with async scheduling the next batch's sample sees it though the host does not know it yet.

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from orca_jax.sample.rules import TOP_K_CANDIDATES, SampleMode
+from orca_jax.sample.mode import TOP_K_CANDIDATES, SampleMode
 
 BLOCK = 32  # tokens per block in the candidate search (blocks ranked by their max)
 RADIX_BITS = 4  # bits of a threshold decided per pass over the vocabulary

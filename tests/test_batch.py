@@ -48,14 +48,15 @@ def test_ragged_layout_of_a_prompt_chunk_and_two_increments():
     assert batch.page_table[:3, :4].tolist() == [[7, 3, 0, 0], [2, 5, 6, 0], [4, 0, 0, 0]]
     assert not batch.page_table[:, 4:].any()  # the table's width is fixed at max_pages
     assert batch.num_seqs.tolist() == [3]
-    assert batch.seed[:3].tolist() == [5, 6, 0] and batch.step[:3].tolist() == [0, 3, 0]
+    assert batch.sampling.seed[:3].tolist() == [5, 6, 0] and batch.sampling.step[:3].tolist() == [0, 3, 0]
     # A greedy row's top-p and min-p are left neutral: they never pick a slower sampling program.
-    np.testing.assert_allclose(batch.temperature[:3], [0.0, 0.5, 0.0])
-    assert batch.top_k[:3].tolist() == [0, 4, 0]
-    np.testing.assert_allclose(batch.top_p[:3], [1.0, 1.0, 1.0])
-    np.testing.assert_allclose(batch.min_p[:3], [0.0, 0.0, 0.0])
-    assert (batch.bucket, batch.num_top_logprobs, batch.sample_mode) == ((8, 8, 16), 0, SampleMode.SAMPLE)
-    assert not batch.logits_processed and batch.bias_token_ids is None
+    np.testing.assert_allclose(batch.sampling.temperature[:3], [0.0, 0.5, 0.0])
+    assert batch.sampling.top_k[:3].tolist() == [0, 4, 0]
+    np.testing.assert_allclose(batch.sampling.top_p[:3], [1.0, 1.0, 1.0])
+    np.testing.assert_allclose(batch.sampling.min_p[:3], [0.0, 0.0, 0.0])
+    assert (batch.bucket, batch.sampling.num_top_logprobs, batch.sampling.sample_mode) \
+        == ((8, 8, 16), 0, SampleMode.SAMPLE)
+    assert not batch.sampling.logits_processed and batch.sampling.bias_token_ids is None
 
 
 def test_padding_rows_and_sequences_point_at_the_scratch_page():
@@ -65,7 +66,7 @@ def test_padding_rows_and_sequences_point_at_the_scratch_page():
     assert not batch.slot_mapping[real:].any() and not batch.token_ids[real:].any()  # slot 0: page 0
     assert not batch.page_table[1:].any() and not batch.kv_lens[1:].any()
     assert (batch.cu_q_lens[1:] == real).all()  # padding sequences own no rows
-    assert (batch.top_p[1:] == 1.0).all() and batch.sample_mode is SampleMode.GREEDY
+    assert (batch.sampling.top_p[1:] == 1.0).all() and batch.sampling.sample_mode is SampleMode.GREEDY
 
 
 @pytest.mark.parametrize("num_tokens, num_pages, expected", [
@@ -79,7 +80,7 @@ def test_buckets_follow_the_token_ladder_with_s_tied_to_t(num_tokens, num_pages,
 
 def test_top_logprobs_is_static_per_batch():
     batch = build_batch(plan(item("a", 0, [1], [1]), item("b", 0, [1], [2], logprobs=2)), BUCKETS)
-    assert batch.num_top_logprobs == SamplingParams.MAX_TOP_LOGPROBS
+    assert batch.sampling.num_top_logprobs == SamplingParams.MAX_TOP_LOGPROBS
 
 
 def test_every_batch_lands_in_a_listed_bucket():
@@ -91,7 +92,8 @@ def test_every_batch_lands_in_a_listed_bucket():
 
 def test_empty_batch_is_all_padding():
     batch = empty_batch(16, 8, 4)
-    assert (batch.bucket, batch.num_top_logprobs, batch.sample_mode) == ((16, 8, 4), 0, SampleMode.GREEDY)
+    assert (batch.bucket, batch.sampling.num_top_logprobs, batch.sampling.sample_mode) \
+        == ((16, 8, 4), 0, SampleMode.GREEDY)
     assert batch.num_real_seqs == 0
     assert not batch.slot_mapping.any() and not batch.cu_q_lens.any()
 

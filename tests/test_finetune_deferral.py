@@ -18,7 +18,7 @@ from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.models.loader import load_model
 from orca_jax.sample.mode import SampleMode
 from orca_jax.sampling_params import SamplingParams
-from orca_jax.worker.compilation import SampleKey
+from orca_jax.sample.sampler import SampleKey
 
 BOUND_S = 0.3
 # Slack over the bound for the host loop's own granularity and an iteration running a little longer

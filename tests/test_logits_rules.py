@@ -103,7 +103,7 @@ def _request(rid, prompt_len=4, rules=None, **sampling):
 
 def test_batch_modes_and_discarded_samples():
     batcher = SamplingBatcher(4, V, 16)
-    mode = lambda *items: batcher.rows(items, 8)["sample_mode"]  # noqa: E731
+    mode = lambda *items: batcher.rows(items, 8).sample_mode  # noqa: E731
     greedy, small_k = _request("g"), _request("k", temperature=0.8, top_k=TOP_K_CANDIDATES, top_p=0.5)
     plain, top_p = _request("t", temperature=0.8, min_p=0.2), _request("p", temperature=0.8, top_p=0.9)
     big_k = _request("K", temperature=0.8, top_k=TOP_K_CANDIDATES + 1)
@@ -113,13 +113,13 @@ def test_batch_modes_and_discarded_samples():
     assert mode(_item(big_k, 0, 4), _item(top_p, 0, 4)) is SampleMode.SEARCH_TOP_K
     # A mid-prompt chunk's sample is dropped: drawn greedily, it asks for no program of its own.
     rows = batcher.rows([_item(top_p, 0, 2)], 8)
-    assert rows["sample_mode"] is SampleMode.GREEDY and rows["temperature"][0] == 0.0
-    assert not rows["logits_processed"] and rows["num_top_logprobs"] == 0
+    assert rows.sample_mode is SampleMode.GREEDY and rows.temperature[0] == 0.0
+    assert not rows.logits_processed and rows.num_top_logprobs == 0
     rows = batcher.rows([_item(top_p, 0, 4)], 8)  # SEARCH programs process logits (neutral here)
-    assert rows["logits_processed"] and rows["num_top_logprobs"] == 20 and (rows["penalty_slot"] == -1).all()
+    assert rows.logits_processed and rows.num_top_logprobs == 20 and (rows.penalty_slot == -1).all()
     # min_tokens alone needs processing only until that many outputs are out.
     short = _request("m", min_tokens=2)
-    assert [batcher.rows([_item(short, 3 + step, 1, step=step)], 8)["logits_processed"] for step in range(4)] \
+    assert [batcher.rows([_item(short, 3 + step, 1, step=step)], 8).logits_processed for step in range(4)] \
         == [True, True, False, False]
 
 
@@ -130,24 +130,24 @@ def test_processed_rows_get_slots_tables_and_fills():
     banned.output_token_ids = [97]
     chunk = _request("c", repetition_penalty=1.5)
     rows = batcher.rows([_item(penalized, 0, 5), _item(chunk, 0, 2), _item(banned, 4, 1, step=1)], 8)
-    assert rows["logits_processed"] and rows["sample_mode"] is SampleMode.GREEDY
-    assert rows["penalty_slot"][:3].tolist() == [0, -1, -1]  # the mid-prompt chunk needs no slot yet
-    np.testing.assert_allclose(rows["repetition_penalty"][:3], [1.2, 1.0, 1.0])
-    assert rows["bias_token_ids"][2, :1].tolist() == [98] and (rows["bias_token_ids"][2, 1:] == V).all()
-    assert rows["allowed_mask"] is not None and (rows["allowed_mask"][[0, 1]] == -1).all()
-    assert rows["penalty_resets"].tolist() == [[0] + [-1] * (FILL_RESETS - 1)]
-    fill = rows["penalty_fill"][0]
+    assert rows.logits_processed and rows.sample_mode is SampleMode.GREEDY
+    assert rows.penalty_slot[:3].tolist() == [0, -1, -1]  # the mid-prompt chunk needs no slot yet
+    np.testing.assert_allclose(rows.repetition_penalty[:3], [1.2, 1.0, 1.0])
+    assert rows.bias_token_ids[2, :1].tolist() == [98] and (rows.bias_token_ids[2, 1:] == V).all()
+    assert rows.allowed_mask is not None and (rows.allowed_mask[[0, 1]] == -1).all()
+    assert rows.penalty_resets.tolist() == [[0] + [-1] * (FILL_RESETS - 1)]
+    fill = rows.penalty_fill[0]
     assert fill[:5].tolist() == [[0, t, 0] for t in range(3, 8)] and (fill[5:] == -1).all()
     # The next iteration: the same slot, no fill; the token is still on device (async): a conditional ban.
     penalized.output_token_ids = [9, 9]
     banned.output_token_ids = [97, 5]
     rows = batcher.rows([_item(penalized, 6, 1, step=2, source=0), _item(banned, 5, 1, step=3, source=2)], 8)
-    assert rows["penalty_slot"][:2].tolist() == [0, -1] and rows["penalty_fill"] is None
-    assert rows["sampled_source"][:2].tolist() == [0, 2] and rows["bias_conditions"][1, 0] == 97
+    assert rows.penalty_slot[:2].tolist() == [0, -1] and rows.penalty_fill is None
+    assert rows.sampled_source[:2].tolist() == [0, 2] and rows.bias_conditions[1, 0] == 97
     # After a preemption its counts are rebuilt from the host's tokens: prompt and outputs (counted).
     penalized.num_preemptions = 1
     rows = batcher.rows([_item(penalized, 0, 7, step=2)], 8)
-    fill = rows["penalty_fill"][0]
+    fill = rows.penalty_fill[0]
     assert fill[:6].tolist() == [[0, t, 0] for t in range(3, 8)] + [[0, 9, 2]]
 
 
@@ -158,7 +158,7 @@ def test_long_fills_split_over_calls_each_slot_reset_first():
     long.logits_rules = requests[0].logits_rules
     items = [_item(long, 0, len(long.prompt_token_ids))] + [_item(r, 0, 4) for r in requests]
     rows = batcher.rows(items, 32)
-    resets, fills = rows["penalty_resets"], rows["penalty_fill"]
+    resets, fills = rows.penalty_resets, rows.penalty_fill
     seen_reset: set[int] = set()
     for call_resets, call_entries in zip(resets, fills):
         seen_reset |= {int(s) for s in call_resets if s >= 0}

@@ -350,7 +350,7 @@ class Engine:
             self._stats.structured_deferred_batches += 1
             return _InFlight(output, batch, None, logits, rows)
         if rows:
-            self.structured.fill(batch.allowed_mask, output.scheduled, rows)
+            self.structured.fill(batch.sampling.allowed_mask, output.scheduled, rows)
         return _InFlight(output, batch, self.runner.execute(batch))
 
     def _dispatch_waiting(self) -> None:
@@ -359,7 +359,7 @@ class Engine:
         if flight is None or flight.packed is not None \
                 or not self.structured.ready(flight.output.scheduled, flight.mask_rows):
             return
-        self.structured.fill(flight.batch.allowed_mask, flight.output.scheduled, flight.mask_rows)
+        self.structured.fill(flight.batch.sampling.allowed_mask, flight.output.scheduled, flight.mask_rows)
         flight.packed = self.runner.execute(flight.batch) if flight.logits is None else \
             self.runner.sample(flight.logits, flight.batch)
         flight.logits = None

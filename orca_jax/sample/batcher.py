@@ -25,6 +25,7 @@ import numpy as np
 
 from orca_jax.core.request import Request
 from orca_jax.core.sched.output import ScheduledRequest, keeps_sample
+from orca_jax.sample.inputs import SamplingInputs
 from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, TOP_K_CANDIDATES, SampleMode
 from orca_jax.sample.rules import LogitsRules
 from orca_jax.sampling_params import SamplingParams
@@ -122,8 +123,8 @@ class SamplingBatcher:
         """A finished request gives its penalty slot back."""
         self.slots.release(request)
 
-    def rows(self, scheduled: Sequence[ScheduledRequest], s_pad: int) -> dict:
-        """RaggedBatch's sampling fields (names -> numpy arrays, and the statics) for these rows."""
+    def rows(self, scheduled: Sequence[ScheduledRequest], s_pad: int) -> SamplingInputs:
+        """The sampling inputs of these rows, padded to s_pad."""
         n = len(scheduled)
         kept = [keeps_sample(item) for item in scheduled]
         # A discarded sample is drawn greedily: the row then never asks for a slower program.
@@ -153,11 +154,11 @@ class SamplingBatcher:
                    logits_processed=is_processed)
         if out["logits_processed"]:
             out.update(self._processing(scheduled, processed, masks, s_pad))
-        return out
+        return SamplingInputs(**out)
 
     def _processing(self, scheduled: Sequence[ScheduledRequest], processed: list[int], masks: dict[int, np.ndarray],
                     s_pad: int) -> dict:
-        """The logits-processing arrays (sampling.LogitsArrays' fields, the bitmask, the slot fills)."""
+        """The logits-processing arrays (ops/penalties.py's LogitsArrays' fields, the bitmask, the slot fills)."""
         w = self.table_width
         out = {"presence_penalty": np.zeros(s_pad, np.float32), "frequency_penalty": np.zeros(s_pad, np.float32),
                "repetition_penalty": np.ones(s_pad, np.float32), "penalty_slot": np.full(s_pad, -1, np.int32),

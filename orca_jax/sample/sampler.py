@@ -11,19 +11,35 @@ reads), and an all-allowed bitmask per S for processed batches without one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
 from orca_jax.config import SamplingConfig
+from orca_jax.sample.inputs import SamplingInputs
 from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.sample.ops.penalties import (LogitsArrays, PenaltyTables, count_sampled, empty_tables, fill_tables,
                                            process_logits)
 from orca_jax.sample.ops.sampling import SamplingArrays, pack, sample
-from orca_jax.worker.compilation import PenaltyFillKey, SampleKey
-from orca_jax.worker.input_batch import RaggedBatch
 
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class SampleKey:
+    """Sampling S rows of logits with K top logprobs, in a sampling mode, with or without logits
+    processing (all static)."""
+
+    seqs: int
+    num_top_logprobs: int
+    mode: SampleMode
+    logits_processed: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True, order=True)
+class PenaltyFillKey:
+    """Filling penalty slots of the token-count tables from the host's tokens (one shape)."""
 
 
 def sample_variants(max_logprobs: int) -> list[tuple[SampleMode, bool, int]]:
@@ -81,22 +97,23 @@ class Sampler:
         return self._processed_fn.lower(logits, params, arrays, tables, spec(jnp.int32, self.max_num_seqs),
                                         key.mode, key.num_top_logprobs, self.max_num_seqs, self._unroll)
 
-    def run(self, logits: jax.Array, batch: RaggedBatch, executable) -> tuple[jax.Array, jax.Array]:
-        """Dispatch the batch's fills and sampling (`executable(key)` gives each compiled program);
+    def run(self, logits: jax.Array, inputs: SamplingInputs, executable) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a batch's fills and sampling (`executable(key)` gives each compiled program);
         returns (packed i32[S, 2 + 2K], sampled ids padded to i32[max_num_seqs])."""
-        params = SamplingArrays(batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.step)
-        key = SampleKey(logits.shape[0], batch.num_top_logprobs, batch.sample_mode, batch.logits_processed)
-        if not batch.logits_processed:
+        params = SamplingArrays(inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seed,
+                                inputs.step)
+        key = SampleKey(logits.shape[0], inputs.num_top_logprobs, inputs.sample_mode, inputs.logits_processed)
+        if not inputs.logits_processed:
             packed, next_tokens = executable(key)(logits, params)
         else:
-            if batch.penalty_fill is not None:  # before the sampling that reads the slots
+            if inputs.penalty_fill is not None:  # before the sampling that reads the slots
                 fill = executable(PenaltyFillKey())
-                for resets, entries in zip(batch.penalty_resets, batch.penalty_fill):
+                for resets, entries in zip(inputs.penalty_resets, inputs.penalty_fill):
                     self.tables = fill(self.tables, resets, entries)
-            mask = batch.allowed_mask if batch.allowed_mask is not None else self._all_allowed_mask(key.seqs)
-            arrays = LogitsArrays(batch.presence_penalty, batch.frequency_penalty, batch.repetition_penalty,
-                                  batch.penalty_slot, batch.sampled_source, batch.bias_token_ids,
-                                  batch.bias_values, batch.bias_conditions, mask)
+            mask = inputs.allowed_mask if inputs.allowed_mask is not None else self._all_allowed_mask(key.seqs)
+            arrays = LogitsArrays(inputs.presence_penalty, inputs.frequency_penalty, inputs.repetition_penalty,
+                                  inputs.penalty_slot, inputs.sampled_source, inputs.bias_token_ids,
+                                  inputs.bias_values, inputs.bias_conditions, mask)
             packed, next_tokens, self.tables = executable(key)(logits, params, arrays, self.tables,
                                                                self.last_samples)
         self.last_samples = next_tokens

@@ -4,10 +4,10 @@ An iteration dispatches compiled programs back to back: per token bucket and pip
 stage-in (the batch's packed inputs into a buffer that stays put, stage.py) and a forward; then one
 sampling program (after penalty-table fills when a batch brings some); with LoRA adapters, a
 slot-update program per stage; with prompt logprobs enabled, one prompt-logprobs forward per prompt
-length bucket. Their keys are typed (ForwardKey, StageInKey, SampleKey, PenaltyFillKey,
-LoRAUpdateKey, PromptLogprobsKey). `precompile` compiles
-them on a thread pool (XLA compiles outside the GIL), each one first looked up in the executable
-cache (executable_cache.py: serialized executables, loaded without tracing) and in jax's persistent
+length bucket. Their keys are typed (ForwardKey, StageInKey, LoRAUpdateKey, PromptLogprobsKey, and the
+sampler's SampleKey and PenaltyFillKey, sample/sampler.py). `precompile` compiles them on a thread
+pool (XLA compiles outside the GIL), each one first looked up in the executable cache
+(executable_cache.py: serialized executables, loaded without tracing) and in jax's persistent
 compilation cache, so nothing compiles while serving. A key that was not precompiled still runs,
 compiled on the spot and logged as a warning.
 
@@ -28,6 +28,7 @@ from typing import Callable, Iterable, NamedTuple
 import jax
 
 from orca_jax.sample.mode import SampleMode
+from orca_jax.sample.sampler import PenaltyFillKey, SampleKey
 from orca_jax.worker.executable_cache import ExecutableCache
 
 log = logging.getLogger(__name__)
@@ -64,26 +65,10 @@ class StageInKey:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
-class SampleKey:
-    """Sampling S rows of logits with K top logprobs, in a sampling mode, with or without logits
-    processing (all static)."""
-
-    seqs: int
-    num_top_logprobs: int
-    mode: SampleMode
-    logits_processed: bool
-
-
-@dataclasses.dataclass(frozen=True, slots=True, order=True)
 class LoRAUpdateKey:
     """A stage's write of one adapter into one slot of its LoRA table (lora/table.py)."""
 
     stage: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True, order=True)
-class PenaltyFillKey:
-    """Filling penalty slots of the token-count tables from the host's tokens (one shape)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)

@@ -16,7 +16,7 @@ import numpy as np
 
 from orca_jax.core.sched.output import SchedulerOutput
 from orca_jax.sample.batcher import SamplingBatcher
-from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, SampleMode
+from orca_jax.sample.inputs import SamplingInputs
 from orca_jax.worker.compilation import Bucket
 
 
@@ -102,7 +102,8 @@ class BucketPolicy:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RaggedBatch:
-    """One iteration's inputs, padded to a bucket; every array is numpy."""
+    """One iteration's inputs, padded to a bucket: the forward's arrays, and the sampler's (`sampling`);
+    every array is numpy."""
 
     token_ids: np.ndarray  # i32[T]
     positions: np.ndarray  # i32[T]
@@ -112,44 +113,20 @@ class RaggedBatch:
     page_table: np.ndarray  # i32[S, P]
     num_seqs: np.ndarray  # i32[1]
     logits_indices: np.ndarray  # i32[S]: row of each request's last new token
-    temperature: np.ndarray  # f32[S]; 0 for a row whose sample is discarded (a mid-prompt chunk)
-    top_k: np.ndarray  # i32[S]
-    top_p: np.ndarray  # f32[S]
-    min_p: np.ndarray  # f32[S]
-    seed: np.ndarray  # u32[S]
-    step: np.ndarray  # i32[S]: tokens generated so far, so each draw gets a fresh key
-    num_top_logprobs: int  # static: 0, or SamplingConfig.max_logprobs when any request asks
-    sample_mode: SampleMode  # static: which sampling program (sample/mode.py)
+    sampling: SamplingInputs  # what the sampling program reads after the forward (sample/inputs.py)
     num_real_tokens: int
     num_real_seqs: int
     # i32[T]: -1 where token_ids holds the token, else the row of the previous iteration's samples
     # (still on device) to take it from; None: every token is in token_ids.
     token_sources: np.ndarray | None = None
-    # Logits processing (sample/batcher.py's SamplingBatcher; the sampling program's LogitsArrays): static
-    # whether the batch runs it; the arrays below are None unless it does.
-    logits_processed: bool = False
-    presence_penalty: np.ndarray | None = None  # f32[S]
-    frequency_penalty: np.ndarray | None = None  # f32[S]
-    repetition_penalty: np.ndarray | None = None  # f32[S]
-    penalty_slot: np.ndarray | None = None  # i32[S]: the row's slot in the device's count tables; -1: none
-    sampled_source: np.ndarray | None = None  # i32[S]: row of the previous samples holding the last output; -1
-    bias_token_ids: np.ndarray | None = None  # i32[S, W]: the logit table (V: no entry)
-    bias_values: np.ndarray | None = None  # f32[S, W]
-    bias_conditions: np.ndarray | None = None  # i32[S, W]: the previous token an entry needs; -1: none
-    allowed_mask: np.ndarray | None = None  # i32[S, ceil(V / 32)]; None (processed): every token allowed
-    penalty_resets: np.ndarray | None = None  # i32[F, FILL_RESETS]: slots to zero before sampling
-    penalty_fill: np.ndarray | None = None  # i32[F, FILL_ENTRIES, 3]: (slot, token, count) after them
-
-    @property
-    def dims(self) -> "BatchDims":
-        """The sizes BATCH_ARRAYS' shapes are made of."""
-        t, s, p = self.bucket
-        return BatchDims(t, s, p, 0 if self.bias_token_ids is None else self.bias_token_ids.shape[1],
-                         0 if self.allowed_mask is None else self.allowed_mask.shape[1],
-                         0 if self.penalty_fill is None else self.penalty_fill.shape[0])
     # i32[T]: each token's LoRA adapter slot (0: none); None: no token has one, and the forward
     # program without the adapter term runs (a static choice, like the sampling mode).
     lora_slots: np.ndarray | None = None
+
+    @property
+    def dims(self) -> "BatchDims":
+        """The sizes FORWARD_ARRAYS' and SAMPLING_ARRAYS' shapes are made of."""
+        return BatchDims(*self.bucket, *self.sampling.table_dims)
 
     @property
     def has_lora(self) -> bool:
@@ -173,10 +150,10 @@ class BatchDims(NamedTuple):
     fill_calls: int = 0  # penalty-table fill programs before sampling
 
 
-# RaggedBatch's arrays, each with its shape in BatchDims and its dtype: the one list that packs a
-# batch into flat vectors (the forward's inputs below; multihost's messages). Those that may be None
-# are sent only when present.
-BATCH_ARRAYS = (
+# What the forward program reads, each with its shape in BatchDims and its dtype, packed in this order
+# into one i32 vector so a batch reaches the device in one copy (multihost's messages send these, then
+# sample/inputs.py's SAMPLING_ARRAYS). Those that may be None are sent only when present.
+FORWARD_ARRAYS = (
     ("token_ids", lambda d: (d.tokens,), np.int32),
     ("positions", lambda d: (d.tokens,), np.int32),
     ("slot_mapping", lambda d: (d.tokens,), np.int32),
@@ -185,36 +162,14 @@ BATCH_ARRAYS = (
     ("page_table", lambda d: (d.seqs, d.pages), np.int32),
     ("num_seqs", lambda d: (1,), np.int32),
     ("logits_indices", lambda d: (d.seqs,), np.int32),
-    ("temperature", lambda d: (d.seqs,), np.float32),
-    ("top_k", lambda d: (d.seqs,), np.int32),
-    ("top_p", lambda d: (d.seqs,), np.float32),
-    ("min_p", lambda d: (d.seqs,), np.float32),
-    ("seed", lambda d: (d.seqs,), np.uint32),
-    ("step", lambda d: (d.seqs,), np.int32),
     ("token_sources", lambda d: (d.tokens,), np.int32),  # None on a batch that feeds every token itself
-    ("presence_penalty", lambda d: (d.seqs,), np.float32),
-    ("frequency_penalty", lambda d: (d.seqs,), np.float32),
-    ("repetition_penalty", lambda d: (d.seqs,), np.float32),
-    ("penalty_slot", lambda d: (d.seqs,), np.int32),
-    ("sampled_source", lambda d: (d.seqs,), np.int32),
-    ("bias_token_ids", lambda d: (d.seqs, d.logit_width), np.int32),
-    ("bias_values", lambda d: (d.seqs, d.logit_width), np.float32),
-    ("bias_conditions", lambda d: (d.seqs, d.logit_width), np.int32),
-    ("allowed_mask", lambda d: (d.seqs, d.mask_words), np.int32),
-    ("penalty_resets", lambda d: (d.fill_calls, FILL_RESETS), np.int32),
-    ("penalty_fill", lambda d: (d.fill_calls, FILL_ENTRIES, 3), np.int32),
     ("lora_slots", lambda d: (d.tokens,), np.int32),  # None on a batch without adapters
 )
-# What the forward program reads (sampling takes the rest), packed into one i32 vector so a batch
-# reaches the device in one copy.
-_FORWARD_INPUTS = tuple(entry for entry in BATCH_ARRAYS if entry[0] in (
-    "token_ids", "token_sources", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_table",
-    "num_seqs", "logits_indices", "lora_slots"))
 
 
 def forward_inputs_size(t: int, s: int, p: int) -> int:
     """Length of the packed forward inputs of bucket (T, S, P)."""
-    return sum(int(np.prod(shape_of(BatchDims(t, s, p)))) for _, shape_of, _ in _FORWARD_INPUTS)
+    return sum(int(np.prod(shape_of(BatchDims(t, s, p)))) for _, shape_of, _ in FORWARD_ARRAYS)
 
 
 def pack_forward_inputs(batch: RaggedBatch) -> np.ndarray:
@@ -223,13 +178,13 @@ def pack_forward_inputs(batch: RaggedBatch) -> np.ndarray:
     t = batch.token_ids.shape[0]
     absent = {"token_sources": np.full(t, -1, np.int32), "lora_slots": np.zeros(t, np.int32)}
     return np.concatenate([np.asarray(value if (value := getattr(batch, name)) is not None else absent[name],
-                                      np.int32).ravel() for name, _, _ in _FORWARD_INPUTS])
+                                      np.int32).ravel() for name, _, _ in FORWARD_ARRAYS])
 
 
 def unpack_forward_inputs(vector, t: int, s: int, p: int) -> dict:
     """The inverse of pack_forward_inputs, on numpy or (inside a program) jax arrays: name -> array."""
     out, offset = {}, 0
-    for name, shape_of, _ in _FORWARD_INPUTS:
+    for name, shape_of, _ in FORWARD_ARRAYS:
         shape = shape_of(BatchDims(t, s, p))
         size = int(np.prod(shape))
         out[name] = vector[offset:offset + size].reshape(shape)
@@ -296,16 +251,13 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy, sampling: Sampling
         token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, cu_q_lens=cu_q_lens,
         kv_lens=kv_lens, page_table=page_table, num_seqs=np.array([num_seqs], np.int32),
         logits_indices=logits_indices, num_real_tokens=num_tokens, num_real_seqs=num_seqs,
-        token_sources=token_sources, lora_slots=lora_slots, **sampling.rows(scheduled, s_pad))
+        token_sources=token_sources, lora_slots=lora_slots, sampling=sampling.rows(scheduled, s_pad))
 
 
 def empty_batch(t: int, s: int, p: int, lora: bool = False) -> RaggedBatch:
     """An all-padding batch of one bucket: no live sequence, every token writes to scratch page 0;
     `lora`: laid out for the forward with the adapter term (every token's slot 0, none)."""
-    z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+    z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     return RaggedBatch(token_ids=z(t), positions=z(t), slot_mapping=z(t), cu_q_lens=z(s + 1), kv_lens=z(s),
-                       page_table=z(s, p), num_seqs=z(1), logits_indices=z(s),
-                       temperature=z(s, dtype=np.float32), top_k=z(s), top_p=np.ones(s, np.float32),
-                       min_p=z(s, dtype=np.float32), seed=z(s, dtype=np.uint32), step=z(s), num_top_logprobs=0,
-                       sample_mode=SampleMode.GREEDY,
+                       page_table=z(s, p), num_seqs=z(1), logits_indices=z(s), sampling=SamplingInputs.greedy(s),
                        num_real_tokens=0, num_real_seqs=0, lora_slots=z(t) if lora else None)

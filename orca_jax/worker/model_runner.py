@@ -29,13 +29,12 @@ from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
 from orca_jax.outputs import PromptLogprobs
 from orca_jax.sample.ops.penalties import tables_bytes
-from orca_jax.sample.sampler import Sampler
+from orca_jax.sample.sampler import PenaltyFillKey, SampleKey, Sampler
 from orca_jax.sharding import rules, tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
 from orca_jax.worker import multihost
-from orca_jax.worker.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PenaltyFillKey,
-                                         PrecompileReport, ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey,
-                                         SampleKey, StageInKey)
+from orca_jax.worker.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PrecompileReport,
+                                         ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey, StageInKey)
 from orca_jax.worker.executable_cache import ExecutableCache
 from orca_jax.worker.input_batch import RaggedBatch, empty_batch, pack_forward_inputs
 from orca_jax.worker.kv_pool import num_pages_for, pages_for_budget
@@ -329,7 +328,7 @@ class ModelRunner:
 
     def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:
         """Dispatch sampling of a forward's logits; returns the packed i32[S, 2 + 2K] device array."""
-        packed, next_tokens = self.sampler.run(logits, batch, self.compilation.executable)
+        packed, next_tokens = self.sampler.run(logits, batch.sampling, self.compilation.executable)
         # Sampled on the last stage; a later batch's token sources are read on the first.
         self._next_tokens = self._to_first(next_tokens)
         return self._to_first(packed) if self._result_to_first else packed
@@ -358,5 +357,5 @@ class ModelRunner:
         """Block until the step's tokens are on the host."""
         # Across processes the result is replicated over devices this process owns only some of.
         host = np.asarray(packed if packed.is_fully_addressable else packed.addressable_data(0))
-        return StepResult.unpack(host, batch.num_real_seqs, batch.num_top_logprobs)
+        return StepResult.unpack(host, batch.num_real_seqs, batch.sampling.num_top_logprobs)
 

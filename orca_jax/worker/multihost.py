@@ -21,11 +21,13 @@ import jax
 import numpy as np
 
 from orca_jax.config import ParallelConfig
+from orca_jax.sample.inputs import SAMPLING_ARRAYS, SamplingInputs
 from orca_jax.sample.mode import SampleMode
 from orca_jax.worker.compilation import ProgramKey, key_from_json, key_to_json
-from orca_jax.worker.input_batch import BATCH_ARRAYS, BatchDims, RaggedBatch
+from orca_jax.worker.input_batch import FORWARD_ARRAYS, BatchDims, RaggedBatch
 
 _HEADER_LEN = 15
+_ARRAYS = FORWARD_ARRAYS + SAMPLING_ARRAYS  # a batch's arrays in the payload's order
 
 
 class _Kind(enum.IntEnum):
@@ -51,13 +53,17 @@ def is_leader() -> bool:
 
 def encode_batch(batch: RaggedBatch) -> tuple[np.ndarray, np.ndarray]:
     """(header i32[_HEADER_LEN], payload i32[n]): every array present viewed as int32, concatenated
-    in BATCH_ARRAYS' order; the header holds the sizes, the statics and which arrays are present."""
-    present = [getattr(batch, name) is not None for name, _, _ in BATCH_ARRAYS]
-    payload = np.concatenate([np.ascontiguousarray(getattr(batch, name), dtype).ravel().view(np.int32)
-                              for (name, _, dtype), here in zip(BATCH_ARRAYS, present) if here])
+    in FORWARD_ARRAYS' then SAMPLING_ARRAYS' order; the header holds the sizes, the statics and which
+    arrays are present."""
+    arrays = [getattr(batch, name) for name, _, _ in FORWARD_ARRAYS] \
+        + [getattr(batch.sampling, name) for name, _, _ in SAMPLING_ARRAYS]
+    present = [array is not None for array in arrays]
+    payload = np.concatenate([np.ascontiguousarray(array, dtype).ravel().view(np.int32)
+                              for array, (_, _, dtype) in zip(arrays, _ARRAYS) if array is not None])
     bits = sum(1 << i for i, here in enumerate(present) if here)
-    header = np.array([_Kind.EXECUTE, payload.size, *batch.dims, batch.num_top_logprobs, batch.sample_mode,
-                       batch.logits_processed, batch.num_real_tokens, batch.num_real_seqs, bits, 0], np.int32)
+    sampling = batch.sampling
+    header = np.array([_Kind.EXECUTE, payload.size, *batch.dims, sampling.num_top_logprobs, sampling.sample_mode,
+                       sampling.logits_processed, batch.num_real_tokens, batch.num_real_seqs, bits, 0], np.int32)
     return header, payload
 
 
@@ -66,14 +72,16 @@ def decode_batch(header: np.ndarray, payload: np.ndarray) -> RaggedBatch:
     _, _, *sizes, top, mode, processed, real_tokens, real_seqs, bits, _ = (int(x) for x in header)
     dims = BatchDims(*sizes)
     arrays, offset = {}, 0
-    for i, (name, shape_of, dtype) in enumerate(BATCH_ARRAYS):
+    for i, (name, shape_of, dtype) in enumerate(_ARRAYS):
         if bits >> i & 1:
             shape = shape_of(dims)
             size = int(np.prod(shape))
             arrays[name] = payload[offset:offset + size].view(dtype).reshape(shape).copy()
             offset += size
-    return RaggedBatch(**arrays, num_top_logprobs=top, sample_mode=SampleMode(mode),
-                       logits_processed=bool(processed), num_real_tokens=real_tokens, num_real_seqs=real_seqs)
+    forward = {name: arrays.pop(name) for name, _, _ in FORWARD_ARRAYS if name in arrays}
+    sampling = SamplingInputs(**arrays, num_top_logprobs=top, sample_mode=SampleMode(mode),
+                              logits_processed=bool(processed))
+    return RaggedBatch(**forward, sampling=sampling, num_real_tokens=real_tokens, num_real_seqs=real_seqs)
 
 
 def _bytes_payload(data: bytes) -> np.ndarray:

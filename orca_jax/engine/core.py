@@ -3,6 +3,9 @@
 Up to EngineConfig.max_in_flight batches can be in flight (ORCA Algorithm 1, lines 8-10): one per
 pipeline stage, or on a single stage two with async scheduling, so the host builds and dispatches
 batch k+1 while the device still runs batch k.
+
+Requests come in through input_processor.py (checked, tokenized, made Requests) and go out through
+output_processor.py (RequestOutputs); this file owns the scheduler, the runner and what runs between them.
 """
 
 from __future__ import annotations
@@ -10,10 +13,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import itertools
 import logging
 import time
-import zlib
 from typing import Callable, Protocol
 
 from orca_jax.config import EngineConfig, ModelConfig
@@ -22,16 +23,16 @@ from orca_jax.core.request import Request, RequestStatus
 from orca_jax.core.sched.interface import SchedulerInterface
 from orca_jax.core.sched.output import SchedulerOutput
 from orca_jax.core.sched.scheduler import Scheduler
-from orca_jax.engine.detokenizer import IncrementalDetokenizer
+from orca_jax.engine.input_processor import InputProcessor
+from orca_jax.engine.output_processor import request_output
 from orca_jax.engine.stats import EngineStats
 from orca_jax.finetune.kv_loan import KVLoan, pool_arguments
 from orca_jax.finetune.tuner import FineTuner
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model
-from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.outputs import RequestOutput
 from orca_jax.sample.batcher import SamplingBatcher, TokenMaskSource
-from orca_jax.sample.rules import LogitsRules
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.structured.manager import StructuredOutputManager
 from orca_jax.worker import multihost
@@ -102,6 +103,8 @@ class Engine:
                                   **pool_arguments(config.fine_tuning))
         # Structured outputs' masks as wide as the logits (the vocabulary padded for tensor parallelism);
         # token_masks: more per-step allowed tokens from outside the sampler, applied on device too.
+        # Intake: prompts and SamplingParams checked and made Requests (tokenizer and configs only).
+        self.inputs = InputProcessor(config, self.model_config, self.tokenizer, self.runner.config.vocab_size)
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks)
         self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
                                          config.sampling.logit_table_width, config.sampling.max_logprobs,
@@ -129,7 +132,6 @@ class Engine:
         self._in_flight: collections.deque[_InFlight] = collections.deque()
         self._observers: list[EngineObserver] = []
         self._schedule_s = 0.0  # schedule() time not yet reported with a dispatch
-        self._ids = itertools.count()
         self._stats = EngineStats(kv_pages_total=self.kv.num_usable_pages)
         # With several processes only process 0 compiles on its own: its runner tells the others,
         # which are in their worker loop by then (multihost.run_worker).
@@ -165,35 +167,16 @@ class Engine:
         scheduler counts iterations); arrival_time None: now. lora_request: the adapter to run with
         (registered now if new; a LoRAError, a ValueError, if it cannot be served).
         """
-        token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        rules = self._logits_rules(sampling)
-        self._check_prompt_logprobs(sampling, lora_request)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        # Unseeded requests still get a fixed per-request seed, so a rerun of the engine repeats itself.
-        seed = sampling.seed if sampling.seed is not None else \
-            zlib.crc32(f"{self.config.seed}:{request_id}".encode())
-        lora_int_id = 0
+        request = self.inputs.process(prompt, sampling, request_id, priority=priority, deadline=deadline,
+                                      arrival_time=arrival_time, lora_request=lora_request)
+        request_id, token_ids = request.request_id, request.prompt_token_ids
         if lora_request is not None:
-            if self.lora is None:
-                raise ValueError(f"request {request_id!r} asks for LoRA adapter {lora_request.lora_name!r}, "
-                                 "but LoRA is not enabled (EngineConfig.lora, --enable-lora)")
-            lora_int_id = self.lora.request_added(request_id, lora_request)
-        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
-                          arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-                          priority=priority, deadline=deadline,
-                          eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=seed,
-                          detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
-                                                             sampling.include_stop_str_in_output,
-                                                             sampling.skip_special_tokens),
-                          logits_rules=rules, lora_int_id=lora_int_id)
+            request.lora_int_id = self.lora.request_added(request_id, lora_request)
         try:
             self.structured.attach(request)
             self.scheduler.add_request(request)
         except BaseException:
-            if lora_int_id:  # refused: its adapter need not stay in host memory for it
+            if request.lora_int_id:  # refused: its adapter need not stay in host memory for it
                 self.lora.request_done(request_id)
             raise
         if sampling.prompt_logprobs is not None:  # once the scheduler took it: no prefill for a refused request
@@ -204,33 +187,6 @@ class Engine:
                 raise
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
-
-    def _logits_rules(self, sampling: SamplingParams) -> LogitsRules | None:
-        """The request's logits processing in token ids; ValueError (naming the SamplingParams field)
-        for what this engine cannot honour."""
-        max_logprobs = self.config.sampling.max_logprobs
-        if sampling.logprobs is not None and sampling.logprobs > max_logprobs:
-            raise ValueError(f"SamplingParams.logprobs must be between 0 and {max_logprobs} "
-                             f"(SamplingConfig.max_logprobs), got {sampling.logprobs}")
-        return LogitsRules.resolve(sampling, self.tokenizer, self.tokenizer.eos_token_ids,
-                                   self.model_config.vocab_size, self.runner.config.vocab_size,
-                                   self.config.sampling.logit_table_width)
-
-    def _check_prompt_logprobs(self, sampling: SamplingParams, lora_request: LoRARequest | None) -> None:
-        """ValueError (naming the SamplingParams field) if this engine cannot compute the prompt logprobs asked for."""
-        if sampling.prompt_logprobs is None:
-            return
-        if not self.config.sampling.enable_prompt_logprobs:
-            raise ValueError("SamplingParams.prompt_logprobs needs an engine started with prompt logprobs enabled "
-                             "(SamplingConfig.enable_prompt_logprobs, LLM(enable_prompt_logprobs=True), "
-                             "--enable-prompt-logprobs)")
-        max_logprobs = self.config.sampling.max_logprobs
-        if sampling.prompt_logprobs > max_logprobs:
-            raise ValueError(f"SamplingParams.prompt_logprobs must be between 0 and {max_logprobs} "
-                             f"(SamplingConfig.max_logprobs), got {sampling.prompt_logprobs}")
-        if lora_request is not None:
-            raise ValueError("SamplingParams.prompt_logprobs are not supported with a LoRA adapter yet: they are "
-                             "computed by the base model's forward without the adapter term")
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
@@ -392,35 +348,15 @@ class Engine:
 
     def _output_for(self, request: Request, num_new: int) -> RequestOutput:
         # Stop conditions were applied in scheduler.update(); here the text is only collected.
-        detok = request.detokenizer
-        ids = request.output_token_ids
         if request.status.finished:
             if self.lora is not None:
                 self.lora.request_done(request.request_id)
-            detok.flush()
             met = request.deadline_met
             if met is not None:
                 self._stats.deadline_hits += met
                 self._stats.deadline_misses += not met
-        new_text = detok.take_new_text()
-        new_logprobs = None
-        if request.sampling.logprobs is not None and num_new:
-            new_logprobs = [TokenLogprob(t, lp, top) for t, lp, top in zip(
-                ids[-num_new:], request.output_logprobs[-num_new:],
-                request.output_top_logprobs[-num_new:])]
         self._stats.generated_tokens_total += num_new
-        prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None  # the first output's only
-        output = RequestOutput(
-            request_id=request.request_id, new_token_ids=ids[len(ids) - num_new:], new_text=new_text,
-            output_token_ids=list(ids), text=detok.text, num_prompt_tokens=request.num_prompt_tokens,
-            finished=request.status.finished,
-            finish_reason=request.status.value if request.status.finished else None,
-            new_logprobs=new_logprobs,
-            queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
-            num_cached_tokens=request.num_cached_tokens,
-            stop_reason=request.stop_reason if request.status.finished else None,
-            prompt_logprobs=prompt_logprobs)
-        return output
+        return request_output(request, num_new)
 
     def _record(self, output: SchedulerOutput, seconds: float, wait_seconds: float) -> None:
         stats = self._stats

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from orca_jax.engine.defaults import UsageContext, batch_defaults
     from orca_jax.models.loader import load_model
     from orca_jax.models.weights import WeightsError
-    from orca_jax.server import AsyncEngine, create_app, gc_and_gil
+    from orca_jax.server import gc_and_gil
+    from orca_jax.server.app import create_app
+    from orca_jax.server.async_engine import AsyncEngine
 
     log.info("loading %s", args.model)
     # The engine thread compiles every program once the server is up, so /health can say how far

@@ -11,12 +11,12 @@ import pytest
 from orca_jax.bench import __main__ as bench_cli
 from orca_jax.bench.datasets import LengthSpec, arrival_times, make_trace
 from orca_jax.bench.datasets import DatasetName as TraceKind
-from orca_jax.bench.serve_client import (Endpoint, PromptFormat, ServeBenchConfig, _token_text, build_requests,
+from orca_jax.bench.serve_client import (Endpoint, PromptFormat, ServeBenchConfig, token_text, build_requests,
                                          run)
 from orca_jax.bench.serve_stats import RequestRecord, Slo, summarize
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import live_server
 
@@ -66,11 +66,11 @@ def test_requests_follow_the_trace():
 
 def test_token_chunks_are_told_apart_from_role_and_closing_chunks():
     chat = Endpoint.CHAT
-    assert _token_text({"choices": [{"delta": {"role": "assistant"}}]}, chat) is None
-    assert _token_text({"choices": [{"delta": {"content": "hi"}}]}, chat) == "hi"
-    assert _token_text({"choices": [{"delta": {}, "finish_reason": "length"}]}, chat) is None
-    assert _token_text({"choices": [], "usage": {"completion_tokens": 3}}, chat) is None
-    assert _token_text({"choices": [{"text": "", "finish_reason": None}]}, Endpoint.COMPLETIONS) == ""
+    assert token_text({"choices": [{"delta": {"role": "assistant"}}]}, chat) is None
+    assert token_text({"choices": [{"delta": {"content": "hi"}}]}, chat) == "hi"
+    assert token_text({"choices": [{"delta": {}, "finish_reason": "length"}]}, chat) is None
+    assert token_text({"choices": [], "usage": {"completion_tokens": 3}}, chat) is None
+    assert token_text({"choices": [{"text": "", "finish_reason": None}]}, Endpoint.COMPLETIONS) == ""
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from orca_jax.finetune.deferral import DeferralPolicy, tpot_slack
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.models.loader import load_model
 from orca_jax.sample.mode import SampleMode
-from orca_jax.sampling_params import SamplingParams
 from orca_jax.sample.sampler import SampleKey
+from orca_jax.sampling_params import SamplingParams
 
 BOUND_S = 0.3
 # Slack over the bound for the host loop's own granularity and an iteration running a little longer

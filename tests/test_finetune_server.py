@@ -19,7 +19,7 @@ from finetune_helpers import engine_config
 from hf_dirs import write_hf_dir
 from orca_jax.engine import Engine
 from orca_jax.models.loader import load_model
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 from process_helpers import checkout_env
 from server_helpers import asgi_client, live_server
 from test_server_sigterm import REPO, _free_port, _wait_healthy

@@ -18,7 +18,7 @@ from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, LoRACon
 from orca_jax.engine import Engine
 from orca_jax.lora import LoRARequest
 from orca_jax.models.loader import load_model
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 from process_helpers import checkout_env
 from server_helpers import asgi_client
 from test_lora_adapters import write_llama_adapter

@@ -58,7 +58,7 @@ def test_a_kv_group_holds_its_query_heads_then_its_key_and_value():
 def test_every_compute_layout_param_has_a_sharding_rule():
     for config in (GQA, GPT, dataclasses.replace(GQA, qkv_bias=False)):
         for path, _ in jax.tree_util.tree_leaves_with_path(decoder.compute_param_shapes(config)):
-            assert rules._path_name(path) in rules.PARAM_SPECS, path
+            assert rules.path_name(path) in rules.PARAM_SPECS, path
 
 
 @pytest.mark.parametrize("config", [GQA, GPT], ids=["llama-gqa", "gpt"])

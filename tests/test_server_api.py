@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from orca_jax.server import AsyncEngine, create_app
+from orca_jax.server.app import create_app
+from orca_jax.server.async_engine import AsyncEngine
 
 from server_helpers import FakeEngine, asgi_client, expected_text, parse_sse, wait_until
 

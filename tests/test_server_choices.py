@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from orca_jax.server import AsyncEngine, create_app
+from orca_jax.server.app import create_app
+from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.choices import derive_seed
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from orca_jax import client
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import FakeEngine, expected_text, live_server
 

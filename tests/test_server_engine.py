@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 from orca_jax.engine import Engine
 from orca_jax.sampling_params import SamplingParams
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import live_server, parse_sse
 from test_server_fuzz import any_request, check_answer, driven, post_json
@@ -237,7 +237,7 @@ def test_nothing_compiles_after_the_server_reports_ready():
     """The serving path of `python -m orca_jax.serve`: an engine built without compiling, an
     AsyncEngine that compiles every program before /health says ok; then prompts of every length the
     budget allows, sampled and greedy, with logprobs, streamed and not, compile nothing more."""
-    from orca_jax.server import AsyncEngine
+    from orca_jax.server.async_engine import AsyncEngine
 
     engine = Engine(EngineConfig(
         model="tiny-llama", cache=CacheConfig(page_size=16, num_pages=64), precompile=False,

@@ -6,8 +6,7 @@ import logging
 import httpx
 import pytest
 
-from orca_jax.server import create_app
-from orca_jax.server.app import CORSPolicy
+from orca_jax.server.app import CORSPolicy, create_app
 
 from server_helpers import FakeEngine, chatml_tokenizer, live_server
 

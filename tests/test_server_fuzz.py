@@ -12,7 +12,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import FakeEngine
 

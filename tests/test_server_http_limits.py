@@ -14,7 +14,7 @@ import urllib.parse
 
 import pytest
 
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 from orca_jax.server.http_limits import HTTPLimits
 
 from server_helpers import FakeEngine, live_server

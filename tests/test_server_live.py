@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import FakeEngine, expected_text, live_server, wait_until
 

@@ -7,7 +7,7 @@ import pytest
 
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig, SchedulingPolicy
 from orca_jax.engine import Engine
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import asgi_client, parse_sse, wait_until
 

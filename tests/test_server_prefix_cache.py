@@ -6,7 +6,7 @@ import openai
 
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import live_server, parse_sse
 

@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import tiny_engine
 from model_helpers import prompt_logits
 from orca_jax.config import SamplingConfig
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 from server_helpers import FakeEngine, asgi_client, parse_sse
 
 PROMPT = [(5 * i + 7) % 120 + 32 for i in range(21)]  # printable bytes: the byte tokenizer's text

@@ -14,7 +14,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import FakeEngine, asgi_client, live_server
 

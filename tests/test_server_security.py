@@ -3,8 +3,7 @@
 import pytest
 
 from orca_jax import serve
-from orca_jax.server import create_app
-from orca_jax.server.app import LOCAL_HOSTS
+from orca_jax.server.app import LOCAL_HOSTS, create_app
 from orca_jax.server.middleware import host_name
 
 from server_helpers import FakeEngine, asgi_client

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from orca_jax.sampling_params import SamplingParams
-from orca_jax.server import create_app
-from orca_jax.server.app import package_version
+from orca_jax.server.app import create_app, package_version
 from orca_jax.server.structured import ToolCallSettings
 from orca_jax.structured import Constraint, ConstraintKind, JsonOptions
 from orca_jax.structured.tool_grammar import tool_call_constraint

@@ -2,7 +2,7 @@
 
 import pytest
 
-from orca_jax.server import create_app
+from orca_jax.server.app import create_app
 
 from server_helpers import FakeEngine, asgi_client, chatml_tokenizer
 

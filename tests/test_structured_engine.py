@@ -165,7 +165,7 @@ def test_regex_and_choice_over_a_real_vocabulary(smol):
 def test_forced_tool_calls_and_parse_through_the_official_client(smol):
     openai = pytest.importorskip("openai")
     pydantic = pytest.importorskip("pydantic")
-    from orca_jax.server import create_app
+    from orca_jax.server.app import create_app
     from orca_jax.server.structured import ToolCallSettings
     from server_helpers import live_server
 

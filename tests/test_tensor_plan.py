@@ -37,7 +37,7 @@ def test_every_sharded_dimension_divides(name, tp, vocab, kv_heads):
     one_layer = dataclasses.replace(plan.device, num_layers=1)
     shapes = [decoder.param_shapes(one_layer), decoder.compute_param_shapes(one_layer)]  # both layouts
     for path, shape in jax.tree_util.tree_leaves_with_path(shapes):
-        spec = rules.PARAM_SPECS[rules._path_name(path)]
+        spec = rules.PARAM_SPECS[rules.path_name(path)]
         for size, axis in zip(shape.shape, spec):
             assert axis != TENSOR or size % tp == 0, (path, shape.shape)
 

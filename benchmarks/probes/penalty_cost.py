@@ -14,7 +14,7 @@ import numpy as np
 from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.sample.ops.penalties import LogitsArrays, count_sampled, empty_tables, fill_tables, process_logits
 from orca_jax.sample.ops.sampling import SamplingArrays
-from orca_jax.sample.sampler import _sample_plain, _sample_processed
+from orca_jax.sample.sampler import sample_plain, sample_processed
 
 S, V, W, K = 128, 128256, 8, 20
 rng = np.random.default_rng(0)
@@ -39,8 +39,8 @@ def timed(fn, *args, n=30):
     return 1e3 * (time.perf_counter() - start) / n
 
 
-plain = jax.jit(_sample_plain, static_argnums=(2, 3, 4, 5))
-processed = jax.jit(_sample_processed, static_argnums=(5, 6, 7, 8), donate_argnums=(3,))
+plain = jax.jit(sample_plain, static_argnums=(2, 3, 4, 5))
+processed = jax.jit(sample_processed, static_argnums=(5, 6, 7, 8), donate_argnums=(3,))
 
 
 def timed_donating(k, n=30):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from orca_jax.finetune.model import adapter_table, grad_fn, loss_sums
 from orca_jax.lora.ops import LoRATokens
 from orca_jax.models.attention import PackedCausal
-from orca_jax.models.decoder import _apply_block
+from orca_jax.models.decoder import apply_block
 from training_setup import MODEL, Setup, write_result
 
 SIZES = tuple(int(n) for n in os.environ.get("PROBE_SIZES", "64,512").split(","))
@@ -40,7 +40,7 @@ def layers(adapter, params, batch, lora: bool):
     table = adapter_table(adapter, decoder, spec.scaling) if lora else [None] * len(params["layers"])
     tokens = LoRATokens(jnp.ones((b * l, 1), x.dtype)) if lora else None
     for layer_params, layer_lora in zip(params["layers"], table):
-        x = _apply_block(decoder, layer_params, x, positions, None, meta, layer_lora, tokens)[0]
+        x = apply_block(decoder, layer_params, x, positions, None, meta, layer_lora, tokens)[0]
     return jnp.sum(x.astype(jnp.float32))
 
 

@@ -82,7 +82,7 @@ def _per_gpu_bytes(shapes, tp: int, prefix: str = "") -> int:
     """Bytes one tensor shard holds of a params tree (ShapeDtypeStructs): split leaves / tp."""
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
-        spec = rules.PARAM_SPECS[prefix + rules._path_name(path)]
+        spec = rules.PARAM_SPECS[prefix + rules.path_name(path)]
         size = leaf.size * jnp.dtype(leaf.dtype).itemsize
         total += size // tp if TENSOR in tuple(spec) else size
     return total

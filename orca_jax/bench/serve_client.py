@@ -140,7 +140,7 @@ def _body(config: ServeBenchConfig, request: BenchRequest) -> dict:
     return body
 
 
-def _token_text(chunk: dict, endpoint: Endpoint) -> str | None:
+def token_text(chunk: dict, endpoint: Endpoint) -> str | None:
     """The text a stream chunk carries, or None when it carries no token (role, usage, finish)."""
     choices = chunk.get("choices") or []
     if not choices:
@@ -177,7 +177,7 @@ async def send_one(session: aiohttp.ClientSession, config: ServeBenchConfig, req
                 if chunk.get("error"):
                     record.error = f"stream error: {chunk['error']}"
                     return
-                if _token_text(chunk, config.endpoint) is not None:
+                if token_text(chunk, config.endpoint) is not None:
                     record.chunk_s.append(now)
                     chunks += 1
                 if chunk.get("usage"):

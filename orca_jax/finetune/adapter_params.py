@@ -19,7 +19,7 @@ import numpy as np
 from orca_jax.config import ModelConfig, ModelFamily
 from orca_jax.finetune.hparams import LoRASpec, family_modules
 from orca_jax.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAError, projection_shapes, read_adapter_config
-from orca_jax.models.safetensors_io import _File as SafetensorsFile
+from orca_jax.models.safetensors_io import SafetensorsFile
 from orca_jax.models.weights import WeightsError
 
 

@@ -25,7 +25,7 @@ from orca_jax.finetune.adapter_params import model_layout
 from orca_jax.lora.layout import slot_layer
 from orca_jax.lora.ops import LoRATokens
 from orca_jax.models.attention import PackedCausal
-from orca_jax.models.decoder import Decoder, _apply_block
+from orca_jax.models.decoder import Decoder, apply_block
 
 MAX_LOSS_CHUNK = 1024  # tokens whose logits exist at once in the loss
 
@@ -96,7 +96,7 @@ def loss_sums(adapter: dict, params, batch: TrainBatch, *, decoder: Decoder, sca
     tokens = LoRATokens(jnp.ones((b * l, 1), x.dtype))  # every token uses the one slot
 
     def layer(layer_params, x, lora):
-        return _apply_block(decoder, layer_params, x, positions, None, meta, lora, tokens)[0]
+        return apply_block(decoder, layer_params, x, positions, None, meta, lora, tokens)[0]
 
     layer = jax.checkpoint(layer) if remat else layer
     for layer_params, lora in zip(params["layers"], table):

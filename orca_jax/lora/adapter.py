@@ -21,7 +21,7 @@ import re
 import numpy as np
 
 from orca_jax.config import ModelConfig, ModelFamily
-from orca_jax.models.safetensors_io import _File as SafetensorsFile  # bf16-aware, checked reads
+from orca_jax.models.safetensors_io import SafetensorsFile  # bf16-aware, checked reads
 from orca_jax.models.weights import WeightsError
 
 CONFIG_FILE = "adapter_config.json"

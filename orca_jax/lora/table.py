@@ -79,6 +79,6 @@ class StageLoRATable:
 def _update_slot(table, row, slot):
     """Every leaf's slot `row` replaced by `slot`'s (its slot axis of size 1)."""
     def write(path, leaf, value):
-        axis = SLOT_AXIS[rules._path_name(path)]
+        axis = SLOT_AXIS[rules.path_name(path)]
         return jax.lax.dynamic_update_slice_in_dim(leaf, value, row, axis)
     return jax.tree_util.tree_map_with_path(write, table, slot)

@@ -221,7 +221,7 @@ class Decoder:
         lora_layers = [None] * len(kv) if lora_table is None else lora_table
         new_kv = []
         for params, layer_kv, lora in zip(layer_params, kv, lora_layers):
-            x, layer_kv = _apply_block(self, params, x, positions, layer_kv, meta, lora, lora_tokens)
+            x, layer_kv = apply_block(self, params, x, positions, layer_kv, meta, lora, lora_tokens)
             new_kv.append(layer_kv)
         return x, tuple(new_kv)
 
@@ -239,9 +239,9 @@ class Decoder:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _apply_block(decoder: Decoder, params, x: jax.Array, positions: jax.Array, layer_kv: LayerKV,
-                 meta: AttentionMetadata, lora=None,
-                 lora_tokens: lora_ops.LoRATokens | None = None) -> tuple[jax.Array, LayerKV]:  # x: [T, H], positions: i32[T]
+def apply_block(decoder: Decoder, params, x: jax.Array, positions: jax.Array, layer_kv: LayerKV,
+                meta: AttentionMetadata, lora=None,
+                lora_tokens: lora_ops.LoRATokens | None = None) -> tuple[jax.Array, LayerKV]:  # x: [T, H], positions: i32[T]
     """One layer, as its own jitted function: every layer has the same shapes, so a forward program
     traces and lowers the block once and calls it per layer (XLA inlines the calls again). Tracing
     32 unrolled copies of it held the GIL for seconds per program and serialized the precompile

@@ -30,7 +30,7 @@ _DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.d
            "BF16": np.dtype(jax.numpy.bfloat16)}
 
 
-class _File:
+class SafetensorsFile:
     """One .safetensors file: its header parsed and checked against the file size; data read on demand.
 
     Read with plain file reads rather than `safetensors.safe_open`: that maps the file and goes through
@@ -86,7 +86,7 @@ class SafetensorsDirectory:
         single = os.path.join(directory, "model.safetensors")
         index = os.path.join(directory, "model.safetensors.index.json")
         self.source = index if os.path.isfile(index) else single
-        self._files: dict[str, _File] = {}
+        self._files: dict[str, SafetensorsFile] = {}
         if os.path.isfile(index):
             try:
                 with open(index, encoding="utf-8") as f:
@@ -99,11 +99,11 @@ class SafetensorsDirectory:
         self._stored_name = {name.removeprefix(strip): name for name in stored}
         self.files = {name.removeprefix(strip): file for name, file in stored.items()}  # name -> file
 
-    def _open(self, path: str) -> _File:
+    def _open(self, path: str) -> SafetensorsFile:
         if path not in self._files:
             if not os.path.isfile(path):
                 raise WeightsError(f"{path}: no such file (listed in {self.source})")
-            self._files[path] = _File(path)
+            self._files[path] = SafetensorsFile(path)
         return self._files[path]
 
     def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:

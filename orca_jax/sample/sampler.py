@@ -65,8 +65,8 @@ class Sampler:
         self._all_allowed: dict[int, jax.Array] = {}  # S -> i32[S, ceil(V / 32)] of -1
         # The searches' passes unrolled on GPU (no loop to run there), a loop elsewhere (quicker to compile).
         self._unroll = replicated.mesh.devices.flat[0].platform == "gpu"
-        self._plain_fn = jax.jit(_sample_plain, static_argnums=(2, 3, 4, 5), out_shardings=replicated)
-        self._processed_fn = jax.jit(_sample_processed, static_argnums=(5, 6, 7, 8), donate_argnums=(3,),
+        self._plain_fn = jax.jit(sample_plain, static_argnums=(2, 3, 4, 5), out_shardings=replicated)
+        self._processed_fn = jax.jit(sample_processed, static_argnums=(5, 6, 7, 8), donate_argnums=(3,),
                                      out_shardings=replicated)
         self._fill_fn = jax.jit(fill_tables, donate_argnums=(0,), out_shardings=replicated)
 
@@ -132,16 +132,16 @@ class Sampler:
                                                         [jax.device_put(value, d) for d in here], dtype=value.dtype)
 
 
-def _sample_plain(logits, params: SamplingArrays, mode: SampleMode, num_top_logprobs: int, max_num_seqs: int,
-                  unroll: bool):
+def sample_plain(logits, params: SamplingArrays, mode: SampleMode, num_top_logprobs: int, max_num_seqs: int,
+                 unroll: bool):
     """(packed i32[S, 2 + 2K] for the host, the sampled ids padded to i32[max_num_seqs] for the device)."""
     result = sample(logits, params, mode, num_top_logprobs, unroll=unroll)
     return pack(result), jnp.pad(result.token_ids, (0, max_num_seqs - logits.shape[0]))
 
 
-def _sample_processed(logits, params: SamplingArrays, arrays: LogitsArrays, tables: PenaltyTables, last_samples,
-                      mode: SampleMode, num_top_logprobs: int, max_num_seqs: int, unroll: bool):
-    """_sample_plain after logits processing; each row's token then counts in its penalty slot."""
+def sample_processed(logits, params: SamplingArrays, arrays: LogitsArrays, tables: PenaltyTables, last_samples,
+                     mode: SampleMode, num_top_logprobs: int, max_num_seqs: int, unroll: bool):
+    """sample_plain after logits processing; each row's token then counts in its penalty slot."""
     processed = process_logits(logits, arrays, tables, last_samples)
     result = sample(logits, params, mode, num_top_logprobs, processed, unroll)
     tables = count_sampled(tables, arrays.penalty_slot, result.token_ids)

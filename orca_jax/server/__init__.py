@@ -1,7 +1,2 @@
-"""OpenAI-compatible HTTP serving: create_app(engine) and the AsyncEngine it runs on."""
-
-from orca_jax.server import gc_and_gil
-from orca_jax.server.app import create_app
-from orca_jax.server.async_engine import AsyncEngine
-
-__all__ = ["AsyncEngine", "create_app", "gc_and_gil"]
+"""OpenAI-compatible HTTP serving: app.py's create_app(engine) and the AsyncEngine it runs on
+(async_engine.py). Import from the modules: importing the package loads nothing else."""

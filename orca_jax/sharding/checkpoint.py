@@ -87,7 +87,7 @@ def _stacked_spec(name: str) -> P:
 def _read_args(plan: TensorPlan, mesh: Mesh, path, target: jax.ShapeDtypeStruct):
     import orbax.checkpoint as ocp
 
-    name = rules._path_name(path)
+    name = rules.path_name(path)
     spec = _stacked_spec(name)
     shape = target.shape
     if name in KV_HEAD_AXIS and plan.kv_repeat > 1:
@@ -99,7 +99,7 @@ def _read_args(plan: TensorPlan, mesh: Mesh, path, target: jax.ShapeDtypeStruct)
 
 
 def _replicate_kv(plan: TensorPlan, mesh: Mesh, path, x: jax.Array) -> jax.Array:
-    name = rules._path_name(path)
+    name = rules.path_name(path)
     if name not in KV_HEAD_AXIS or plan.kv_repeat == 1:
         return x
     target = NamedSharding(mesh, _stacked_spec(name))
@@ -118,7 +118,7 @@ def _split_layers(stacked_layers, mesh: Mesh) -> list:
     per_stage = num_layers // len(subs)
 
     def split(path, x: jax.Array) -> list[jax.Array]:
-        spec = rules.PARAM_SPECS["layers/" + rules._path_name(path)]
+        spec = rules.PARAM_SPECS["layers/" + rules.path_name(path)]
         shards = {shard.device: shard.data for shard in x.addressable_shards}  # each [per_stage, ...]
         layers, views = [], []
         for sub in subs:

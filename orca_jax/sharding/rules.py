@@ -67,7 +67,7 @@ KV_CACHE_SPEC = P(TENSOR, None, None, None)  # one layer: [KVH, num_pages, page_
 HEADS_SPEC = P(None, TENSOR, None)  # [T, heads, D] activations inside attention
 
 
-def _path_name(path) -> str:
+def path_name(path) -> str:
     """"layers/attn/q/kernel" for layer i's q kernel: list indices (the layer number) are left out."""
     return "/".join(str(k.key) for k in path if hasattr(k, "key"))
 
@@ -76,7 +76,7 @@ def param_shardings(params_or_shapes, mesh: Mesh, specs: dict[str, P] = PARAM_SP
     """A NamedSharding for every leaf of a params tree (or of its ShapeDtypeStructs); `specs`:
     PARAM_SPECS, or LORA_SPECS for a LoRA table (a tuple of layer trees)."""
     def spec_for(path, _):
-        name = _path_name(path)
+        name = path_name(path)
         if name not in specs:
             raise KeyError(f"no sharding rule for parameter {name!r}")
         return NamedSharding(mesh, specs[name])

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orca_jax.config import ModelConfig
-from orca_jax.sharding.rules import _path_name  # the names PARAM_SPECS uses
+from orca_jax.sharding.rules import path_name  # the names PARAM_SPECS uses
 
 # Parameter names (layer index left out, as in rules.PARAM_SPECS) and the axis each is padded or
 # repeated on. Negative axes, so the same table fits the device layout ([H, K, D] per layer) and the
@@ -81,7 +81,7 @@ class TensorPlan:
         pad = self.device.vocab_size - self.model.vocab_size
 
         def adapt(path, x):
-            name = _path_name(path)
+            name = path_name(path)
             xp = np if isinstance(x, np.ndarray) else jnp
             if name in VOCAB_AXIS:
                 axis = VOCAB_AXIS[name] % x.ndim
@@ -104,7 +104,7 @@ class TensorPlan:
             return params
 
         def undo(path, x):
-            name = _path_name(path)
+            name = path_name(path)
             if name in VOCAB_AXIS:
                 axis = VOCAB_AXIS[name] % x.ndim
                 return x[tuple(slice(0, self.model.vocab_size) if a == axis else slice(None)

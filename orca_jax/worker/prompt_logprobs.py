@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from orca_jax.models.attention import PackedCausal
-from orca_jax.models.decoder import Decoder, _apply_block
+from orca_jax.models.decoder import Decoder, apply_block
 from orca_jax.outputs import Logprob, PromptLogprobs
 from orca_jax.worker.executable_cache import describe_arrays
 
@@ -55,7 +55,7 @@ def _prompt_logprobs(model: Decoder, num_top: int, params, token_ids: jax.Array,
     meta = PackedCausal((positions < num_tokens[0]).astype(jnp.int32)[None])  # i32[1, L]
     x = model.embed(params, token_ids, positions)  # [L, H]
     for layer_params in params["layers"]:
-        x = _apply_block(model, layer_params, x, positions, None, meta)[0]
+        x = apply_block(model, layer_params, x, positions, None, meta)[0]
     targets = jnp.roll(token_ids, -1)  # i32[L]: the token each row predicts (the last row's is padding)
 
     def chunk(rows):

@@ -37,11 +37,14 @@ serve: $(VENV)/.installed-serve $(GPU_MARKER)
 generate: $(VENV)/.installed-serve $(GPU_MARKER)
 	$(PY) -m orca_jax.generate --model smollm2-135m --max-tokens 64 "$(PROMPT)"
 
-# Two pytest processes, half the test files each: every XLA:CPU executable maps code pages that jax
-# keeps for the life of the process, and the whole suite in one process passed Linux's default
-# vm.max_map_count (65,530 maps) and segfaulted inside a compile. Both halves run; either failing fails.
+# Two pytest processes, each a group of test folders of about the same running time: every XLA:CPU
+# executable maps code pages that jax keeps for the life of the process, and the whole suite in one
+# process passed Linux's default vm.max_map_count (65,530 maps) and segfaulted inside a compile. Both
+# groups run; either failing fails.
+TESTS_1 := tests/test_*.py tests/core tests/sample tests/worker tests/engine tests/models tests/kernels tests/sharding tests/lora
+TESTS_2 := tests/server tests/structured tests/finetune tests/bench tests/e2e
 test: setup
-	$(PY) -m pytest -q tests/test_[a-l]*.py; first=$$?; $(PY) -m pytest -q tests/test_[m-z]*.py && exit $$first
+	$(PY) -m pytest -q $(TESTS_1); first=$$?; $(PY) -m pytest -q $(TESTS_2) && exit $$first
 
 clean:
 	rm -rf $(VENV)

@@ -8,7 +8,6 @@ disk read. The cache lives in a per-session temporary directory, so runs stay in
 import atexit
 import os
 import shutil
-import sys
 import tempfile
 
 # On a GPU machine the suite's processes share the device (a server or CLI started beside the engines
@@ -17,8 +16,6 @@ import tempfile
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))  # the *_helpers modules
 
 # The suite's fp32 comparisons with transformers, peft and numpy references assume f32 matmuls in f32,
 # as XLA:CPU computes them; on a GPU XLA's default runs them in TF32 (10-bit mantissas), which alone

@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_import_contracts_hold():
     lint = pathlib.Path(sysconfig.get_path("scripts")) / "lint-imports"
-    done = subprocess.run([str(lint), "--no-cache", "--config", "pyproject.toml"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([str(lint), "--no-cache", "pyproject.toml"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -176,7 +176,7 @@ def test_smollm2_chat_without_typed_control_tokens_encodes_as_before(ours, messa
 
 
 def test_typed_control_tokens_stay_text_under_a_trimming_template():
-    from server_helpers import chatml_tokenizer
+    from tests.helpers.server import chatml_tokenizer
 
     trimming = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + "
                 "'<|im_end|>\\n' }}{% endfor %}")
@@ -188,7 +188,7 @@ def test_typed_control_tokens_stay_text_under_a_trimming_template():
 
 
 def test_split_special_tokens_encodes_control_tokens_as_bytes():
-    from server_helpers import chatml_tokenizer
+    from tests.helpers.server import chatml_tokenizer
 
     tok = chatml_tokenizer()
     assert tok.encode("<|im_end|>") == [257]

@@ -1,0 +1,1 @@
+"""Fine-tuning while serving (orca_jax/finetune)."""

@@ -1,0 +1,1 @@
+"""What several test folders share: tiny engines, schedulers, fake servers, model directories, subprocesses."""

@@ -1,0 +1,1 @@
+"""The attention kernels (orca_jax/kernels)."""

@@ -1,0 +1,1 @@
+"""Multi-LoRA serving (orca_jax/lora)."""

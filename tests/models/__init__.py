@@ -1,0 +1,1 @@
+"""The models (orca_jax/models) against transformers, and their weights."""

@@ -1,0 +1,1 @@
+"""Sampling (orca_jax/sample): logits rules and each batch's sampling inputs on the host, the device ops."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism (orca_jax/sharding)."""

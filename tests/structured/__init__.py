@@ -1,0 +1,1 @@
+"""Structured outputs and tool calls (orca_jax/structured)."""

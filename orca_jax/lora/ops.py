@@ -9,7 +9,7 @@ shapes do not depend on how the tokens spread over adapters, and no sort or perm
 batch. Its cost: at 16 slots of rank 16 on llama-8b, ~5% of a layer's matmul FLOPs per side and
 ~10% more weight bytes read (every slot's, used or not).
 
-The other forms, same results (tests/test_lora_engine.py), timed against it by `bench lora`:
+The other forms, same results (tests/lora/test_engine.py), timed against it by `bench lora`:
 - gather: each token's A and B gathered ([T, in, R]), then batched matvecs: reads only the slots in
   use but materializes a copy per token; at most a win for a few tokens;
 - jax.lax.ragged_dot: a grouped GEMM over tokens sorted by slot. XLA's GPU backend lowers it by

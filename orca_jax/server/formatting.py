@@ -48,7 +48,7 @@ class _ChunkFrame:
     Each token of each stream is one chunk. Building and serializing pydantic models for it took
     more of the event loop than anything else we control, and that loop shares the GIL with the
     engine thread; the per-token choices are now written as strings into this frame instead.
-    test_server_formatting checks that the result equals the models' JSON byte for byte.
+    tests/server/test_formatting.py checks that the result equals the models' JSON byte for byte.
     """
 
     def __init__(self, chunk_without_choices_json: str):

@@ -20,7 +20,7 @@ from tests.helpers.finetune import FAST
 from tests.helpers.mesh import run_on_fake_devices
 
 SCRIPT = textwrap.dedent("""
-    import json, os, sys, tempfile
+    import json, os, tempfile
     import jax
     import numpy as np
     from orca_jax import LLM, SamplingParams

@@ -13,7 +13,7 @@ import pytest
 from tests.helpers.mesh import run_on_fake_devices
 
 SCRIPT = textwrap.dedent("""
-    import json, re, sys
+    import json, re
     import numpy as np
     from orca_jax.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ModelFamily, ParallelConfig,
                                  SchedulerConfig)

@@ -12,7 +12,7 @@ import pytest
 from tests.helpers.mesh import run_on_fake_devices
 
 SCRIPT = textwrap.dedent("""
-    import importlib.util, json, sys, tempfile
+    import importlib.util, json, tempfile
     import numpy as np
     from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, ParallelConfig, SchedulerConfig
     from orca_jax.engine import Engine

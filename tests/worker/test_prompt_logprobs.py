@@ -162,7 +162,7 @@ def test_prompt_logprobs_match_transformers(tmp_path):
 
 
 TP_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json
     from tests.helpers.engines import tiny_engine
     from orca_jax.config import ParallelConfig, SamplingConfig
     from orca_jax.sampling_params import SamplingParams

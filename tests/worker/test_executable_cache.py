@@ -7,6 +7,7 @@ import pickle
 
 import jax
 import pytest
+from jax._src import compilation_cache  # reset_cache: no public way to reopen it
 from jax.experimental import serialize_executable
 
 from orca_jax.sampling_params import SamplingParams
@@ -20,10 +21,19 @@ PROMPTS = [[5, 6, 7], [9] * 11, list(range(3, 40))]
 
 @pytest.fixture
 def cache_dir(tmp_path):
-    """A cache directory of the test's own; jax's session-wide setting is put back afterwards."""
+    """A cache directory of the test's own; jax's session-wide setting is put back afterwards.
+
+    jax keeps what it compiled in memory and opens its persistent cache once per process: both are
+    cleared here, so the test's engines compile into their own directory, and the persistent cache is
+    reopened afterwards on the session's. Otherwise a program another test of this process compiled
+    comes from jax's caches, and on CPU such an executable cannot be serialized again: the counts
+    below would depend on which tests ran first."""
     before = jax.config.jax_compilation_cache_dir
+    jax.clear_caches()
+    compilation_cache.reset_cache()
     yield str(tmp_path)
     jax.config.update("jax_compilation_cache_dir", before)
+    compilation_cache.reset_cache()
 
 
 def generate(engine) -> list[list[int]]:

@@ -129,7 +129,7 @@ def test_errors_cancel_auth_and_metrics(base_dir, tmp_path):
 
 
 @pytest.mark.slow  # two server processes and a job (~60 s on a busy 2-core machine)
-def test_serve_cli_fine_tunes_and_serves_after_a_restart(base_dir, tmp_path):
+def test_serve_cli_fine_tunes_and_serves_after_a_restart(base_dir, tmp_path, tmp_path_factory):
     port = free_port()
     command = [sys.executable, "-m", "orca_jax.serve", "--model", base_dir, "--port", str(port), "--page-size", "128",
                "--num-kv-pages", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--attention-backend",
@@ -137,7 +137,10 @@ def test_serve_cli_fine_tunes_and_serves_after_a_restart(base_dir, tmp_path):
                "--max-lora-rank", "8", "--fine-tuning-deferral-bound-s", "0.2", "--api-key", KEY,
                "--fine-tuning-memory-policy", "reserve",  # the other policy than the in-process tests
                "--fine-tuning-tpot-slo-ms", "50"]
-    env = checkout_env()
+    # A JAX cache of the two servers' own (as test_generate_cli.py's): an XLA:CPU program another process
+    # of the session wrote to conftest's session cache failed to load in the restarted server ("Function
+    # iota_reduce_fusion not found"), depending on which tests ran before in this process.
+    env = checkout_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla")))
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
 
     def serve():

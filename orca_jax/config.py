@@ -211,6 +211,12 @@ class ParallelConfig:
     coordinator_address: str | None = None  # "host:port" of process 0's coordinator
     num_processes: int = 1
     process_id: int = 0
+    # Where process 0 takes its workers' control connections (multihost.py); None: the coordinator's
+    # port + 1.
+    control_port: int | None = None
+    # Seconds after which jax's heartbeat declares a silent process dead (a closed connection is
+    # noticed at once, see multihost.py); also how long a process exiting waits for the others.
+    peer_timeout_s: float = 10.0
 
     def __post_init__(self):
         if self.num_stages <= 0 or self.tensor_parallel <= 0:
@@ -220,6 +226,8 @@ class ParallelConfig:
                              f"({self.num_processes})")
         if self.num_processes > 1 and not self.coordinator_address:
             raise ValueError("ParallelConfig with several processes needs coordinator_address (host:port)")
+        if self.peer_timeout_s <= 0:
+            raise ValueError(f"ParallelConfig.peer_timeout_s must be positive, got {self.peer_timeout_s}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -159,7 +159,7 @@ def startup_report(engine) -> list[str]:
     import jax
 
     devices = [d for stage in engine.runner.stages for d in stage.mesh.devices.flat]
-    first = devices[0]
+    first = engine.runner.local_device  # only this process's devices answer memory_stats
     line = f"devices: {len(devices)} x {first.device_kind} ({first.platform})"
     stats = first.memory_stats() or {}
     if "bytes_limit" in stats:

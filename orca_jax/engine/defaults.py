@@ -65,11 +65,11 @@ def batch_defaults_for(platform: str, memory_gib: float, usage: UsageContext,
 
 
 def batch_defaults(usage: UsageContext, num_params: float, device=None) -> BatchDefaults:
-    """The defaults for a model of `num_params` on `device` (jax's first device when None; call after
-    jax.distributed starts)."""
+    """The defaults for a model of `num_params` on `device` (this process's first device when None;
+    call after jax.distributed starts: another process's devices cannot be asked for their memory)."""
     if device is None:
         import jax
 
-        device = jax.devices()[0]
+        device = jax.local_devices()[0]
     stats = device.memory_stats() or {}
     return batch_defaults_for(device.platform, stats.get("bytes_limit", 0) / 2**30, usage, num_params)

@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "process when not given")
     par.add_argument("--num-processes", type=int, default=1, help="controller processes (one per host or GPU)")
     par.add_argument("--process-id", type=int, default=0, help="0 serves HTTP and schedules; others mirror")
+    par.add_argument("--control-port", type=int, default=None,
+                     help="where process 0 takes the other processes' control connections (default: the "
+                     "coordinator's port + 1); $ORCA_JAX_CONTROL_KEY, when set on every process, is their secret")
+    par.add_argument("--peer-timeout-s", type=float, default=10.0,
+                     help="a process silent this long is taken for dead and every process exits (one that "
+                     "exits or crashes is noticed at once)")
     par.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
                      default=AttentionBackend.AUTO.value, help="auto: the Pallas kernel on GPU, jnp elsewhere")
     par.add_argument("--compilation-cache-dir", default="auto",
@@ -345,7 +351,8 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size,
                                 tensor_parallel=args.tensor_parallel_size,
                                 coordinator_address=args.coordinator_address,
-                                num_processes=args.num_processes, process_id=args.process_id),
+                                num_processes=args.num_processes, process_id=args.process_id,
+                                control_port=args.control_port, peer_timeout_s=args.peer_timeout_s),
         sampling=SamplingConfig(max_logprobs=args.max_logprobs, enable_prompt_logprobs=args.enable_prompt_logprobs),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,

@@ -100,6 +100,8 @@ class ModelRunner:
         self.lora_config = lora  # None: no adapter table, and no forward program has the adapter term
         meshes = make_stage_meshes(parallel, devices)
         self.device = meshes[0].devices.flat[0]
+        # This process's first device: only those answer memory_stats (several processes).
+        self.local_device = next(d for mesh in meshes for d in mesh.devices.flat if d.process_index == jax.process_index())
         attention = choose_attention(backend, self.device.platform)
         self.stages = [
             Stage(i, len(meshes), layers, mesh, self.tensor_plan,
@@ -114,10 +116,13 @@ class ModelRunner:
         per_device = max(stage.params_bytes // stage.mesh.size
                          + (tables_bytes(max_num_seqs, config.vocab_size) if stage.last else 0)
                          for stage in self.stages)
-        self.num_pages = num_pages_for(config, cache_config, per_device, self.device,
+        self.num_pages = num_pages_for(config, cache_config, per_device, self.local_device,
                                        sum(stage.mesh.size for stage in self.stages),
                                        max_num_seqs=max_num_seqs, max_model_len=config.max_seq_len,
                                        reserve_bytes=reserve_bytes)
+        if jax.process_count() > 1:  # the pool is in every program's shapes: the processes must agree
+            from jax.experimental import multihost_utils
+            self.num_pages = int(np.min(multihost_utils.process_allgather(np.int32(self.num_pages))))
         # The pool's top pages a fine-tuning job may borrow: forwards over the smaller pool are their
         # own programs (ForwardKey.lent), compiled when a job first needs them. What stays still holds
         # one request of the longest length, so inference always makes progress.
@@ -152,10 +157,10 @@ class ModelRunner:
         self._result_to_first = all(d.process_index != 0 for d in last.mesh.devices.flat)
         # Several controller processes: process 0 sends each call to the others (see multihost.py),
         # and an executable of several processes is theirs together (not cached on disk).
-        self._mirror = multihost.Mirror() if jax.process_count() > 1 else None
+        self.mirror = multihost.Mirror(parallel) if jax.process_count() > 1 else None
         self.compilation = CompilationManager(
             self._program_source, self._program_identity(backend), self.device.platform,
-            executable_cache if self._mirror is None else None)
+            executable_cache if self.mirror is None else None)
 
     def _start_making_params(self, params, seed: int) -> concurrent.futures.Future:
         """Make the weights (drawn, or placed from `params`) on a thread of their own, so a start
@@ -279,8 +284,8 @@ class ModelRunner:
                    threads: int | None = None, warm: bool = True) -> PrecompileReport:
         """Compile every program in `keys` ahead of time; then run each new bucket once on padding."""
         keys = list(keys)
-        if self._mirror is not None:
-            self._mirror.precompile(keys, warm)
+        if self.mirror is not None:
+            self.mirror.precompile(keys, warm)
         todo, compile_seconds, seconds_by_key = self.compilation.precompile(keys, progress, threads)
         start = time.perf_counter()
         if warm:  # dispatched back to back, waited for once: the device runs one while the host loads the next
@@ -294,12 +299,12 @@ class ModelRunner:
     @property
     def can_forward_alone(self) -> bool:
         """Whether forward() may run apart from sample(): in one process (several mirror execute)."""
-        return self._mirror is None
+        return self.mirror is None
 
     def forward(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch the forward pass through every stage (asynchronous); returns f32[S, V] logits on
         the last stage's devices. Single process only (execute is what other processes mirror)."""
-        if self._mirror is not None:
+        if self.mirror is not None:
             raise RuntimeError("with several processes call execute, which the others mirror")
         return self._forward(batch)
 
@@ -335,8 +340,8 @@ class ModelRunner:
 
     def execute(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch one iteration (asynchronous); returns the packed device result."""
-        if self._mirror is not None:
-            self._mirror.execute(batch)
+        if self.mirror is not None:
+            self.mirror.execute(batch)
         return self.sample(self._forward(batch), batch)
 
     def prompt_logprobs(self, token_ids: list[int], num_top: int) -> PromptLogprobs:
@@ -349,8 +354,8 @@ class ModelRunner:
 
     def stop_workers(self) -> None:
         """With several processes, end the others' worker loops (call on process 0; else a no-op)."""
-        if self._mirror is not None:
-            self._mirror.stop()
+        if self.mirror is not None:
+            self.mirror.stop()
 
     @staticmethod
     def fetch(packed: jax.Array, batch: RaggedBatch) -> StepResult:

@@ -1,0 +1,56 @@
+"""Several controller processes fail together: two `python -m orca_jax.serve` processes on localhost form
+one tensor-parallel mesh (one fake CPU device each, as one process per GPU runs); one is killed while a
+response streams. The other exits non-zero within seconds, naming the process that is gone, and the
+client's stream ends in an error instead of hanging."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.helpers.mesh import fake_device_env
+from tests.helpers.process import ROOT, free_port, wait_healthy
+
+
+def start_pair(coordinator_port: int, http_port: int, logs) -> list[subprocess.Popen]:
+    flags = ["--model", "tiny-llama", "--tensor-parallel-size", "2", "--max-num-seqs", "4",
+             "--max-num-batched-tokens", "64", "--coordinator-address", f"127.0.0.1:{coordinator_port}",
+             "--num-processes", "2", "--port", str(http_port), "--compilation-cache-dir", "none"]
+    env = fake_device_env(1)
+    return [subprocess.Popen([sys.executable, "-m", "orca_jax.serve", *flags, "--process-id", str(i)], cwd=ROOT,
+                             env=env, stdout=logs[i], stderr=subprocess.STDOUT) for i in (0, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_process_ends_the_other_and_the_stream_fails(tmp_path, victim):
+    logs = [open(tmp_path / f"process_{i}.log", "w+") for i in (0, 1)]
+    url = f"http://127.0.0.1:{free_port()}"
+    processes = start_pair(free_port(), int(url.rsplit(":", 1)[1]), logs)
+    try:
+        wait_healthy(url, processes[0], timeout=300)
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 120, "stream": True, "ignore_eos": True}
+        chunks, killed_at = 0, None
+        with pytest.raises(httpx.HTTPError):
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+                for _ in response.iter_lines():
+                    chunks += 1
+                    if chunks == 4:
+                        processes[victim].kill()
+                        killed_at = time.monotonic()
+        assert killed_at is not None
+        survivor = processes[1 - victim]
+        assert survivor.wait(timeout=20) == 1
+        assert time.monotonic() - killed_at < 10
+        logs[1 - victim].seek(0)
+        assert f"controller process {victim} is gone" in logs[1 - victim].read()
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+        for log in logs:
+            log.close()

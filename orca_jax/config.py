@@ -355,16 +355,17 @@ class EngineConfig:
 
     @property
     def async_scheduling(self) -> bool:
-        """Overlapped planning (SchedulerConfig.async_scheduling) applies with one stage only."""
-        return self.scheduler.async_scheduling and self.parallel.num_stages == 1
+        """Overlapped planning (SchedulerConfig.async_scheduling): batch k+1 planned and dispatched before
+        batch k's tokens reach the host, its requests' tokens read on the device."""
+        return self.scheduler.async_scheduling
 
     @property
     def effective_max_in_flight(self) -> int:
-        """Algorithm 1's n_workers: max_in_flight if set, else one batch per pipeline stage, or two on
-        one stage with async scheduling (the host builds iteration k+1 while the device runs k)."""
+        """Algorithm 1's n_workers: max_in_flight if set, else one batch per pipeline stage, and at least
+        two with async scheduling (the host builds iteration k+1 while the devices run k)."""
         if self.max_in_flight is not None:
             return self.max_in_flight
-        return 2 if self.async_scheduling else self.parallel.num_stages
+        return max(self.parallel.num_stages, 2 if self.async_scheduling else 1)
 
     def __post_init__(self):
         if self.max_in_flight is not None and self.max_in_flight <= 0:

@@ -127,6 +127,7 @@ class Engine:
         scheduler_config = dataclasses.replace(config.scheduler, async_scheduling=config.async_scheduling)
         factory = scheduler_factory or functools.partial(
             Scheduler, scheduler_config, token_target=self.buckets.token_target,
+            pipeline_stages=config.parallel.num_stages,
             adapters=None if self.lora is None else self.lora.slots)
         self.scheduler: SchedulerInterface = factory(self.kv, self.max_model_len, config.effective_max_in_flight)
         self._in_flight: collections.deque[_InFlight] = collections.deque()

@@ -409,6 +409,33 @@ def test_async_scheduling_plans_the_next_batch_from_the_one_in_flight():
     assert sched.get("0").output_token_ids == [7, 9]
 
 
+def test_async_scheduling_on_a_pipeline_plans_ahead_only_when_every_request_is_in_flight():
+    """Two stages: batches take a share of the requests each, so the stages run disjoint batches (a
+    batch planned ahead would wait for the whole pipeline); once every request is in flight, the
+    next batch is planned ahead of the tokens still on the device."""
+    sched, _, _ = create_scheduler(max_in_flight=2, async_scheduling=True, pipeline_stages=2)
+    for i in range(5):
+        sched.add_request(make_request(i, prompt_len=2, max_tokens=8, arrival=float(i)))
+    first = sched.schedule()
+    second = sched.schedule()
+    assert [s.request.request_id for s in first.scheduled] == ["0", "1", "2"]  # ceil(5 / 2)
+    assert [s.request.request_id for s in second.scheduled] == ["3", "4"]  # not 0-2 again
+    assert all(s.token_source == -1 for s in second.scheduled)
+    sched.update(first, [7] * 3)
+    third = sched.schedule()  # 3 and 4 are in flight, 0-2 are not: no planning ahead
+    assert [s.request.request_id for s in third.scheduled] == ["0", "1", "2"]
+    sched.update(second, [7] * 2)
+    sched.update(third, [7] * 3)
+    for rid in ("1", "2", "3", "4"):
+        sched.abort(rid)
+    alone = sched.schedule()
+    ahead = sched.schedule()  # its only request is in flight: planned ahead, its token from the device
+    assert [s.request.request_id for s in ahead.scheduled] == ["0"] and ahead.scheduled[0].token_source == 0
+    sched.update(alone, [7])
+    sched.update(ahead, [7])
+    assert sched.get("0").output_token_ids == [7] * 4
+
+
 def test_long_prefill_threshold_caps_each_prompt_chunk():
     sched, kv, _ = create_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8)
     sched.add_request(make_request("long", prompt_len=20, max_tokens=2))

@@ -53,7 +53,8 @@ def host_params(model: str):
 
 
 def engine_for(model: str, tp: int, pp: int, batches_in_flight: int | None = None,
-               random_init: bool = False, prefix_caching: bool = True, **processes) -> Engine:
+               random_init: bool = False, prefix_caching: bool = True, async_scheduling: bool = False,
+               **processes) -> Engine:
     """Weights placed from the host (one random init per model keeps the suite fast), or with
     random_init made on each stage's devices, which must give the same values."""
     # max_num_seqs 2 with 8 requests: enough disjoint batches to keep every stage busy. A budget of
@@ -61,7 +62,7 @@ def engine_for(model: str, tp: int, pp: int, batches_in_flight: int | None = Non
     config = EngineConfig(model=model, cache=CacheConfig(page_size=4, num_pages=64,
                                                          enable_prefix_caching=prefix_caching),
                           scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8,
-                                                    async_scheduling=False),  # Algorithm 1: pp disjoint batches
+                                                    async_scheduling=async_scheduling),  # off: Algorithm 1
                           parallel=ParallelConfig(num_stages=pp, tensor_parallel=tp, **processes),
                           max_in_flight=batches_in_flight, precompile=False)
     params = None if random_init else host_params(model)
@@ -77,6 +78,14 @@ def run(engine: Engine) -> dict:
     return {"tokens": tokens, "max_in_flight": stats.peak_in_flight,
             "mean_in_flight": stats.mean_in_flight, "pages_used": stats.kv_pages_used,
             "iterations": stats.iterations}
+
+
+def run_one(engine: Engine) -> dict:
+    """One request alone: no second batch can fill the pipeline."""
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3 * MAX_TOKENS, ignore_eos=True), request_id="1")
+    tokens = drain(engine)
+    stats = engine.stats()
+    return {"tokens": tokens, "max_in_flight": stats.peak_in_flight, "iterations": stats.iterations}
 
 
 def run_shared(engine: Engine) -> dict:
@@ -130,6 +139,13 @@ def main() -> None:
             results[f"{model}/{tp}/{pp}"] = dict(run(engine), stages=program_facts(engine))
     # The same pipeline with one batch in flight: the same tokens, nothing overlapped.
     results["llama/2/2/one-in-flight"] = run(engine_for("llama", 2, 2, batches_in_flight=1))
+    # Async scheduling on a pipeline: disjoint batches while requests remain to fill them, the batch
+    # planned ahead (tokens read on the device) once every request is in flight; one request alone
+    # is planned ahead each iteration.
+    for tp, pp in ((1, 1), (1, 2), (2, 2)):
+        results[f"llama/{tp}/{pp}/async"] = run(engine_for("llama", tp, pp, async_scheduling=True))
+        results[f"llama/{tp}/{pp}/async-one"] = run_one(engine_for("llama", tp, pp, async_scheduling=True))
+    results["llama/1/2/sync-one"] = run_one(engine_for("llama", 1, 2))
     # Random weights made stage by stage on the stages' devices: the same model as made whole.
     results["gpt/1/1/random-init"] = run(engine_for("gpt", 1, 1, random_init=True))
     results["gpt/2/2/random-init"] = run(engine_for("gpt", 2, 2, random_init=True))

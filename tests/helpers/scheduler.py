@@ -24,17 +24,19 @@ class FakeClock:
 
 def create_scheduler(*, num_pages: int = 65, page_size: int = 4, max_model_len: int = 256, max_in_flight: int = 1,
                      token_target=None, adapters=None, prefix_caching: bool = False, hash_fn=hash,
-                     lendable_pages: int = 0, **config) -> tuple[Scheduler, KVCacheManager, FakeClock]:
+                     lendable_pages: int = 0, pipeline_stages: int = 1,
+                     **config) -> tuple[Scheduler, KVCacheManager, FakeClock]:
     """(scheduler, its KV allocator, its clock). `config`: SchedulerConfig's fields; unlike the library,
     8 sequences and 64 tokens per iteration and async scheduling off unless given (Algorithm 1 as the
     paper has it: max_in_flight batches in flight hold disjoint requests). `adapters`: LoRA adapter
-    slots (lora.slots.AdapterSlots); the rest: the allocator's prefix caching and lendable pages."""
+    slots (lora.slots.AdapterSlots); the rest: the allocator's prefix caching and lendable pages, and
+    the engine's pipeline stages."""
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix_caching, hash_fn=hash_fn,
                         lendable_pages=lendable_pages)
     config = SchedulerConfig(**({"max_num_seqs": 8, "max_num_batched_tokens": 64, "async_scheduling": False} | config))
     clock = FakeClock()
     scheduler = Scheduler(config, kv, max_model_len, max_in_flight, clock=clock, token_target=token_target,
-                          adapters=adapters)
+                          adapters=adapters, pipeline_stages=pipeline_stages)
     return scheduler, kv, clock
 
 

@@ -51,6 +51,21 @@ def test_one_batch_in_flight_on_a_pipeline_gives_the_same_tokens(results):
     assert one["tokens"] == results["llama/2/2"]["tokens"]
 
 
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+def test_async_scheduling_on_a_pipeline_gives_the_same_tokens(results, tp, pp):
+    """Planning ahead on a pipeline: the tokens of one device, the stages still kept on disjoint batches
+    while requests remain to fill them (one batch per stage, each of a share of the requests), and a
+    request alone planned ahead of its token each iteration (two batches in flight, where without
+    async scheduling a lone request keeps one)."""
+    case, one = results[f"llama/{tp}/{pp}/async"], results["llama/1/1"]
+    assert case["tokens"] == one["tokens"]
+    assert case["max_in_flight"] == pp and case["mean_in_flight"] > pp - 0.5
+    alone = results[f"llama/{tp}/{pp}/async-one"]
+    assert alone["tokens"] == results["llama/1/1/async-one"]["tokens"]
+    assert alone["max_in_flight"] == 2 and results["llama/1/2/sync-one"]["max_in_flight"] == 1
+    assert alone["tokens"] == results["llama/1/2/sync-one"]["tokens"]
+
+
 def test_prefix_caching_on_a_mesh_gives_one_devices_tokens(results):
     reference = results["llama/1/1/prefix-off"]
     off, on = results["llama/2/2/prefix-off"], results["llama/2/2/prefix-on"]

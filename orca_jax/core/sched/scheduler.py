@@ -29,7 +29,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  max_in_flight: int = 1, clock: Callable[[], float] = time.monotonic,
                  policy: Policy | None = None, token_target: Callable[[int], int] | None = None,
-                 adapters: AdapterAdmission | None = None):
+                 adapters: AdapterAdmission | None = None, pipeline_stages: int = 1):
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
         if max_in_flight <= 0:
@@ -46,6 +46,11 @@ class Scheduler:
         # LoRA adapter slots on the device (None: no adapters): a waiting request is admitted only
         # once its adapter has a slot, and meanwhile does not hold up the requests behind it.
         self._adapters = adapters
+        # With several pipeline stages a request planned ahead (async scheduling) makes the next batch
+        # wait for the last stage's sampling, i.e. for the whole pipeline: plan ahead only when every
+        # unfinished request is in flight, so the stages keep different batches otherwise; and a batch
+        # takes at most its share (1 / stages) of the unfinished requests, so the next batch has some.
+        self._pipeline_stages = pipeline_stages
         # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
         self._requests: dict[str, Request] = {}
         self._num_waiting = 0
@@ -155,9 +160,13 @@ class Scheduler:
         preempted: set[Request] = set()  # not re-admitted in the iteration that preempted them
         can_admit = True
         refused = float("inf")
-        views = {r: view for r in self._requests.values() if (view := self._planning_view(r)) is not None}
+        ahead = self._pipeline_stages == 1 or all(r in self._in_flight_rows for r in self._requests.values())
+        views = {r: view for r in self._requests.values() if (view := self._planning_view(r, ahead)) is not None}
+        max_seqs = self.config.max_num_seqs
+        if not ahead:  # a pipeline's stages each get a share of the requests, so all of them work
+            max_seqs = min(max_seqs, -(-len(self._requests) // self._pipeline_stages))
         for request in self.policy.order(list(views), now):
-            if len(batch) >= self.config.max_num_seqs:
+            if len(batch) >= max_seqs:
                 break
             if request.status is RequestStatus.WAITING:
                 if not can_admit or request in preempted:
@@ -345,7 +354,7 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_DEADLINE, now)
         return expired
 
-    def _planning_view(self, request: Request) -> PlanningView | None:
+    def _planning_view(self, request: Request, ahead: bool = True) -> PlanningView | None:
         """The request's state for the next plan, or None if it cannot be in it.
 
         A request in no unreturned batch plans from its own state. With async scheduling, one in the
@@ -357,7 +366,7 @@ class Scheduler:
         rows = self._in_flight_rows.get(request)
         if not rows:
             return own_view(request)
-        if not self.config.async_scheduling or len(rows) > 1 or rows[0][0] != self._next_iteration - 1:
+        if not (ahead and self.config.async_scheduling) or len(rows) > 1 or rows[0][0] != self._next_iteration - 1:
             return None
         _, row, num_fed = rows[0]
         start = request.num_computed_tokens + num_fed

@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import json
 import os
 import threading
 import time
@@ -143,8 +144,12 @@ def compiler_options_for(platform: str) -> dict | None:
     """XLA options for the engine's programs. On GPU, autotuning skips initializing and checking its
     candidates' buffers (level 1 of 4): a gemm's speed does not depend on the values, and on an H100
     one 8-layer llama-8b forward compiled in 4.5 s instead of 6.0 s (T = 160; 5.4 vs 5.9 s at
-    T = 1024) with the same device time. Level 0 (no autotuning) ran 20-45x slower."""
-    return {"xla_gpu_autotune_level": 1} if platform == "gpu" else None
+    T = 1024) with the same device time. Level 0 (no autotuning) ran 20-45x slower.
+    $ORCA_JAX_XLA_OPTIONS (a JSON object) adds options: the backend's own flags reach its compiler
+    this way even where jaxlib's XLA_FLAGS parser does not know them."""
+    options = {"xla_gpu_autotune_level": 1} if platform == "gpu" else {}
+    options.update(json.loads(os.environ.get("ORCA_JAX_XLA_OPTIONS") or "{}"))
+    return options or None
 
 
 def default_cache_dir() -> str:

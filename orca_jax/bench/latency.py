@@ -38,15 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--num-iters", type=int, default=3)
-    parser.add_argument("--decode-steps", type=int, default=20, help="timed decode iterations per batch size")
+    parser.add_argument("--decode-steps", type=int, default=20,
+                        help="timed decode steps per batch size (every request one more token each)")
     add_result_arguments(parser)
 
 
 def decode_seconds(engine, batch_size: int, input_len: int, steps: int) -> tuple[list[float], object]:
-    """Wall seconds of `steps` engine iterations in which every one of batch_size requests feeds one
-    token, and the last such batch (Probe.decode_batch). Each request gets enough outputs for all of
-    them to be decoding together once the last prompt is in (prompts take several iterations when
-    they exceed the token budget); they are dropped after."""
+    """Wall seconds of `steps` decode steps of the batch, each until every one of batch_size requests
+    has one more token (one engine iteration on one stage; on a pipeline the requests share out into a
+    batch per stage, so a step is one iteration per stage), and the last decode batch
+    (Probe.decode_batch). Each request gets enough outputs for all of them to be decoding together
+    once the last prompt is in (prompts take several iterations when they exceed the token budget);
+    they are dropped after."""
     budget = engine.config.scheduler.max_num_batched_tokens
     spare = -(-batch_size * input_len // budget) + 2  # iterations until every prompt is in, and one more
     trace = identical_trace(batch_size, input_len, steps + spare)
@@ -59,7 +62,9 @@ def decode_seconds(engine, batch_size: int, input_len: int, steps: int) -> tuple
     with Probe(engine) as probe:
         for _ in range(steps):
             start = time.perf_counter()
-            engine.step()
+            waiting = set(ids)
+            while waiting:
+                waiting.difference_update(out.request_id for out in engine.step() if out.new_token_ids)
             times.append(time.perf_counter() - start)
     for request_id in ids:
         engine.abort(request_id)

@@ -59,12 +59,13 @@ def scheduler_factory(engine: Engine, kind: SchedulerKind, *, max_num_seqs: int,
             return RequestLevelScheduler(max_num_seqs, limits.max_num_batched_tokens, kv, max_model_len,
                                          clock=clock, num_microbatches=max_in_flight or stages)
         return request_level
-    config = dataclasses.replace(limits, max_num_seqs=max_num_seqs, policy=policy,
-                                 async_scheduling=async_scheduling and stages == 1)
-    in_flight = max_in_flight or (2 if config.async_scheduling else stages)
+    config = dataclasses.replace(limits, max_num_seqs=max_num_seqs, policy=policy, async_scheduling=async_scheduling)
+    # The engine's own rule for the batches in flight (one per stage, at least two with async scheduling).
+    in_flight = dataclasses.replace(engine.config, scheduler=config, max_in_flight=max_in_flight).effective_max_in_flight
 
     def orca(kv, max_model_len, _in_flight):
-        return Scheduler(config, kv, max_model_len, in_flight, clock=clock, token_target=engine.buckets.token_target)
+        return Scheduler(config, kv, max_model_len, in_flight, clock=clock, token_target=engine.buckets.token_target,
+                         pipeline_stages=stages)
     return orca
 
 

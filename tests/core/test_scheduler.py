@@ -410,15 +410,15 @@ def test_async_scheduling_plans_the_next_batch_from_the_one_in_flight():
 
 
 def test_async_scheduling_on_a_pipeline_plans_ahead_only_when_every_request_is_in_flight():
-    """Two stages: batches take a share of the requests each, so the stages run disjoint batches (a
-    batch planned ahead would wait for the whole pipeline); once every request is in flight, the
-    next batch is planned ahead of the tokens still on the device."""
-    sched, _, _ = create_scheduler(max_in_flight=2, async_scheduling=True, pipeline_stages=2)
+    """Two stages: while some request is not in flight the next batch takes those (a batch planned
+    ahead would wait for the whole pipeline); once every request is in flight, the next batch is
+    planned ahead of the tokens still on the device."""
+    sched, _, _ = create_scheduler(max_num_seqs=3, max_in_flight=2, async_scheduling=True, pipeline_stages=2)
     for i in range(5):
         sched.add_request(make_request(i, prompt_len=2, max_tokens=8, arrival=float(i)))
     first = sched.schedule()
     second = sched.schedule()
-    assert [s.request.request_id for s in first.scheduled] == ["0", "1", "2"]  # ceil(5 / 2)
+    assert [s.request.request_id for s in first.scheduled] == ["0", "1", "2"]
     assert [s.request.request_id for s in second.scheduled] == ["3", "4"]  # not 0-2 again
     assert all(s.token_source == -1 for s in second.scheduled)
     sched.update(first, [7] * 3)

@@ -48,8 +48,9 @@ class Scheduler:
         self._adapters = adapters
         # With several pipeline stages a request planned ahead (async scheduling) makes the next batch
         # wait for the last stage's sampling, i.e. for the whole pipeline: plan ahead only when every
-        # unfinished request is in flight, so the stages keep different batches otherwise; and a batch
-        # takes at most its share (1 / stages) of the unfinished requests, so the next batch has some.
+        # unfinished request is in flight, so the stages keep different batches otherwise. (Capping each
+        # batch at a share of the requests, so every stage always has one, measured slower on 2 H200s:
+        # decode reads every weight per batch whatever its size; see benchmarks/results/h200x2.)
         self._pipeline_stages = pipeline_stages
         # Unfinished requests in insertion order; finished ones are dropped (the engine keeps its own).
         self._requests: dict[str, Request] = {}
@@ -162,11 +163,8 @@ class Scheduler:
         refused = float("inf")
         ahead = self._pipeline_stages == 1 or all(r in self._in_flight_rows for r in self._requests.values())
         views = {r: view for r in self._requests.values() if (view := self._planning_view(r, ahead)) is not None}
-        max_seqs = self.config.max_num_seqs
-        if not ahead:  # a pipeline's stages each get a share of the requests, so all of them work
-            max_seqs = min(max_seqs, -(-len(self._requests) // self._pipeline_stages))
         for request in self.policy.order(list(views), now):
-            if len(batch) >= max_seqs:
+            if len(batch) >= self.config.max_num_seqs:
                 break
             if request.status is RequestStatus.WAITING:
                 if not can_admit or request in preempted:

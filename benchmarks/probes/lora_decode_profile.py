@@ -138,7 +138,7 @@ for t_count in TOKENS:
             print(t_count, spread, form, {k: v for k, v in row.items() if k != "top"}, flush=True)
             json.dump(results | {"stack": stack_rows}, open(f"{OUT}/lora_decode_profile.json", "w"), indent=1)
 results["stack"] = stack_rows
-del base, tables
+base = tables = None  # the stack measurements are done: free their weights
 json.dump(results, open(f"{OUT}/lora_decode_profile.json", "w"), indent=1)
 
 # ---- the engine: one decode step, base vs adapter ------------------------------------------------------

@@ -1,7 +1,8 @@
 """On a machine with several GPUs: llama-1b's greedy tokens in float32 (matmuls at highest precision) are
-the same at (tp, pp) = (1, 1), (2, 1) and (1, 2), each layout in its own process with the same random
-weights. Skipped elsewhere: the CPU mesh tests (worker/test_pipeline.py) cover the layouts on fake
-devices. Its log on 2 H200s is in benchmarks/results/h200x2/."""
+the same at (tp, pp) = (1, 1), (2, 1) and (1, 2), and with 4 GPUs also at (2, 2) and (4, 1), each layout
+in its own process with the same random weights. Skipped elsewhere: the CPU mesh tests
+(worker/test_pipeline.py, e2e/test_rehearsal_gpt3.py) cover the layouts on fake devices. Its log on
+2 H200s is in benchmarks/results/h200x2/."""
 
 from __future__ import annotations
 
@@ -36,10 +37,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def layouts(num_gpus: int) -> list[tuple[int, int]]:
+    return [(1, 1), (2, 1), (1, 2)] + ([(2, 2), (4, 1)] if num_gpus >= 4 else [])
+
+
 @pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")
 def test_greedy_float32_tokens_equal_across_layouts_on_gpus():
     tokens = {}
-    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+    for tp, pp in layouts(gpu_count()):
         run = subprocess.run([sys.executable, "-c", SCRIPT, str(tp), str(pp)], cwd=ROOT, env=checkout_env(),
                              capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stderr[-3000:]

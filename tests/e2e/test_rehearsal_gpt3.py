@@ -1,65 +1,85 @@
-"""Rehearsal of issue 12's layout on 4 fake CPU devices: GPT-3 175B's family and vocabulary (50257, padded),
-scaled down to 4 layers of hidden 64, served through `LLM(tensor_parallel_size=2, pipeline_parallel_size=PP)`;
-its tokens must be the one-device tokens, greedy and seeded sampling alike.
+"""Rehearsals of the GPT-3 layouts the multi-GPU runs use, on fake CPU devices: each preset's family and
+vocabulary (50257, padded to a multiple of tp), scaled down so heads and layers still split the way the
+real model's do, served through `LLM(tensor_parallel_size=, pipeline_parallel_size=)`; every layout's
+tokens must be the one-device tokens, greedy and seeded sampling alike.
 
-PIPELINE_STAGES is 1 until pipeline stages land (branch `pipe`); flipping it to 2 makes this the exact
-(tp, pp) = (2, 2) layout that issue 12 runs on 4 H200s.
+- GPT-3 175B on 4 H200s (issue 40): (tp, pp) = (4, 1) and (2, 2) on 4 devices. 96 heads split by 4 or 2,
+  96 layers by 1 or 2; scaled to 8 heads (2 per shard at tp=4) and 4 layers.
+- GPT-3 341B on 8 H200s (issue 38): (4, 2) on 8 devices. 120 heads split by 4 (30 per shard), 120
+  layers by 2; scaled to 8 heads of 16 (2 per shard) and 4 layers (2 per stage).
 """
 
-import textwrap
+import dataclasses
+import json
 
 import pytest
 
+from orca_jax.models.presets import get_preset
 from tests.helpers.mesh import run_on_fake_devices
 
-PIPELINE_STAGES = 2  # the exact (tp, pp) = (2, 2) layout of issue 12
+GPT3_VOCAB = 50257
+LAYOUTS_175B = [(4, 1), (2, 2)]
+SHAPE_175B = dict(hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=8, ffn_size=256,
+                  max_seq_len=128)
+LAYOUTS_341B = [(4, 2)]
+SHAPE_341B = dict(hidden_size=128, num_layers=4, num_heads=8, num_kv_heads=8, head_dim=16, ffn_size=512,
+                  max_seq_len=128)
 
-SCRIPT = textwrap.dedent("""
-    import dataclasses, json, sys
-    import jax
-    from orca_jax import LLM, SamplingParams
-    from orca_jax.models import decoder, presets
-    from orca_jax.models.loader import LoadedModel
-    from orca_jax.tokenizer import ByteTokenizer
 
-    pp = int(sys.argv[1])
-    config = dataclasses.replace(presets.get_preset("gpt3-175b"), hidden_size=64, num_layers=4, num_heads=4,
-                                 num_kv_heads=4, head_dim=16, ffn_size=256, max_seq_len=128, dtype="float32")
-    params = decoder.stack_layers(decoder.init_params(config, seed=7))
-    loaded = LoadedModel(config, params, ByteTokenizer(config.eos_token_ids))
-    prompts = [[464, 3290, 318], list(range(1000, 1020)), [50256, 11, 50000]]
-    # Seeded sampling at a low temperature: these random weights give near-uniform logits over 50257
-    # tokens, and a mesh's logits differ from one device's by ~4e-7 (all-reduce order), which at
-    # temperature 0.8 moves the sampling CDF across a boundary every few dozen draws. At 0.1 the
-    # candidates are far apart, so equal tokens test the mesh, not the float noise.
-    sampling = [SamplingParams(max_tokens=8, ignore_eos=True),
-                SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.1, seed=11)]
-    out = {}
-    for tp, stages in ((1, 1), (2, pp)):
-        llm = LLM("gpt3-175b-scaled", tensor_parallel_size=tp, pipeline_parallel_size=stages, loaded=loaded,
-                  max_num_seqs=8, max_num_batched_tokens=8, page_size=4, num_kv_pages=128)
-        parallel = llm.engine.config.parallel
-        embed = [a for a in jax.live_arrays() if a.shape[0] == -(-config.vocab_size // tp) * tp and a.ndim == 2]
-        out[f"{tp}x{stages}"] = {
-            "parallel": [parallel.tensor_parallel, parallel.num_stages],
-            "embed_rows": sorted({a.shape[0] for a in embed}),
-            "embed_devices": sorted({len(a.devices()) for a in embed}),
-            "tokens": [[o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] for sp in sampling]}
-        del llm, embed
-    print(json.dumps(out))
-""")
+def rehearse(num_devices: int, preset: str, shape: dict, layouts: list[tuple[int, int]]) -> dict:
+    spec = json.dumps({"preset": preset, "shape": shape, "layouts": layouts})
+    return run_on_fake_devices(num_devices, "-m", "tests.helpers.rehearsal", spec)
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_on_fake_devices(4, "-c", SCRIPT, str(PIPELINE_STAGES))
+def gpt3_175b():
+    return rehearse(4, "gpt3-175b", SHAPE_175B, LAYOUTS_175B)
 
 
-def test_scaled_gpt3_on_the_issue_12_layout_gives_the_one_device_tokens(results):
-    one, mesh = results["1x1"], results[f"2x{PIPELINE_STAGES}"]
-    assert mesh["parallel"] == [2, PIPELINE_STAGES]  # LLM's vLLM-named arguments reach the engine
-    assert mesh["embed_rows"] == [50258]  # 50257 padded to a multiple of tp=2
-    assert max(mesh["embed_devices"]) >= 2  # split over the tensor group, not one device's copy
-    assert one["embed_rows"] == [50257]
+@pytest.fixture(scope="module")
+def gpt3_341b():
+    return rehearse(8, "gpt3-341b", SHAPE_341B, LAYOUTS_341B)
+
+
+def check_layout(results: dict, shape: dict, tp: int, pp: int) -> None:
+    one, mesh = results["1x1"], results[f"{tp}x{pp}"]
+    assert mesh["parallel"] == [tp, pp]  # LLM's vLLM-named arguments reach the engine
+    stages = mesh["stages"]
+    per_stage = shape["num_layers"] // pp
+    assert [s["layers"] for s in stages] == [[i * per_stage, (i + 1) * per_stage] for i in range(pp)]
+    devices = [s["devices"] for s in stages]
+    assert all(len(d) == tp for d in devices) and len({i for d in devices for i in d}) == tp * pp
+    assert [s["param_devices"] for s in stages] == devices  # each stage's weights on its own devices only
+    padded = -(-GPT3_VOCAB // tp) * tp
+    assert padded > GPT3_VOCAB  # 50257 = 29 x 1733: no tp of 2, 4 or 8 divides it
+    for s in stages:  # the first stage embeds; with tied embeddings the last stage's LM head is the table
+        if s["embed_rows"] is not None:
+            assert (s["embed_rows"], s["embed_shard_rows"]) == (padded, padded // tp)  # vocabulary-parallel
+        assert (s["kv_heads"], s["kv_heads_per_device"]) == (shape["num_kv_heads"], shape["num_kv_heads"] // tp)
+    assert stages[0]["embed_rows"] is not None and stages[-1]["embed_rows"] is not None
+    assert one["stages"][0]["embed_rows"] == GPT3_VOCAB
     assert mesh["tokens"] == one["tokens"]
-    assert all(len(t) == 8 for t in one["tokens"][0])
+    for tokens in one["tokens"]:
+        assert all(len(t) == 8 and max(t) < GPT3_VOCAB for t in tokens)  # no padded row is ever drawn
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS_175B)
+def test_scaled_gpt3_175b_on_4_devices_gives_the_one_device_tokens(gpt3_175b, tp, pp):
+    check_layout(gpt3_175b, SHAPE_175B, tp, pp)
+
+
+@pytest.mark.parametrize("tp, pp", LAYOUTS_341B)
+def test_scaled_gpt3_341b_on_8_devices_gives_the_one_device_tokens(gpt3_341b, tp, pp):
+    check_layout(gpt3_341b, SHAPE_341B, tp, pp)
+
+
+def test_the_scaled_shapes_split_as_the_presets_do():
+    """The properties the rehearsals stand for: the real heads and layers split by the same (tp, pp)."""
+    for preset, shape, layouts in (("gpt3-175b", SHAPE_175B, LAYOUTS_175B), ("gpt3-341b", SHAPE_341B, LAYOUTS_341B)):
+        real = get_preset(preset)
+        scaled = dataclasses.replace(real, **shape)
+        assert scaled.vocab_size == GPT3_VOCAB and scaled.family == real.family
+        for tp, pp in layouts:
+            for config in (real, scaled):
+                assert config.num_heads % tp == 0 and config.num_layers % pp == 0, (preset, tp, pp)
+                assert config.num_heads // tp >= 2  # more than one head per shard, as the real model has

@@ -99,14 +99,18 @@ class AsyncEngine:
     (Engine.precompile), so that nothing compiles while serving; requests that arrive meanwhile
     wait in the queue, and `readiness` says how far it got (what /health reports). `on_ready` runs
     on the engine thread once that is done, before /health says ready (a server freezes its heap).
+    `on_failure(error)` runs on the engine thread if the loop raises, once every request in flight
+    has that error (a server exits: an engine that failed once is not trusted to serve again).
     """
 
     def __init__(self, engine: Engine, *, max_in_flight: int | None = None,
                  shutdown_grace_seconds: float = 0.0, precompile: bool = False,
-                 on_ready: Callable[[], None] | None = None):
+                 on_ready: Callable[[], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.precompile = precompile
         self.on_ready = on_ready
+        self.on_failure = on_failure
         self.readiness = Readiness(ready=not precompile)
         scheduler = engine.config.scheduler
         # Our own bound covers requests still in the command queue, which the engine cannot see.
@@ -234,6 +238,8 @@ class AsyncEngine:
             logger.exception("engine loop failed; failing all requests in flight")
             self.error = error
             self._fail_everything(tracked, EngineDeadError(f"engine loop failed: {error!r}"))
+            if self.on_failure is not None:
+                self.on_failure(error)
 
     def _compile_everything(self) -> None:
         start = time.monotonic()

@@ -337,7 +337,7 @@ class Engine:
             if request.status.finished:
                 self._sampling.release(request)  # its penalty slot, if it had one
             if request.status is RequestStatus.FINISHED_ABORTED:
-                continue  # aborted while in flight
+                continue  # aborted by its caller while in flight; one the engine ends is answered
             num_new = len(request.output_token_ids) - item.step
             # Nothing new: a prompt chunk short of the prompt's end, or (async scheduling) a row
             # planned before an earlier batch finished the request; its token is dropped.

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orca_jax.lora.request import LoRARequest
+from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.async_engine import (
     AsyncEngine, EngineOverloadedError, EngineUnavailableError, QueueFullError, RequestStream,
@@ -38,6 +39,8 @@ DEFAULT_MAX_TOKENS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
 DEADLINE = "deadline"  # RequestStatus.FINISHED_DEADLINE's finish reason
 DEADLINE_MESSAGE = "the deadline ({:g} s after arrival) passed before the request could start; it was dropped"
+ERROR = "error"  # RequestStatus.FINISHED_ERROR's finish reason: the engine ended the request (output.error)
+GENERATION_FAILED = "generation_failed"
 request_log = logging.getLogger("orca_jax.requests")
 log = logging.getLogger(__name__)
 MAX_WARNED_FIELDS = 1000  # distinct ignored field names logged; a client inventing names cannot grow it further
@@ -278,6 +281,9 @@ class OpenAIServing:
         if any(final.finish_reason == DEADLINE for final, _ in finals):
             raise APIError(504, DEADLINE_MESSAGE.format(body.deadline_seconds), param="deadline_ms",
                            code="deadline_exceeded")
+        failed = next((final for final, _ in finals if final.finish_reason == ERROR), None)
+        if failed is not None:
+            raise _generation_failed(failed)
         usage = usage_of(choices, [final for final, _ in finals])
         return JSONResponse(formatter.response(finals, usage).model_dump(mode="json"))
 
@@ -322,6 +328,9 @@ class OpenAIServing:
                                       param="deadline_ms", code="deadline_exceeded")
                     yield f"data: {json.dumps(body)}\n\n"
                     break
+                if outputs[-1].finish_reason == ERROR:  # its chunk said finish_reason "error"; this says why
+                    failed = _generation_failed(outputs[-1])
+                    yield f"data: {json.dumps(error_body(failed.status, failed.message, code=failed.code))}\n\n"
             if formatter.include_usage and all(final is not None for final in finals):
                 yield f"data: {formatter.usage_chunk(usage_of(choices, finals))}\n\n"
         except EngineUnavailableError as error:
@@ -329,6 +338,15 @@ class OpenAIServing:
         finally:
             streams.abort_all()
         yield "data: [DONE]\n\n"
+
+
+def _generation_failed(output: RequestOutput) -> APIError:
+    """The answer to a request the engine ended itself: 400 when its own input led there, else 500."""
+    error = output.error
+    status = 400 if error is not None and error.caused_by_request else 500
+    reason = error.message if error is not None else "the engine ended the request"
+    return APIError(status, f"generation stopped after {len(output.output_token_ids)} tokens: {reason}",
+                    code=GENERATION_FAILED)
 
 
 def _log_request(request_id: str, body: CompletionRequest | ChatCompletionRequest, choices: list[Choice]) -> None:

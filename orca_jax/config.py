@@ -321,6 +321,29 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """What one structured-output grammar may cost, at compile and per output token: llguidance's
+    LLParserLimits, named as there (speeds from its documentation). A compile or a token's mask that
+    passes one stops with an error (a request then ends with it). Wall-clock time and crashes are the
+    server's grammar workers' to bound (structured/sandbox.py): these limits do not bound everything
+    (a Lark grammar of 10,000 chained rules ran for minutes before its size check; 3,000 overflowed
+    the stack)."""
+
+    max_grammar_size: int = 500_000  # symbols in the grammar's productions
+    max_items_in_row: int = 2_000  # branching of one production row
+    initial_lexer_fuel: int = 1_000_000  # building the lexer's regexes at compile (~50k/ms)
+    step_lexer_fuel: int = 200_000  # lexer work for one token's mask (~14k/ms)
+    step_max_items: int = 50_000  # Earley items for one token's mask (~20k/ms)
+    max_lexer_states: int = 250_000  # lexer states (~1-2 kB each)
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GrammarLimits.{field.name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once by the entry point."""
 
@@ -344,6 +367,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # Fine-tuning jobs in the engine (needs lora: finished adapters are served from its slots); None: off.
     fine_tuning: FineTuningConfig | None = None
+    # What one structured-output grammar may cost the engine, at compile and per token (llguidance's limits).
+    grammar_limits: GrammarLimits = GrammarLimits()
 
     @property
     def async_scheduling(self) -> bool:

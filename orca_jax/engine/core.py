@@ -35,6 +35,7 @@ from orca_jax.outputs import RequestOutput
 from orca_jax.sample.batcher import SamplingBatcher, TokenMaskSource
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.structured.manager import StructuredOutputManager
+from orca_jax.structured.matcher import CompiledGrammar, GrammarCompiler
 from orca_jax.worker import multihost
 from orca_jax.worker.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.worker.input_batch import BucketPolicy, RaggedBatch, build_batch
@@ -105,7 +106,8 @@ class Engine:
         # token_masks: more per-step allowed tokens from outside the sampler, applied on device too.
         # Intake: prompts and SamplingParams checked and made Requests (tokenizer and configs only).
         self.inputs = InputProcessor(config, self.model_config, self.tokenizer, self.runner.config.vocab_size)
-        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks)
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks,
+                                                  limits=config.grammar_limits)
         self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
                                          config.sampling.logit_table_width, config.sampling.max_logprobs,
                                          self.structured)
@@ -159,9 +161,10 @@ class Engine:
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *,
                     request_id: str | None = None, priority: int = 0,
                     deadline: float | None = None, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> str:
         """Queue a request; raises ValueError if it can never run (or its structured_outputs do not
-        compile), QueueFullError if the pool is full.
+        compile), QueueFullError if the pool is full. grammar: its structured_outputs already compiled
+        by grammar_compiler (a server compiles off the engine thread), else they are compiled here.
 
         deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
         scheduler counts iterations); arrival_time None: now. lora_request: the adapter to run with
@@ -173,7 +176,7 @@ class Engine:
         if lora_request is not None:
             request.lora_int_id = self.lora.request_added(request_id, lora_request)
         try:
-            self.structured.attach(request)
+            self.structured.attach(request, grammar)
             self.scheduler.add_request(request)
         except BaseException:
             if request.lora_int_id:  # refused: its adapter need not stay in host memory for it
@@ -187,6 +190,11 @@ class Engine:
                 raise
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of structured outputs' grammars for add_request(grammar=...); thread-safe."""
+        return self.structured.compiler
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""

@@ -92,6 +92,7 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
                                           http_limits_from_args, parse_args, read_chat_template,
                                           tool_call_settings_from_args)
     from orca_jax.server.lora import parse_lora_modules, register_lora_modules
+    from orca_jax.server.preprocess import frontend_limits_from_args
 
     args = parse_args(argv)
     config = engine_config_from_args(args)
@@ -141,6 +142,7 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
 
     def on_ready() -> None:
         gc_and_gil.freeze_startup_heap()
+        app.state.preprocess.start()  # the grammar workers, so the first constrained request finds them up
         log.info("ready at %s", url)
 
     def on_failure(error: BaseException) -> None:  # on the engine thread, after every request got the error
@@ -161,7 +163,7 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
                      allowed_hosts=allowed_hosts_from_args(args), chat_template=read_chat_template(args.chat_template),
                      max_upload_bytes=args.max_upload_bytes,
                      log_requests=not args.disable_log_requests, cors=cors,
-                     tool_calls=tool_call_settings_from_args(args))
+                     tool_calls=tool_call_settings_from_args(args), frontend=frontend_limits_from_args(args))
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port,
                                     log_level=args.uvicorn_log_level or args.log_level,
                                     access_log=not args.disable_uvicorn_access_log,

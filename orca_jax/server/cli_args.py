@@ -22,6 +22,7 @@ from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 from orca_jax.server.fine_tuning import add_fine_tuning_arguments, fine_tuning_config_from_args
 from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules
+from orca_jax.server.preprocess import add_grammar_arguments, frontend_limits_from_args, grammar_limits_from_args
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 from orca_jax.server.structured import DEFAULT_TOOL_CALL_FORMAT, ToolCallSettings
 from orca_jax.structured.tool_parsers import TOOL_PARSERS
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no line per HTTP request from uvicorn (health polling fills the log)")
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="no line per generation request (its id, prompt tokens and sampling settings)")
+    add_grammar_arguments(p)
     add_lora_arguments(p)
     add_fine_tuning_arguments(p)
     return p
@@ -278,6 +280,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parse_lora_modules(args.lora_modules)
         http_limits_from_args(args)
         tool_call_settings_from_args(args)
+        frontend_limits_from_args(args)
     except (ValueError, jinja2.TemplateSyntaxError) as error:
         parser.error(str(error))
 
@@ -350,4 +353,4 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
-        lora=lora, fine_tuning=fine_tuning)
+        lora=lora, fine_tuning=fine_tuning, grammar_limits=grammar_limits_from_args(args))

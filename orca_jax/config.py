@@ -155,8 +155,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # requests per iteration (ORCA's max batch size)
     max_num_batched_tokens: int = 512  # token budget per iteration; longer prompts take several
-    # The most prompt tokens one request feeds per iteration (vLLM's long_prefill_token_threshold), so
-    # a long prompt shares its iterations with decodes; None: no cap but the budget.
+    # The most prompt tokens one request feeds per iteration it shares with other requests (vLLM's
+    # long_prefill_token_threshold), so a long prompt shares its iterations with decodes and other
+    # prompts; alone in its batch it takes the whole budget. None: no cap but the budget.
     long_prefill_token_threshold: int | None = None
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this

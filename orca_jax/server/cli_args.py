@@ -29,6 +29,9 @@ from orca_jax.structured.tool_parsers import TOOL_PARSERS
 
 PROG = "python -m orca_jax.serve"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# Not given, --long-prefill-token-threshold is this share of the token budget: a long prompt then takes
+# at most a quarter of an iteration it shares (vLLM's default is 4% of the context: 327 of 8,192).
+LONG_PREFILL_SHARE = 4
 # The server's default, unlike the library's (RESERVE, ORCA as published): chats without max_tokens
 # then share the pool instead of running one at a time (measured: notes/policy.md, README).
 SERVE_KV_ALLOCATION = KVAllocation.ON_DEMAND
@@ -97,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per iteration; longer prompts are fed over several; the device's default "
                        "when not given (4096 on a GPU with >= 40 GiB, 2048 on a smaller one, 512 on CPU)")
     sched.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                       help="the most prompt tokens one request feeds per iteration (the rest wait for the "
-                       "next), so long prompts share iterations with decodes; no cap when not given")
+                       help="the most prompt tokens one request feeds per iteration it shares with other "
+                       "requests (the rest wait for the next), so a long prompt cannot hold up decodes and "
+                       "new prompts; a prompt alone in its batch takes the whole budget. Not given: "
+                       f"--max-num-batched-tokens / {LONG_PREFILL_SHARE}; 0: no cap")
     sched.add_argument("--max-waiting", type=int, default=_default(SchedulerConfig, "max_waiting"),
                        help="requests queued beyond the running batch; more get 503 + Retry-After")
     sched.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy] + ["deadline"],
@@ -322,10 +327,18 @@ def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
                       max_connections=args.max_connections)
 
 
+def long_prefill_token_threshold(given: int | None, max_num_batched_tokens: int) -> int | None:
+    """The flag's value: None (not given) is a 1/LONG_PREFILL_SHARE of the budget, 0 no cap."""
+    if given is None:
+        return max(1, max_num_batched_tokens // LONG_PREFILL_SHARE)
+    return given or None
+
+
 def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | None = None) -> EngineConfig:
     """Raises ValueError (from the configs' own checks) on inconsistent flags. `defaults`: the device's
     batch (engine.defaults.batch_defaults, known once jax has started); the CPU's when None."""
     defaults = defaults or batch_defaults_for("cpu", 0.0, UsageContext.SERVER)
+    max_num_batched_tokens = args.max_num_batched_tokens or defaults.max_num_batched_tokens
     fine_tuning = fine_tuning_config_from_args(args)
     lora = lora_config_from_args(args)
     if fine_tuning is not None and lora is None:  # fine-tuned adapters are served from the LoRA slots
@@ -337,9 +350,9 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens
-                                  or defaults.max_num_batched_tokens,
-                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  long_prefill_token_threshold=long_prefill_token_threshold(
+                                      args.long_prefill_token_threshold, max_num_batched_tokens),
                                   policy=SchedulingPolicy(args.scheduling_policy),
                                   max_waiting=args.max_waiting, async_scheduling=args.async_scheduling,
                                   kv_allocation=KVAllocation(args.kv_allocation),

@@ -105,7 +105,10 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
 
     # Imported here so `--help` and flag errors come back without loading jax.
     from orca_jax.worker import multihost
+    from orca_jax.worker.compilation import configure_compilation_cache
     multihost.initialize(config.parallel)  # before anything else touches jax
+    # Before the model loads: jax fixes its cache's directory at its first compile.
+    configure_compilation_cache(config.compilation_cache_dir)
     from orca_jax.engine import Engine
     from orca_jax.engine.defaults import UsageContext, batch_defaults
     from orca_jax.models.loader import load_model

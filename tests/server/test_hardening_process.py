@@ -9,10 +9,7 @@ import time
 
 import httpx
 
-from tests.helpers.process import ROOT, checkout_env, free_port, wait_healthy
-
-TINY_SERVER = ["--model", "tiny-llama", "--page-size", "128", "--num-kv-pages", "8", "--max-num-seqs", "4",
-               "--max-num-batched-tokens", "8", "--log-level", "warning"]
+from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
 
 
 def test_a_port_in_use_ends_the_start_within_two_seconds():

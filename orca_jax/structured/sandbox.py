@@ -46,6 +46,8 @@ DEFAULT_NUM_WORKERS = 2
 START_TIMEOUT_S = 60.0  # a worker's own start (imports, the tokenizer's trie) is not the request's time
 BUSY_WAIT_S = 1.0  # beyond the time limit, how long a check waits for a worker to come free
 _FRAME_HEADER = struct.Struct(">Q")
+MAX_VERDICT_BYTES = 1 << 16  # more from a worker is treated as its crash
+_PASSED = b"\0passed"  # a worker's verdict when all went well (a refusal is its reason, as text)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -237,7 +239,7 @@ class _Worker:
 
     def wait_ready(self, timeout_s: float) -> None:
         if not self._ready:
-            if _read_frame(self.process.stdout, time.monotonic() + timeout_s) != b"ready":
+            if _read_frame(self.process.stdout, time.monotonic() + timeout_s, MAX_VERDICT_BYTES) != b"ready":
                 raise EOFError("the grammar worker did not start")
             self._ready = True
 
@@ -249,8 +251,10 @@ class _Worker:
 
     def receive(self, timeout_s: float) -> str | None:
         """The task's verdict: None when the constraint passed, else why not; TimeoutError, or
-        EOFError when the process died."""
-        return pickle.loads(_read_frame(self.process.stdout, time.monotonic() + timeout_s))
+        EOFError when the process died. Plain text, never a pickle: a worker is where a hostile
+        grammar runs, and what it says must not be able to run code here."""
+        verdict = _read_frame(self.process.stdout, time.monotonic() + timeout_s, MAX_VERDICT_BYTES)
+        return None if verdict == _PASSED else verdict.decode("utf-8", errors="replace")
 
     def describe_exit(self) -> str:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -293,8 +297,10 @@ def _read_exactly(pipe, size: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def _read_frame(pipe, deadline: float | None) -> bytes:
+def _read_frame(pipe, deadline: float | None, max_bytes: int | None = None) -> bytes:
     (size,) = _FRAME_HEADER.unpack(_read_exactly(pipe, _FRAME_HEADER.size, deadline))
+    if max_bytes is not None and size > max_bytes:
+        raise EOFError(f"a frame of {size} bytes, more than the {max_bytes} expected")
     return _read_exactly(pipe, size, deadline)
 
 
@@ -338,7 +344,8 @@ def _serve(frames_in, frames_out) -> None:
         thread = threading.Thread(target=attempt, name="grammar-check")
         thread.start()
         thread.join()
-        _write_frame(frames_out, pickle.dumps(verdict[0]))
+        reason = None if verdict[0] is None else verdict[0].encode("utf-8", errors="replace")[:MAX_VERDICT_BYTES]
+        _write_frame(frames_out, _PASSED if reason is None else reason)
 
 
 WORKER_NICENESS = 10  # below the server's threads: its event loop and engine win the cores

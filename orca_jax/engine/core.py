@@ -17,6 +17,8 @@ import logging
 import time
 from typing import Callable, Protocol
 
+import numpy as np
+
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request, RequestStatus
@@ -31,7 +33,7 @@ from orca_jax.finetune.tuner import FineTuner
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model
-from orca_jax.outputs import RequestOutput
+from orca_jax.outputs import RequestError, RequestOutput
 from orca_jax.sample.batcher import SamplingBatcher, TokenMaskSource
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.structured.manager import StructuredOutputManager
@@ -42,6 +44,10 @@ from orca_jax.worker.input_batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.worker.model_runner import ModelRunner, StepResult
 
 log = logging.getLogger(__name__)
+# Not the request's doing (a 500, not a 400): its input is tokens like any other's; the weights or a
+# planted adapter made the logits so.
+NON_FINITE_LOGITS = ("the model's logits for this request were not finite (NaN or infinite), so no token could "
+                     "be sampled; the request was ended")
 
 
 @dataclasses.dataclass(slots=True)
@@ -330,6 +336,7 @@ class Engine:
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
         scheduled = flight.output.scheduled
+        errored = self._end_non_finite(scheduled, result)
         logprobs = [None if (n := s.request.sampling.logprobs) is None else
                     (float(result.logprobs[i]),
                      dict(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist())))
@@ -346,6 +353,9 @@ class Engine:
                 self._sampling.release(request)  # its penalty slot, if it had one
             if request.status is RequestStatus.FINISHED_ABORTED:
                 continue  # aborted by its caller while in flight; one the engine ends is answered
+            if request in errored:
+                outputs.append(self._output_for(request, 0))
+                continue
             num_new = len(request.output_token_ids) - item.step
             # Nothing new: a prompt chunk short of the prompt's end, or (async scheduling) a row
             # planned before an earlier batch finished the request; its token is dropped.
@@ -353,6 +363,19 @@ class Engine:
                 continue
             outputs.append(self._output_for(request, num_new))
         return outputs
+
+    def _end_non_finite(self, scheduled, result: StepResult) -> set[Request]:
+        """Finish with an error the requests whose logits were not finite (NaN or +inf somewhere, or
+        all -inf: the sampled token's logprob is then NaN), rather than stream a token drawn from them."""
+        errored = set()
+        for i in np.flatnonzero(np.isnan(result.logprobs)):
+            request = scheduled[i].request
+            if not request.status.finished:
+                request.error = RequestError(NON_FINITE_LOGITS, caused_by_request=False)
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ERROR)
+                errored.add(request)
+                log.error("request %s: %s", request.request_id, NON_FINITE_LOGITS)
+        return errored
 
     def _output_for(self, request: Request, num_new: int) -> RequestOutput:
         # Stop conditions were applied in scheduler.update(); here the text is only collected.

@@ -16,6 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
+from orca_jax.json_limits import DEFAULT_MAX_DEPTH
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.errors import install_error_handlers
 from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, FineTuningJobsCollector,
@@ -110,7 +111,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                log_requests: bool = False, cors: CORSPolicy | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                tool_calls: ToolCallSettings = ToolCallSettings(),
-               frontend: FrontendLimits = FrontendLimits()) -> FastAPI:
+               frontend: FrontendLimits = FrontendLimits(), max_json_depth: int = DEFAULT_MAX_DEPTH) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
     A bare Engine is wrapped in an AsyncEngine. Only one app at a time may drive one engine.
@@ -121,7 +122,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     engine's fine-tuning on, OpenAI's files and fine-tuning routes too (uploads up to max_upload_bytes).
     `tool_calls`: the tool-call parser and whether "auto" tool choice is on. `frontend`: the grammar
     workers' time limit and number (app.state.preprocess starts them at the first constrained
-    request, or at its start()).
+    request, or at its start()). `max_json_depth`: how deeply a body may nest JSON arrays and objects
+    (deeper: 400).
     """
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     served_model_name = served_model_name or async_engine.engine.config.model
@@ -234,7 +236,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     # Added last = outermost: the Host and the key are checked before the body is even read. CORS
     # sits outside the key: a browser's preflight carries no key, and a 401 needs CORS headers too.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes,
-                       limits_by_prefix={FILES_PATH: max(max_upload_bytes, max_body_bytes)})
+                       limits_by_prefix={FILES_PATH: max(max_upload_bytes, max_body_bytes)},
+                       max_json_depth=max_json_depth)
     if api_key:
         protected = ("/v1", "/reset_prefix_cache", "/tokenize", "/detokenize", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)

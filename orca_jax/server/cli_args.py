@@ -17,6 +17,7 @@ import jinja2
 from orca_jax.config import (DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
                              ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine.defaults import BatchDefaults, UsageContext, batch_defaults_for
+from orca_jax.json_limits import DEFAULT_MAX_DEPTH, MAX_DEPTH_LIMIT
 from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 from orca_jax.server.fine_tuning import add_fine_tuning_arguments, fine_tuning_config_from_args
@@ -51,6 +52,17 @@ def string_list(value: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
         return tuple(items)
     return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def _json_depth(value: str) -> int:
+    """--max-json-depth: 1 to MAX_DEPTH_LIMIT (deeper would reach Python's stack limit in a parser)."""
+    try:
+        depth = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if not 1 <= depth <= MAX_DEPTH_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_DEPTH_LIMIT}, got {depth}")
+    return depth
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -194,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     limits, defaults = p.add_argument_group("HTTP limits (each refusal closes the connection)"), HTTPLimits()
     limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="request body size; larger get 413")
+    limits.add_argument("--max-json-depth", type=_json_depth, default=DEFAULT_MAX_DEPTH,
+                        help="how deeply a JSON body may nest arrays and objects (at most "
+                        f"{MAX_DEPTH_LIMIT}); deeper get 400")
     limits.add_argument("--max-header-bytes", type=int, default=defaults.max_header_bytes,
                         help="request line and headers together; larger get 431")
     limits.add_argument("--max-header-count", type=int, default=defaults.max_header_count,

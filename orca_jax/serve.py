@@ -164,7 +164,7 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
                      default_max_tokens=args.default_max_tokens or None,
                      allow_special_tokens_in_text=args.allow_special_tokens_in_text,
                      allowed_hosts=allowed_hosts_from_args(args), chat_template=read_chat_template(args.chat_template),
-                     max_upload_bytes=args.max_upload_bytes,
+                     max_upload_bytes=args.max_upload_bytes, max_json_depth=args.max_json_depth,
                      log_requests=not args.disable_log_requests, cors=cors,
                      tool_calls=tool_call_settings_from_args(args), frontend=frontend_limits_from_args(args))
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port,

@@ -286,8 +286,18 @@ class FineTuningConfig:
     # Iterations may also run while requests run as long as every decoding request's TPOT so far stays
     # within this many milliseconds after it (finetune/deferral.py); None: no such rule.
     tpot_slo_ms: float | None = None
+    # What one job may ask for (a job beyond them is refused when created, naming the limit). A
+    # micro-batch is compiled before its memory can be checked against memory_gib, so its size is
+    # bounded here first; examples of many messages cost a chat-template render per assistant message.
+    max_micro_batch_tokens: int = 32768
+    max_epochs: int = 100
+    max_batch_size: int = 1024
+    max_example_messages: int = 256
 
     def __post_init__(self):
+        for name in ("max_micro_batch_tokens", "max_epochs", "max_batch_size", "max_example_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FineTuningConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.tpot_slo_ms is not None and self.tpot_slo_ms <= 0:
             raise ValueError(f"FineTuningConfig.tpot_slo_ms must be positive, got {self.tpot_slo_ms}")
         if self.max_inference_slowdown < 1.0:

@@ -97,6 +97,7 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
     args = parse_args(argv)
     config = engine_config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").addFilter(no_tpu_runtime_line)
     if args.gpu_memory_utilization is not None:
         # XLA allocates from its own share of the GPU, fixed when jax starts: make it the budget.
         os.environ.setdefault(XLA_MEM_FRACTION_ENV, str(args.gpu_memory_utilization))
@@ -239,6 +240,15 @@ def bind_listener(argv: list[str]) -> socket.socket | None:
         sock.close()
         raise
     return sock
+
+
+def no_tpu_runtime_line(record: logging.LogRecord) -> bool:
+    """A logging filter for jax's backend probe: drops the INFO line every start on a machine without
+    a TPU runtime logs ("Unable to initialize backend 'tpu': ... libtpu.so ..."), and nothing else.
+    Filtered rather than avoided with JAX_PLATFORMS, which would have to name the platforms a
+    machine has (a GPU one must still find its GPU)."""
+    message = record.getMessage()
+    return not (message.startswith("Unable to initialize backend 'tpu'") and "libtpu" in message)
 
 
 def raise_open_file_limit(wanted: int) -> None:

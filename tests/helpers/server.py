@@ -189,6 +189,7 @@ class FakeEngine:
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
         stats.kv_pages_used = sum(r.pages for r in self.running.values())
+        stats.kv_pages_reserved = stats.kv_pages_used  # as the engine counts: held plus promised (all held here)
         return stats
 
     # ---- internals ----

@@ -93,7 +93,8 @@ def test_messages_never_echo_what_a_file_holds(tmp_path):
     os.remove(tmp_path / "b" / "adapter_model.safetensors")
     os.symlink("/proc/self/environ", tmp_path / "b" / "adapter_model.safetensors")
     os.environ["ORCA_TEST_SECRET"] = "sk-SECRET-env"
-    environ_head = struct.unpack("<Q", open("/proc/self/environ", "rb").read(8).ljust(8, b"\0"))[0]
+    with open("/proc/self/environ", "rb") as environ:
+        environ_head = struct.unpack("<Q", environ.read(8).ljust(8, b"\0"))[0]
     with pytest.raises(LoRAError, match=r"adapter_model.safetensors: cannot read safetensors, truncated or corrupt") as refused:
         _load(tmp_path / "b")
     assert "SECRET" not in str(refused.value) and str(environ_head) not in str(refused.value)

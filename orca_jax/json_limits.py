@@ -25,10 +25,10 @@ import numpy as np
 DEFAULT_MAX_DEPTH = 64
 MAX_DEPTH_LIMIT = 256  # the largest bound a flag may set: walks of two frames per level still fit
 
-_OPEN = np.zeros(256, np.int32)
-_OPEN[[ord("["), ord("{")]] = 1
-_CLOSE = np.zeros(256, np.int32)
-_CLOSE[[ord("]"), ord("}")]] = 1
+# Per byte value: +1 opening an array or object, +1 closing one (read-only tables).
+_OPEN = np.isin(np.arange(256), [ord("["), ord("{")]).astype(np.int32)
+_CLOSE = np.isin(np.arange(256), [ord("]"), ord("}")]).astype(np.int32)
+_OPEN.flags.writeable = _CLOSE.flags.writeable = False
 
 
 class JSONLimitError(ValueError):

@@ -8,9 +8,12 @@ and `eos_token`, in the same sandboxed jinja2 environment, so prompts match byte
 
 from __future__ import annotations
 
+import bisect
+import collections
 import datetime
 import functools
 import json
+import re
 import uuid
 from typing import Callable
 
@@ -67,16 +70,13 @@ def content_spans(render: Render, messages: list[dict], prompt: str) -> list[tup
     marked = [message if marker is None else {**message, "content": marker}
               for message, marker in zip(messages, markers)]
     rendered = render(marked)
-    places = []
-    for marker, message in zip(markers, messages):
-        if marker is None:
-            continue
-        if rendered.count(marker) > 1:
-            return None
-        at = rendered.find(marker)
-        if at >= 0:
-            places.append((at, marker, message["content"]))
-    places.sort()
+    # Every marker in one pass (a search per message was quadratic: 10,001 messages took seconds).
+    found = [(match.start(), int(match.group(1))) for match in
+             re.finditer(re.escape(f"\ue000{nonce}:") + r"(\d+)\ue001", rendered)]
+    if any(count > 1 for count in collections.Counter(index for _, index in found).values()):
+        return None
+    places = [(at, markers[index], messages[index]["content"]) for at, index in found
+              if index < len(messages) and markers[index] is not None]
     for transform in (lambda text: text, str.strip):
         spans, pieces, cursor, shift = [], [], 0, 0
         for at, marker, content in places:
@@ -91,4 +91,10 @@ def content_spans(render: Render, messages: list[dict], prompt: str) -> list[tup
 
 
 def overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
-    return any(start < span_end and span_start < end for span_start, span_end in spans)
+    """Whether [start, end) meets one of `spans` (sorted and disjoint, as content_spans gives them)."""
+    j = max(0, bisect.bisect_right(spans, (start, float("inf"))) - 1)  # the last span starting by `start`
+    while j < len(spans) and spans[j][0] < end:
+        if start < spans[j][1]:
+            return True
+        j += 1
+    return False

@@ -8,7 +8,9 @@
          finishes, with its time to first token, total time and token count; a progress bar on a
          terminal, a summary at the end, and with --output all results as JSON lines.
 
-Every request names max_tokens (--max-tokens), so none runs to the end of the context.
+Every request names max_tokens (--max-tokens), so none runs to the end of the context. Exit status:
+0 when every request succeeded, 1 when one failed (or no server answers at --url, which is named),
+2 for a bad argument or batch file.
 Only httpx, tqdm and the standard library: no jax is imported.
 """
 
@@ -60,6 +62,8 @@ class Client:
         for attempt in range(MAX_RETRIES_WHEN_BUSY + 1):
             try:
                 return await self._stream_once(path, body, on_text)
+            except httpx.TransportError as error:  # nothing answered: say where we looked
+                raise ServerError(unreachable(self.http.base_url, error)) from None
             except _Busy as busy:
                 if attempt == MAX_RETRIES_WHEN_BUSY:
                     raise ServerError(f"server still busy after {attempt + 1} tries") from None
@@ -110,6 +114,11 @@ async def _sse_events(response: httpx.Response) -> AsyncIterator[dict]:
         yield json.loads(data)
 
 
+def unreachable(url, error: httpx.TransportError) -> str:
+    return (f"cannot reach the server at {url} ({error or type(error).__name__}); is it running? "
+            "(python -m orca_jax.serve)")
+
+
 def _error_message(response: httpx.Response) -> str:
     try:
         return f"HTTP {response.status_code}: {response.json()['error']['message']}"
@@ -137,19 +146,21 @@ def reply_or_interrupt(runner: asyncio.Runner, reply: Coroutine[Any, Any, Reply]
 
 
 def run_chat(runner: asyncio.Runner, client: Client, args: argparse.Namespace,
-             read_line: Callable[[str], str] | None = None, write: Callable[[str], None] = _write_now) -> None:
-    """Read-eval-print loop; each turn's reply streams to `write`, and Ctrl-C stops just that reply."""
+             read_line: Callable[[str], str] | None = None, write: Callable[[str], None] = _write_now) -> int:
+    """Read-eval-print loop; each turn's reply streams to `write`, and Ctrl-C stops just that reply.
+    Returns how many turns failed."""
     read_line = read_line or input  # looked up per call, so a replaced builtins.input is honoured
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     write("chat with the model; Ctrl-C stops a reply, /reset clears the history, /exit or Ctrl-D quits\n")
+    failures = 0
     while True:
         try:
             line = read_line("you> ").strip()
         except (EOFError, KeyboardInterrupt):  # at the prompt, Ctrl-C quits as Ctrl-D does
             write("\n")
-            return
+            return failures
         if line in ("/exit", "/quit"):
-            return
+            return failures
         if line == "/reset":
             history = history[:1] if args.system else []
             continue
@@ -169,6 +180,7 @@ def run_chat(runner: asyncio.Runner, client: Client, args: argparse.Namespace,
             reply = reply_or_interrupt(runner, client.stream("/v1/chat/completions", body, on_text=show))
         except (ServerError, httpx.HTTPError) as error:
             history.pop()
+            failures += 1
             write(f"\n[error: {error}]\n")
             continue
         if reply is None:
@@ -334,10 +346,15 @@ def _chat(args: argparse.Namespace) -> int:
     with asyncio.Runner() as runner:
         http = _http_client(args)
         try:
-            run_chat(runner, Client(http, args.model), args)
+            try:  # before the first prompt: a session with no server ends here, naming where it looked
+                runner.run(http.get("/health"))
+            except httpx.TransportError as error:
+                sys.stderr.write(f"error: {unreachable(args.url, error)}\n")
+                return 1
+            failures = run_chat(runner, Client(http, args.model), args)
         finally:
             runner.run(http.aclose())
-    return 0
+    return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:

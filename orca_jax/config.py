@@ -155,8 +155,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # requests per iteration (ORCA's max batch size)
     max_num_batched_tokens: int = 512  # token budget per iteration; longer prompts take several
-    # The most prompt tokens one request feeds per iteration (vLLM's long_prefill_token_threshold), so
-    # a long prompt shares its iterations with decodes; None: no cap but the budget.
+    # The most prompt tokens one request feeds per iteration it shares with other requests (vLLM's
+    # long_prefill_token_threshold), so a long prompt shares its iterations with decodes and other
+    # prompts; alone in its batch it takes the whole budget. None: no cap but the budget.
     long_prefill_token_threshold: int | None = None
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_waiting: int = 1024  # bounded request pool: add_request refuses beyond this
@@ -293,8 +294,18 @@ class FineTuningConfig:
     # Iterations may also run while requests run as long as every decoding request's TPOT so far stays
     # within this many milliseconds after it (finetune/deferral.py); None: no such rule.
     tpot_slo_ms: float | None = None
+    # What one job may ask for (a job beyond them is refused when created, naming the limit). A
+    # micro-batch is compiled before its memory can be checked against memory_gib, so its size is
+    # bounded here first; examples of many messages cost a chat-template render per assistant message.
+    max_micro_batch_tokens: int = 32768
+    max_epochs: int = 100
+    max_batch_size: int = 1024
+    max_example_messages: int = 256
 
     def __post_init__(self):
+        for name in ("max_micro_batch_tokens", "max_epochs", "max_batch_size", "max_example_messages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"FineTuningConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.tpot_slo_ms is not None and self.tpot_slo_ms <= 0:
             raise ValueError(f"FineTuningConfig.tpot_slo_ms must be positive, got {self.tpot_slo_ms}")
         if self.max_inference_slowdown < 1.0:
@@ -329,6 +340,29 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class GrammarLimits:
+    """What one structured-output grammar may cost, at compile and per output token: llguidance's
+    LLParserLimits, named as there (speeds from its documentation). A compile or a token's mask that
+    passes one stops with an error (a request then ends with it). Wall-clock time and crashes are the
+    server's grammar workers' to bound (structured/sandbox.py): these limits do not bound everything
+    (a Lark grammar of 10,000 chained rules ran for minutes before its size check; 3,000 overflowed
+    the stack)."""
+
+    max_grammar_size: int = 500_000  # symbols in the grammar's productions
+    max_items_in_row: int = 2_000  # branching of one production row
+    initial_lexer_fuel: int = 1_000_000  # building the lexer's regexes at compile (~50k/ms)
+    step_lexer_fuel: int = 200_000  # lexer work for one token's mask (~14k/ms)
+    step_max_items: int = 50_000  # Earley items for one token's mask (~20k/ms)
+    max_lexer_states: int = 250_000  # lexer states (~1-2 kB each)
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GrammarLimits.{field.name} must be a positive int, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything the engine needs; built once by the entry point."""
 
@@ -352,6 +386,8 @@ class EngineConfig:
     lora: LoRAConfig | None = None
     # Fine-tuning jobs in the engine (needs lora: finished adapters are served from its slots); None: off.
     fine_tuning: FineTuningConfig | None = None
+    # What one structured-output grammar may cost the engine, at compile and per token (llguidance's limits).
+    grammar_limits: GrammarLimits = GrammarLimits()
 
     @property
     def async_scheduling(self) -> bool:

@@ -28,6 +28,15 @@ class Logprob:
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why the engine ended a request itself (finish_reason "error")."""
+
+    message: str
+    # The request's own input led there (say, a grammar with no way on): a server answers 4xx, else 5xx.
+    caused_by_request: bool = False
+
+
 @dataclasses.dataclass(slots=True)
 class RequestOutput:
     """The news of one request from one iteration: the delta, and the totals so far."""
@@ -39,7 +48,7 @@ class RequestOutput:
     text: str  # all generated text so far
     num_prompt_tokens: int
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort" or "deadline" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort", "deadline" or "error" once finished
     new_logprobs: list[TokenLogprob] | None = None  # when SamplingParams.logprobs is set
     queue_seconds: float | None = None  # arrival to first admission; None while never admitted
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
@@ -48,3 +57,4 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # SamplingParams.prompt_logprobs' answer, on the request's first output only (None on the rest).
     prompt_logprobs: PromptLogprobs | None = None
+    error: RequestError | None = None  # with finish_reason "error": why the engine ended the request

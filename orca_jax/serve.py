@@ -1,13 +1,16 @@
 """`python -m orca_jax.serve`: flags -> EngineConfig -> Engine -> create_app -> uvicorn.
 
-Flag names follow vLLM's (server/cli_args.py). On SIGTERM or Ctrl-C uvicorn stops accepting
-connections; we also tell the engine thread to stop, so in-flight requests end (finish_reason
-"abort" after the grace period), their streams close, uploads still coming in get 503, and the
-process exits 0.
+Flag names follow vLLM's (server/cli_args.py). The port is bound first, before jax is even imported:
+a port in use ends the start in a second with one line, not after the model loaded and every program
+compiled. On SIGTERM or Ctrl-C uvicorn stops accepting connections; we also tell the engine thread to
+stop, so in-flight requests end (finish_reason "abort" after the grace period), their streams close,
+uploads still coming in get 503, and the process exits 0. If the engine loop fails, requests in flight
+get its error, /health answers 503, and the process exits 1 within seconds.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import logging
@@ -20,17 +23,23 @@ from types import FrameType
 
 import uvicorn
 
-from orca_jax.server.app import CORSPolicy
-from orca_jax.server.cli_args import (PROG, allowed_hosts_from_args, build_parser, engine_config_from_args,
-                                      http_limits_from_args, parse_args, read_chat_template,
-                                      tool_call_settings_from_args)
-from orca_jax.server.lora import parse_lora_modules, register_lora_modules
-from orca_jax.worker.kv_pool import XLA_MEM_FRACTION_ENV
-
-__all__ = ["allowed_hosts_from_args", "build_parser", "engine_config_from_args", "main"]
+__all__ = ["main"]  # and, lazily, the flag helpers below
 log = logging.getLogger("orca_jax.serve")
+PROG = "python -m orca_jax.serve"
 # File descriptors beyond the connection cap: the model's files, jax's, the compilation cache's.
 SPARE_FILE_DESCRIPTORS = 512
+LISTEN_BACKLOG = 2048  # uvicorn's default
+EXIT_ADDRESS_IN_USE = 2  # as argparse's usage errors: the start cannot proceed as asked
+EXIT_ENGINE_FAILED = 1
+
+
+def __getattr__(name: str):
+    # The flag helpers live in server/cli_args.py, which imports jax; they are re-exported lazily so
+    # that main() can bind its port before anything heavy is imported.
+    if name in ("allowed_hosts_from_args", "build_parser", "engine_config_from_args"):
+        from orca_jax.server import cli_args
+        return getattr(cli_args, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _Server(uvicorn.Server):
@@ -55,11 +64,40 @@ class _Server(uvicorn.Server):
             # work to the loop rather than take the engine's lock here.
             self._loop.call_soon_threadsafe(self._on_exit)
 
+    def exit_soon(self) -> None:
+        """Stop serving, from any thread (uvicorn polls should_exit every 0.1 s)."""
+        self.should_exit = True
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        listener = bind_listener(argv)
+    except OSError as error:
+        host, port = listen_address(argv)[:2]
+        print(f"{PROG}: error: cannot listen on {_url_host(host)}:{port}: {error.strerror or error}",
+              file=sys.stderr)
+        return EXIT_ADDRESS_IN_USE
+    try:
+        return _serve(argv, listener)
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+def _serve(argv: list[str], listener: socket.socket | None) -> int:
+    # Imported here, after the port is ours: the flags' module imports jax.
+    from orca_jax.worker.kv_pool import XLA_MEM_FRACTION_ENV
+    from orca_jax.server.cli_args import (allowed_hosts_from_args, engine_config_from_args,
+                                          http_limits_from_args, parse_args, read_chat_template,
+                                          tool_call_settings_from_args)
+    from orca_jax.server.lora import parse_lora_modules, register_lora_modules
+    from orca_jax.server.preprocess import frontend_limits_from_args
+
     args = parse_args(argv)
     config = engine_config_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").addFilter(no_tpu_runtime_line)
     if args.gpu_memory_utilization is not None:
         # XLA allocates from its own share of the GPU, fixed when jax starts: make it the budget.
         os.environ.setdefault(XLA_MEM_FRACTION_ENV, str(args.gpu_memory_utilization))
@@ -68,13 +106,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # Imported here so `--help` and flag errors come back without loading jax.
     from orca_jax.worker import multihost
+    from orca_jax.worker.compilation import configure_compilation_cache
     multihost.initialize(config.parallel)  # before anything else touches jax
+    # Before the model loads: jax fixes its cache's directory at its first compile.
+    configure_compilation_cache(config.compilation_cache_dir)
     from orca_jax.engine import Engine
     from orca_jax.engine.defaults import UsageContext, batch_defaults
     from orca_jax.models.loader import load_model
     from orca_jax.models.weights import WeightsError
     from orca_jax.server import gc_and_gil
-    from orca_jax.server.app import create_app
+    from orca_jax.server.app import CORSPolicy, create_app
     from orca_jax.server.async_engine import AsyncEngine
 
     log.info("loading %s", args.model)
@@ -101,14 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     for line in startup_report(engine):
         log.info("%s", line)
     url = f"{'https' if args.ssl_certfile else 'http'}://{_url_host(args.host)}:{args.port}"
+    server: _Server | None = None
 
     def on_ready() -> None:
         gc_and_gil.freeze_startup_heap()
+        app.state.preprocess.start()  # the grammar workers, so the first constrained request finds them up
         log.info("ready at %s", url)
+
+    def on_failure(error: BaseException) -> None:  # on the engine thread, after every request got the error
+        log.critical("the engine loop failed (%r); the server exits", error)
+        if server is not None:
+            server.exit_soon()
 
     gc_and_gil.shorten_gil_switch_interval()
     async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True,
-                               on_ready=on_ready)
+                               on_ready=on_ready, on_failure=on_failure)
     cors = None if args.allowed_origins is None else CORSPolicy(
         args.allowed_origins, args.allowed_methods, args.allowed_headers)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
@@ -117,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                      default_max_tokens=args.default_max_tokens or None,
                      allow_special_tokens_in_text=args.allow_special_tokens_in_text,
                      allowed_hosts=allowed_hosts_from_args(args), chat_template=read_chat_template(args.chat_template),
-                     max_upload_bytes=args.max_upload_bytes,
+                     max_upload_bytes=args.max_upload_bytes, max_json_depth=args.max_json_depth,
                      log_requests=not args.disable_log_requests, cors=cors,
-                     tool_calls=tool_call_settings_from_args(args))
+                     tool_calls=tool_call_settings_from_args(args), frontend=frontend_limits_from_args(args))
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port,
                                     log_level=args.uvicorn_log_level or args.log_level,
                                     access_log=not args.disable_uvicorn_access_log,
@@ -131,9 +179,76 @@ def main(argv: list[str] | None = None) -> int:
     # these make that a no-op, so a graceful SIGTERM (or Ctrl-C) exits 0 instead of dying by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _already_handled)
-    _Server(uvicorn_config, on_exit=async_engine.begin_shutdown).run()
+    server = _Server(uvicorn_config, on_exit=async_engine.begin_shutdown)
+    server.run(sockets=None if listener is None else [listener])
     engine.runner.stop_workers()
+    if async_engine.error is not None:
+        log.error("exiting with status %d: the engine loop failed", EXIT_ENGINE_FAILED)
+        return EXIT_ENGINE_FAILED
     return 0
+
+
+def listen_address(argv: list[str]) -> tuple[str, int, int]:
+    """(--host, --port, --process-id) as the full parser will read them (a --config file under the
+    command line), read without it: that parser's module imports jax."""
+    finder = argparse.ArgumentParser(add_help=False)
+    finder.add_argument("--config", default=None)
+    finder.add_argument("--host", default=None)
+    finder.add_argument("--port", default=None)
+    finder.add_argument("--process-id", default=None)
+    found, _ = finder.parse_known_args(argv)
+    settings = {}
+    if found.config is not None:
+        import yaml
+
+        try:
+            with open(found.config, encoding="utf-8") as f:
+                settings = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError):
+            settings = {}  # the full parser reports it
+        settings = settings if isinstance(settings, dict) else {}
+
+    def value(name: str, default):
+        given = getattr(found, name.replace("-", "_"))
+        if given is not None:
+            return given
+        return settings.get(name, settings.get(name.replace("-", "_"), default))
+
+    try:
+        return str(value("host", "127.0.0.1")), int(value("port", 8000)), int(value("process-id", 0))
+    except (TypeError, ValueError):
+        return "127.0.0.1", -1, 0  # not numbers: the full parser reports them
+
+
+def bind_listener(argv: list[str]) -> socket.socket | None:
+    """The listening socket of the address the flags name, bound now (OSError when it cannot be);
+    None where nothing is to be bound here: --help, flags the full parser will refuse, or a process
+    other than process 0 (which serves no HTTP)."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        return None
+    host, port, process_id = listen_address(argv)
+    if process_id != 0 or not 0 <= port < 2**16:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restarts reuse TIME_WAIT ports
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def no_tpu_runtime_line(record: logging.LogRecord) -> bool:
+    """A logging filter for jax's backend probe: drops the INFO line every start on a machine without
+    a TPU runtime logs ("Unable to initialize backend 'tpu': ... libtpu.so ..."), and nothing else.
+    Filtered rather than avoided with JAX_PLATFORMS, which would have to name the platforms a
+    machine has (a GPU one must still find its GPU)."""
+    message = record.getMessage()
+    return not (message.startswith("Unable to initialize backend 'tpu'") and "libtpu" in message)
 
 
 def raise_open_file_limit(wanted: int) -> None:

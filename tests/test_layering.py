@@ -129,3 +129,8 @@ def test_the_server_package_loads_no_app_in_a_fresh_process():
     loaded = _loaded_by("orca_jax.server")
     assert {m for m in loaded if m.startswith("orca_jax.server.")} == set()
     assert _jax_or(loaded) == set()
+
+
+def test_the_grammar_workers_module_loads_no_jax_in_a_fresh_process():
+    loaded = _loaded_by("orca_jax.structured.sandbox")
+    assert _jax_or(loaded, "orca_jax.worker", "orca_jax.engine", "orca_jax.server", "orca_jax.models") == set()

@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from orca_jax.bench.finetune import drive_until, percentiles, synthetic_dataset
+from orca_jax.bench.finetune import JOB_EPOCHS, drive_until, percentiles, synthetic_dataset
 from orca_jax.bench.harness import Results, add_engine_arguments, add_result_arguments, build_engine
 from orca_jax.config import FineTuningConfig, FineTuningMemory, LoRAConfig
 from orca_jax.engine import Engine
@@ -82,7 +82,7 @@ def burst(engine: Engine, num: int, prompt: int, max_tokens: int, seed: int) -> 
 
 def run_policy(args: argparse.Namespace, policy: FineTuningMemory) -> dict:
     fine_tuning = FineTuningConfig(directory=tempfile.mkdtemp(prefix="orca_jax_bench_ftmem_"), memory_gib=args.memory_gib,
-                                   memory_policy=policy)
+                                   memory_policy=policy, max_epochs=JOB_EPOCHS)
     start = time.monotonic()
     engine = build_engine(args, lora=LoRAConfig(max_loras=1, max_lora_rank=args.rank), fine_tuning=fine_tuning)
     page_tokens = engine.runner.page_size
@@ -94,7 +94,7 @@ def run_policy(args: argparse.Namespace, policy: FineTuningMemory) -> dict:
     records = synthetic_dataset(prompt_tokens, completion_tokens, 256, args.seed)
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
     file_id = tuner.store.save_file(data, "synthetic.jsonl", "fine-tune")["id"]
-    hp = TrainingHyperparameters(n_epochs=1000, batch_size=16, micro_batch_tokens=args.micro_batch_tokens,
+    hp = TrainingHyperparameters(n_epochs=JOB_EPOCHS, batch_size=16, micro_batch_tokens=args.micro_batch_tokens,
                                  checkpoint_every=10**6)
     job_id = tuner.create_job(file_id, hp, rank=args.rank)["id"]
     started = time.monotonic()

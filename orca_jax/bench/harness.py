@@ -263,10 +263,12 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def serve_flags(args: argparse.Namespace, port: int) -> list[str]:
     """`python -m orca_jax.serve`'s flags for the engine the same flags build in process (the server's
-    own defaults differ: priority scheduling, on-demand KV; here they are the bench's). The server
-    loads the model as `--load-format auto` would: random weights for every preset but SmolLM2."""
+    own defaults differ: priority scheduling, on-demand KV, a cap on long prompts' chunks; here they are the
+    bench's). The server loads the model as `--load-format auto` would: random weights for every preset but
+    SmolLM2."""
     return _engine_flags(args) + ["--port", str(port), "--seed", str(args.engine_seed), "--no-priority-preemption",
-                                  "--log-level", "warning"] + ([] if args.async_scheduling[0] else ["--no-async-scheduling"])
+                                  "--long-prefill-token-threshold", "0", "--log-level", "warning"] + (
+        [] if args.async_scheduling[0] else ["--no-async-scheduling"])
 
 
 # ---- a launched server --------------------------------------------------------------------------------

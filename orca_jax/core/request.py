@@ -8,6 +8,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from orca_jax.outputs import RequestError
 from orca_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -43,8 +44,9 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"  # KV reserved; initiation or increment phase
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens reached
-    FINISHED_ABORTED = "abort"  # client gone, shutdown, or error
+    FINISHED_ABORTED = "abort"  # client gone or shutdown: nobody waits for an answer
     FINISHED_DEADLINE = "deadline"  # dropped: its deadline passed before it started (TCB)
+    FINISHED_ERROR = "error"  # the engine could not go on with it (Request.error says why); answered
 
     @property
     def finished(self) -> bool:
@@ -100,6 +102,7 @@ class Request:
     # SamplingParams.structured_outputs' matcher (the engine's StructuredOutputManager attaches it),
     # advanced by stop_status over every output token; None: unconstrained.
     grammar: GrammarMatcher | None = None
+    error: RequestError | None = None  # why the engine ended it, with FINISHED_ERROR
 
     @property
     def kv_salt(self) -> tuple[int, str | None]:
@@ -174,10 +177,15 @@ def stop_status(request: Request) -> RequestStatus | None:
                                                   find_stop=len(ids) > sampling.min_tokens)
     grammar_complete = False
     if request.grammar is not None and not hit_stop_token:
-        if not request.grammar.accept(token):  # the mask allowed it, so this is a bug: end loudly
-            log.error("request %s: output token %d is not allowed by its %s; aborted", request.request_id,
-                      token, request.grammar.constraint.kind.value)
-            return RequestStatus.FINISHED_ABORTED
+        if not request.grammar.accept(token):
+            # The mask allowed nothing the grammar takes: a grammar with no way on from here, or
+            # one whose next step passed the grammar library's limits (its error says which).
+            problem = request.grammar.error
+            message = (f"output token {token} at position {len(ids) - 1} is not allowed by the request's "
+                       f"{request.grammar.constraint.kind.value}" + (f" ({problem})" if problem else ""))
+            request.error = RequestError(message, caused_by_request=True)
+            log.warning("request %s: %s; ended", request.request_id, message)
+            return RequestStatus.FINISHED_ERROR
         grammar_complete = request.grammar.is_terminated()
     if hit_stop_token:
         # EOS comes first, as in vLLM: a stop token is named only when it is not the model's own EOS.

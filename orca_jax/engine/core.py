@@ -17,6 +17,8 @@ import logging
 import time
 from typing import Callable, Protocol
 
+import numpy as np
+
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request, RequestStatus
@@ -31,16 +33,21 @@ from orca_jax.finetune.tuner import FineTuner
 from orca_jax.lora.manager import LoRAManager
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model
-from orca_jax.outputs import RequestOutput
+from orca_jax.outputs import RequestError, RequestOutput
 from orca_jax.sample.batcher import SamplingBatcher, TokenMaskSource
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.structured.manager import StructuredOutputManager
+from orca_jax.structured.matcher import CompiledGrammar, GrammarCompiler
 from orca_jax.worker import multihost
 from orca_jax.worker.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.worker.input_batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.worker.model_runner import ModelRunner, StepResult
 
 log = logging.getLogger(__name__)
+# Not the request's doing (a 500, not a 400): its input is tokens like any other's; the weights or a
+# planted adapter made the logits so.
+NON_FINITE_LOGITS = ("the model's logits for this request were not finite (NaN or infinite), so no token could "
+                     "be sampled; the request was ended")
 
 
 @dataclasses.dataclass(slots=True)
@@ -105,7 +112,8 @@ class Engine:
         # token_masks: more per-step allowed tokens from outside the sampler, applied on device too.
         # Intake: prompts and SamplingParams checked and made Requests (tokenizer and configs only).
         self.inputs = InputProcessor(config, self.model_config, self.tokenizer, self.runner.config.vocab_size)
-        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks)
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.config.vocab_size, token_masks,
+                                                  limits=config.grammar_limits)
         self._sampling = SamplingBatcher(self.runner.sampler.num_penalty_slots, self.runner.config.vocab_size,
                                          config.sampling.logit_table_width, config.sampling.max_logprobs,
                                          self.structured)
@@ -160,9 +168,10 @@ class Engine:
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *,
                     request_id: str | None = None, priority: int = 0,
                     deadline: float | None = None, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> str:
         """Queue a request; raises ValueError if it can never run (or its structured_outputs do not
-        compile), QueueFullError if the pool is full.
+        compile), QueueFullError if the pool is full. grammar: its structured_outputs already compiled
+        by grammar_compiler (a server compiles off the engine thread), else they are compiled here.
 
         deadline and arrival_time are on the scheduler's clock (time.monotonic unless a benchmark's
         scheduler counts iterations); arrival_time None: now. lora_request: the adapter to run with
@@ -174,7 +183,7 @@ class Engine:
         if lora_request is not None:
             request.lora_int_id = self.lora.request_added(request_id, lora_request)
         try:
-            self.structured.attach(request)
+            self.structured.attach(request, grammar)
             self.scheduler.add_request(request)
         except BaseException:
             if request.lora_int_id:  # refused: its adapter need not stay in host memory for it
@@ -188,6 +197,11 @@ class Engine:
                 raise
         self._stats.prompt_tokens_total += len(token_ids)
         return request_id
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of structured outputs' grammars for add_request(grammar=...); thread-safe."""
+        return self.structured.compiler
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its KV; nothing more is emitted for it."""
@@ -323,6 +337,7 @@ class Engine:
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
         scheduled = flight.output.scheduled
+        errored = self._end_non_finite(scheduled, result)
         logprobs = [None if (n := s.request.sampling.logprobs) is None else
                     (float(result.logprobs[i]),
                      dict(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist())))
@@ -338,7 +353,10 @@ class Engine:
             if request.status.finished:
                 self._sampling.release(request)  # its penalty slot, if it had one
             if request.status is RequestStatus.FINISHED_ABORTED:
-                continue  # aborted while in flight
+                continue  # aborted by its caller while in flight; one the engine ends is answered
+            if request in errored:
+                outputs.append(self._output_for(request, 0))
+                continue
             num_new = len(request.output_token_ids) - item.step
             # Nothing new: a prompt chunk short of the prompt's end, or (async scheduling) a row
             # planned before an earlier batch finished the request; its token is dropped.
@@ -346,6 +364,19 @@ class Engine:
                 continue
             outputs.append(self._output_for(request, num_new))
         return outputs
+
+    def _end_non_finite(self, scheduled, result: StepResult) -> set[Request]:
+        """Finish with an error the requests whose logits were not finite (NaN or +inf somewhere, or
+        all -inf: the sampled token's logprob is then NaN), rather than stream a token drawn from them."""
+        errored = set()
+        for i in np.flatnonzero(np.isnan(result.logprobs)):
+            request = scheduled[i].request
+            if not request.status.finished:
+                request.error = RequestError(NON_FINITE_LOGITS, caused_by_request=False)
+                self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ERROR)
+                errored.add(request)
+                log.error("request %s: %s", request.request_id, NON_FINITE_LOGITS)
+        return errored
 
     def _output_for(self, request: Request, num_new: int) -> RequestOutput:
         # Stop conditions were applied in scheduler.update(); here the text is only collected.

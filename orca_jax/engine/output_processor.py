@@ -33,4 +33,4 @@ def request_output(request: Request, num_new: int) -> RequestOutput:
         queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
         num_cached_tokens=request.num_cached_tokens,
         stop_reason=request.stop_reason if request.status.finished else None,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, error=request.error)

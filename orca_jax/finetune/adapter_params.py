@@ -120,9 +120,9 @@ def read_peft(directory: str, name: str, config: ModelConfig) -> tuple[dict, LoR
                               "b": tensors.pop(f"{stem}.lora_B.weight").astype(np.float32)}
                 keys.add(key)
         layers.append(layer)
-    if tensors or not keys:
-        raise LoRAError(f"LoRA adapter {name!r}: tensors this {config.family.value} model cannot train "
-                        f"({sorted(tensors)[:3] or 'none found'})")
+    if tensors or not keys:  # the names are not echoed: the directory may hold any safetensors file
+        raise LoRAError(f"LoRA adapter {name!r}: {len(tensors) or 'no'} tensors this {config.family.value} model "
+                        "cannot train")
     modules = tuple(key for key in family_modules(config.family) if key in keys)
     widths = module_shapes(config, modules)
     for layer in layers:
@@ -131,5 +131,8 @@ def read_peft(directory: str, name: str, config: ModelConfig) -> tuple[dict, LoR
         for key, weights in layer.items():
             if weights["a"].shape != (rank, widths[key][0]) or weights["b"].shape != (widths[key][1], rank):
                 raise LoRAError(f"LoRA adapter {name!r}: {key} does not fit the base model")
+            if not (np.isfinite(weights["a"]).all() and np.isfinite(weights["b"]).all()):
+                raise LoRAError(f"LoRA adapter {name!r}: {key}'s weights must be finite; they hold NaN or "
+                                "infinite values")
     spec = LoRASpec(rank, float(adapter_config["lora_alpha"]), modules, bool(adapter_config.get("use_rslora")))
     return {"layers": layers}, spec

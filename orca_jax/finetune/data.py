@@ -11,13 +11,26 @@ API encodes it). The first bad line fails the whole file with DatasetError namin
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from orca_jax import json_limits
+
 ROLES = ("system", "user", "assistant")
 ROW_MULTIPLE = 64  # a packed row's length is the longest example rounded up to this
+
+
+# Messages an example may have unless the server says otherwise (FineTuningConfig.max_example_messages):
+# each assistant message costs two renders of the conversation up to it.
+MAX_MESSAGES = 256
+StopCheck = Callable[[], bool]
+
+
+class ValidationStopped(Exception):
+    """Checking a dataset stopped because its job was cancelled or the server is shutting down."""
 
 
 class DatasetError(ValueError):
@@ -40,9 +53,12 @@ class Example:
         return sum(self.learned[1:])  # the first token has nothing before it to be predicted from
 
 
-def _check_messages(messages) -> None:
+def _check_messages(messages, max_messages: int) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError("'messages' must be a non-empty list")
+    if len(messages) > max_messages:
+        raise ValueError(f"{len(messages)} messages, more than the {max_messages} an example may have on this "
+                         "server (--fine-tuning-max-example-messages)")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be an object")
@@ -60,21 +76,45 @@ def _check_messages(messages) -> None:
         raise ValueError("no assistant message to learn (one with weight 1 is needed)")
 
 
-def _chat_example(messages: list[dict], tokenizer) -> Example:
+_GROWING = ("the chat template does not render this conversation as a growing prefix, so the assistant's "
+            "tokens cannot be told apart")
+
+
+def _chat_example(messages: list[dict], tokenizer, max_len: int, should_stop: StopCheck) -> Example:
     """The whole conversation's tokens, learned where an assistant message (weight 1) is: each one's
-    span is what rendering it adds to the conversation before it with the generation prompt."""
+    span is what rendering it adds to the conversation before it with the generation prompt.
+
+    The conversation is tokenized once, and refused at once if longer than max_len. Each span's ends
+    are found by rendering the two prefixes as text (no tokenizing) and mapping their lengths onto the
+    tokens' bytes; only a tokenizer whose tokens do not spell the rendered text back (some normalize
+    it) tokenizes each prefix, as the definition says. Renders are bounded by the number of messages."""
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     full = tokenizer.encode_chat(plain, add_generation_prompt=False)
+    if len(full) > max_len:
+        raise ValueError(f"{len(full)} tokens, more than the model's {max_len} (max_model_len)")
+    text = tokenizer.apply_chat_template(plain, add_generation_prompt=False).encode("utf-8")
+    spelt = [tokenizer.token_bytes(t) for t in full]
+    # Token index at each byte offset that falls between two tokens.
+    boundaries = dict(zip(itertools.accumulate((len(b) for b in spelt), initial=0), range(len(full) + 1)))
+    spells_text = b"".join(spelt) == text
     learned = [False] * len(full)
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or message.get("weight", 1) == 0:
             continue
-        before = tokenizer.encode_chat(plain[:i], add_generation_prompt=True) if i else []
-        upto = tokenizer.encode_chat(plain[:i + 1], add_generation_prompt=False)
-        if full[:len(upto)] != upto or upto[:len(before)] != before or len(upto) <= len(before):
-            raise ValueError("the chat template does not render this conversation as a growing prefix, "
-                             "so the assistant's tokens cannot be told apart")
-        learned[len(before):len(upto)] = [True] * (len(upto) - len(before))
+        if should_stop():
+            raise ValidationStopped()
+        before = tokenizer.apply_chat_template(plain[:i], add_generation_prompt=True).encode("utf-8") if i else b""
+        upto = tokenizer.apply_chat_template(plain[:i + 1], add_generation_prompt=False).encode("utf-8")
+        if not (text.startswith(upto) and upto.startswith(before)) or len(upto) <= len(before):
+            raise ValueError(_GROWING)
+        if spells_text:
+            start, end = boundaries.get(len(before)), boundaries.get(len(upto))
+        else:
+            start = len(tokenizer.encode_chat(plain[:i], add_generation_prompt=True)) if i else 0
+            end = len(tokenizer.encode_chat(plain[:i + 1], add_generation_prompt=False))
+        if start is None or end is None or end <= start:  # a token straddles where a message starts or ends
+            raise ValueError(_GROWING)
+        learned[start:end] = [True] * (end - start)
     return Example(tuple(full), tuple(learned))
 
 
@@ -84,19 +124,21 @@ def _completion_example(prompt: str, completion: str, tokenizer) -> Example:
     return Example(tuple(prompt_ids + completion_ids), (False,) * len(prompt_ids) + (True,) * len(completion_ids))
 
 
-def parse_line(text: str, tokenizer, max_len: int) -> Example:
-    """One JSONL line -> an Example; ValueError saying what is wrong with it."""
+def parse_line(text: str, tokenizer, max_len: int, max_messages: int = MAX_MESSAGES,
+               should_stop: StopCheck = lambda: False) -> Example:
+    """One JSONL line -> an Example; ValueError saying what is wrong with it (ValidationStopped if
+    should_stop() turned true meanwhile)."""
     try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"not valid JSON ({err.msg} at column {err.colno})") from None
+        record = json_limits.loads(text, "JSON")
+    except json_limits.JSONLimitError as err:  # "not valid JSON (...)", "JSON nests ...", "JSON: NaN is ..."
+        raise ValueError(str(err).removeprefix("JSON is ")) from None
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object")
     if "messages" in record:
-        _check_messages(record["messages"])
+        _check_messages(record["messages"], max_messages)
         try:
-            example = _chat_example(record["messages"], tokenizer)
-        except ValueError:
+            example = _chat_example(record["messages"], tokenizer, max_len, should_stop)
+        except (ValueError, ValidationStopped):
             raise
         except Exception as err:  # the template's own raise_exception, or a rendering error
             raise ValueError(f"the chat template refused it: {err}") from None
@@ -114,19 +156,26 @@ def parse_line(text: str, tokenizer, max_len: int) -> Example:
     return example
 
 
-def read_jsonl(data: bytes | str, tokenizer, max_len: int) -> list[Example]:
-    """Every line of a JSONL file as an Example (blank lines skipped); DatasetError at the first bad one."""
+def read_jsonl(data: bytes | str, tokenizer, max_len: int, *, max_messages: int = MAX_MESSAGES,
+               should_stop: StopCheck = lambda: False) -> list[Example]:
+    """Every line of a JSONL file as an Example (blank lines skipped); DatasetError at the first bad one.
+
+    Lines end at "\n" only: U+2028 and the other breaks str.splitlines knows may stand inside a JSON
+    string. `should_stop` is asked before each line and each assistant message (ValidationStopped):
+    a cancelled job or a server shutting down does not wait for a large file."""
     if isinstance(data, bytes):
         try:
             data = data.decode("utf-8")
         except UnicodeDecodeError as err:
             raise DatasetError(f"the file is not UTF-8 (byte {err.start})") from None
     examples = []
-    for number, line in enumerate(data.splitlines(), 1):
+    for number, line in enumerate(data.split("\n"), 1):
+        if should_stop():
+            raise ValidationStopped()
         if not line.strip():
             continue
         try:
-            examples.append(parse_line(line, tokenizer, max_len))
+            examples.append(parse_line(line, tokenizer, max_len, max_messages, should_stop))
         except ValueError as err:
             raise DatasetError(str(err), number) from None
     if not examples:
@@ -134,9 +183,11 @@ def read_jsonl(data: bytes | str, tokenizer, max_len: int) -> list[Example]:
     return examples
 
 
-def examples_from_records(records: Iterable[dict], tokenizer, max_len: int) -> list[Example]:
+def examples_from_records(records: Iterable[dict], tokenizer, max_len: int,
+                          max_messages: int = MAX_MESSAGES) -> list[Example]:
     """read_jsonl for records already in memory (LLM.fine_tune's list of dicts); lines count from 1."""
-    return read_jsonl("\n".join(json.dumps(record) for record in records), tokenizer, max_len)
+    return read_jsonl("\n".join(json.dumps(record) for record in records), tokenizer, max_len,
+                      max_messages=max_messages)
 
 
 # ---- micro-batches -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from orca_jax.config import ModelFamily
+from orca_jax.lora.adapter import MAX_ALPHA, MAX_RANK
 
 # peft's module names within a layer -> the projections of ours (model layout) each adapts. GPT-2's
 # c_attn computes q, k and v with one A (peft adapts the fused module); Llama-family models adapt each.
@@ -42,6 +43,30 @@ def resolve_targets(targets: tuple[str, ...] | None, family: ModelFamily) -> tup
     return tuple(key for key in modules if key in chosen)
 
 
+# Bounds every job is held to whatever the server allows: finite numbers in ranges no LoRA recipe
+# leaves (a NaN learning rate trained an adapter of NaN that emptied every request once served).
+MAX_LEARNING_RATE_MULTIPLIER = 100.0  # of base_learning_rate (2e-4): a peak rate of 0.02
+MAX_SEED = 2**63 - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _in_range(name: str, value, low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> None:
+    """ValueError naming the field and its range unless `value` is a finite number within it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
+
+
+def _positive_int(name: str, value, high: int | None = None) -> None:
+    if not _is_int(value) or value < 1 or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer from 1{'' if high is None else f' to {high}'}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoRASpec:
     """The adapter a job trains: peft's r, lora_alpha and target_modules (resolved to module keys)."""
@@ -52,8 +77,8 @@ class LoRASpec:
     use_rslora: bool = False
 
     def __post_init__(self):
-        if self.rank <= 0 or self.alpha <= 0:
-            raise ValueError(f"LoRA rank and alpha must be positive, got {self.rank}, {self.alpha}")
+        _positive_int("LoRA rank", self.rank, MAX_RANK)
+        _in_range("LoRA alpha", self.alpha, 0, MAX_ALPHA, low_open=True)
         if not self.target_modules:
             raise ValueError("LoRA target_modules must name at least one module")
 
@@ -84,15 +109,23 @@ class TrainingHyperparameters:
     checkpoint_every: int = 0  # steps between checkpoints; 0: at the end of each epoch only
 
     def __post_init__(self):
+        # How large a job may be (epochs, batch, micro-batch) is the server's to say (FineTuningConfig);
+        # here every value is finite and in the range its meaning allows.
         for name in ("n_epochs", "batch_size", "micro_batch_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.learning_rate_multiplier <= 0 or self.base_learning_rate <= 0:
-            raise ValueError("learning_rate_multiplier and base_learning_rate must be positive")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.weight_decay < 0 or self.max_grad_norm < 0 or self.checkpoint_every < 0:
-            raise ValueError("weight_decay, max_grad_norm and checkpoint_every must not be negative")
+            _positive_int(name, getattr(self, name))
+        _in_range("learning_rate_multiplier", self.learning_rate_multiplier, 0, MAX_LEARNING_RATE_MULTIPLIER,
+                  low_open=True)
+        _in_range("base_learning_rate", self.base_learning_rate, 0, 1, low_open=True)
+        _in_range("warmup_ratio", self.warmup_ratio, 0, 1, high_open=True)
+        _in_range("weight_decay", self.weight_decay, 0, 1)
+        _in_range("adam_beta1", self.adam_beta1, 0, 1, high_open=True)
+        _in_range("adam_beta2", self.adam_beta2, 0, 1, high_open=True)
+        _in_range("adam_eps", self.adam_eps, 0, 1, low_open=True)
+        _in_range("max_grad_norm", self.max_grad_norm, 0, 1e6)
+        if not _is_int(self.checkpoint_every) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an integer from 0, got {self.checkpoint_every!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {self.seed!r}")
 
     @property
     def learning_rate(self) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -26,6 +27,10 @@ from orca_jax.finetune.model import host_batch
 from orca_jax.finetune.trainer import LoRATrainer, ParkedState, TrainerMemory
 
 GIB = 2**30
+
+
+class TrainingDiverged(ArithmeticError):
+    """A step's loss or gradient went non-finite: the job fails rather than train (and serve) NaN."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +155,14 @@ class JobRun:
 
     def _end_step(self) -> None:
         job = self.job
-        norm, rate = self.trainer.apply_step(self.step_learned)
         train_loss = self.step_loss / max(self.step_learned, 1.0)
+        if not math.isfinite(train_loss):  # before the step: the adapter it would write is lost anyway
+            raise TrainingDiverged(f"the training loss of step {job.step + 1} is not finite (training diverged); "
+                                   "try a lower learning_rate_multiplier")
+        norm, rate = self.trainer.apply_step(self.step_learned)
+        if not math.isfinite(norm):
+            raise TrainingDiverged(f"the gradient norm of step {job.step + 1} is not finite (training diverged); "
+                                   "try a lower learning_rate_multiplier")
         with self.context.lock:
             job.step += 1
             job.trained_tokens += self.step_tokens

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import enum
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -25,6 +26,9 @@ import threading
 import time
 
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters
+from orca_jax.json_limits import finite_or_none
+
+log = logging.getLogger(__name__)
 
 
 class JobStatus(enum.Enum):
@@ -70,10 +74,11 @@ class FineTuningJob:
     checkpoints: list[dict] = dataclasses.field(default_factory=list)  # OpenAI checkpoint objects + "path"
 
     def to_openai(self) -> dict:
-        """The fine_tuning.job object (OpenAI's fields, plus the LoRA settings and progress)."""
+        """The fine_tuning.job object (OpenAI's fields, plus the LoRA settings and progress); JSON has no
+        NaN, so a non-finite number (a diverged loss) is null."""
         hp = self.hyperparameters
         hyper = {"n_epochs": hp.n_epochs, "batch_size": hp.batch_size,
-                 "learning_rate_multiplier": hp.learning_rate_multiplier}
+                 "learning_rate_multiplier": finite_or_none(hp.learning_rate_multiplier)}
         return {"object": "fine_tuning.job", "id": self.id, "model": self.model, "created_at": self.created_at,
                 "finished_at": self.finished_at, "fine_tuned_model": self.fine_tuned_model,
                 "organization_id": "orca_jax", "result_files": [], "status": self.status.value,
@@ -82,9 +87,9 @@ class FineTuningJob:
                 "trained_tokens": self.trained_tokens if self.status is JobStatus.SUCCEEDED else None,
                 "error": self.error, "seed": hp.seed, "estimated_finish": None, "integrations": [],
                 "metadata": None, "user_provided_suffix": self.suffix,
-                "lora": {"rank": self.lora.rank, "alpha": self.lora.alpha,
+                "lora": {"rank": self.lora.rank, "alpha": finite_or_none(self.lora.alpha),
                          "target_modules": list(self.lora.target_modules)},
-                "step": self.step, "total_steps": self.total_steps, "train_loss": self.train_loss}
+                "step": self.step, "total_steps": self.total_steps, "train_loss": finite_or_none(self.train_loss)}
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "status": self.status.value}
@@ -159,18 +164,25 @@ class JobStore:
             _write_json(os.path.join(self.job_dir(job.id), "job.json"), data)
 
     def load_jobs(self) -> list[FineTuningJob]:
-        """Every job on disk, oldest first."""
+        """Every job on disk that can be read back, oldest first. One that cannot (a settings value
+        out of range, such as the NaN an older version let in, or a damaged file) is left out with
+        a warning: it must not keep every other job from being listed, nor be resumed or served."""
         jobs = []
         for name in os.listdir(self.jobs_dir):
             path = os.path.join(self.jobs_dir, name, "job.json")
             if os.path.isfile(path):
-                with open(path, encoding="utf-8") as f:
-                    jobs.append(FineTuningJob.from_json(json.load(f)))
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        # NaN (an older version's diverged loss) reads as null; in a setting, it is refused.
+                        jobs.append(FineTuningJob.from_json(json.load(f, parse_constant=lambda _: None)))
+                except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
+                    log.warning("fine-tuning job %s is left out: %s", path, error)
         return sorted(jobs, key=lambda job: (job.created_at, job.id))
 
     def add_event(self, job_id: str, message: str, level: str = "info", data: dict | None = None) -> dict:
+        data = {key: finite_or_none(value) if isinstance(value, float) else value for key, value in (data or {}).items()}
         event = {"object": "fine_tuning.job.event", "id": new_id("ftevent"), "created_at": int(time.time()),
-                 "level": level, "message": message, "data": data or {},
+                 "level": level, "message": message, "data": data,
                  "type": "metrics" if data and "train_loss" in data else "message"}
         with self._lock, open(os.path.join(self.job_dir(job_id), "events.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps(event) + "\n")
@@ -182,7 +194,8 @@ class JobStore:
         if not os.path.isfile(path):
             return []
         with self._lock, open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+            # NaN written by an older version reads as null: JSON responses cannot carry it.
+            return [json.loads(line, parse_constant=lambda _: None) for line in f if line.strip()]
 
     def checkpoint_dir(self, job_id: str, step: int) -> str:
         return os.path.join(self.job_dir(job_id), "checkpoints", f"step-{step:06d}")

@@ -35,7 +35,8 @@ def run_fine_tune(engine: Engine, dataset, *, hyperparameters: TrainingHyperpara
     if tuner is None:
         raise ValueError("fine-tuning is not enabled (LLM(enable_fine_tuning=True), EngineConfig.fine_tuning)")
     data, name = dataset_bytes(dataset)
-    read_jsonl(data, engine.tokenizer, engine.max_model_len)  # the first bad line, before anything is kept
+    read_jsonl(data, engine.tokenizer, engine.max_model_len,  # the first bad line, before anything is kept
+               max_messages=tuner.config.max_example_messages)
     file_id = tuner.store.save_file(data, name, "fine-tune")["id"]
     model = None
     if lora_request is not None:

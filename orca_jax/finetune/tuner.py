@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from orca_jax.config import FineTuningConfig, ModelConfig
 from orca_jax.core.request import Request
 from orca_jax.finetune.adapter_params import read_peft
-from orca_jax.finetune.data import TrainingPlan, read_jsonl
+from orca_jax.finetune.data import TrainingPlan, ValidationStopped, read_jsonl
 from orca_jax.finetune.deferral import DeferralPolicy
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters, resolve_targets
 from orca_jax.finetune.job_run import GIB, JobRun, RunContext
@@ -67,6 +67,7 @@ class FineTuner:
         self._run: JobRun | None = None
         self._wakeup: Callable[[], None] = lambda: None
         self._preparer = concurrent.futures.ThreadPoolExecutor(1, "orca-finetune-data")
+        self._stopping = threading.Event()  # set by suspend(): a dataset being checked stops
         for job in self.store.load_jobs():
             self._restore(job)
 
@@ -112,6 +113,7 @@ class FineTuner:
         wrong."""
         if self.store.file_info(training_file) is None:
             raise ValueError(f"no file {training_file!r} (upload it with purpose 'fine-tune')")
+        self._check_limits(hyperparameters)
         continue_from = None
         if model is None or model == self.base_model:
             rank = min(DEFAULT_RANK, self._lora.config.max_lora_rank) if rank is None else rank
@@ -134,6 +136,17 @@ class FineTuner:
         self.store.add_event(job.id, f"Created fine-tuning job: {job.id}")
         self._preparer.submit(self._prepare, job)
         return job.to_openai()
+
+    def _check_limits(self, hp: TrainingHyperparameters) -> None:
+        """ValueError naming the hyperparameter, the server's limit and its flag, for a job larger than
+        this server allows (FineTuningConfig)."""
+        config = self.config
+        for name, limit, flag in (("n_epochs", config.max_epochs, "max-epochs"),
+                                  ("batch_size", config.max_batch_size, "max-batch-size"),
+                                  ("micro_batch_tokens", config.max_micro_batch_tokens, "max-micro-batch-tokens")):
+            if getattr(hp, name) > limit:
+                raise ValueError(f"hyperparameters.{name} must be at most {limit} on this server "
+                                 f"(--fine-tuning-{flag}), got {getattr(hp, name)}")
 
     def cancel(self, job_id: str) -> dict:
         """Cancel a job (KeyError if unknown; ValueError if it already ended)."""
@@ -209,7 +222,10 @@ class FineTuner:
                 self._fail(job, "training_error", f"{type(error).__name__}: {error}")
 
     def suspend(self) -> None:
-        """The engine stops: checkpoint the running job's last finished step, so it resumes there."""
+        """The engine stops: a dataset being checked stops at its next line or message (the job stays
+        unfinished and is checked again at the next start), and the running job's last finished step
+        is checkpointed, so it resumes there."""
+        self._stopping.set()
         run = self._run
         if run is not None and (run.ready or run.parked is not None) and run.job.step > run.saved_step:
             run.checkpoint()
@@ -228,9 +244,13 @@ class FineTuner:
     def _prepare(self, job: FineTuningJob) -> None:
         """On the data thread: tokenize the dataset and plan the steps; the job is then queued."""
         try:
-            examples = read_jsonl(self.store.read_file(job.training_file), self._tokenizer, self._max_len)
+            examples = read_jsonl(self.store.read_file(job.training_file), self._tokenizer, self._max_len,
+                                  max_messages=self.config.max_example_messages,
+                                  should_stop=lambda: job.status.finished or self._stopping.is_set())
             hp = job.hyperparameters
             plan = TrainingPlan.make(examples, hp.batch_size, hp.n_epochs, hp.seed, hp.micro_batch_tokens, self._max_len)
+        except ValidationStopped:  # cancelled, or the engine stops
+            return
         except Exception as error:
             self._fail(job, "invalid_training_file", str(error), "training_file")
             return

@@ -67,12 +67,17 @@ def ragged_attention_jnp(
         v = v_cache[:, pages].reshape(num_kv_heads, num_tokens, block_len, head_dim)
         s = jnp.einsum("tkgd,ktjd->tkgj", qg, k.astype(jnp.float32))  # [T, KVH, G, J]
         j = b * block_len + jnp.arange(block_len)
-        s = jnp.where((j[None, :] <= query_pos[:, None])[:, None, None, :], s, _MASK_VALUE)
+        visible = j[None, :] <= query_pos[:, None]  # [T, J]
+        s = jnp.where(visible[:, None, None, :], s, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(-1))
         alpha = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next[..., None])
         l_next = l_prev * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("tkgj,ktjd->tkgd", p, v.astype(jnp.float32))
+        # Masked slots hold whatever was written there last (another request's K/V before the page
+        # was freed, page 0's padding writes); a weight of 0 times their NaN would be NaN, so they
+        # are selected out rather than weighted out.
+        v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)
+        acc = acc * alpha[..., None] + jnp.einsum("tkgj,ktjd->tkgd", p, v)
         return acc, m_next, l_next
 
     carry = (jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),

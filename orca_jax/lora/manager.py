@@ -15,7 +15,7 @@ import os
 from typing import Callable
 
 from orca_jax.config import LoRAConfig, ModelConfig
-from orca_jax.lora.adapter import CONFIG_FILE, LoRAAdapter, LoRAError, load_adapter
+from orca_jax.lora.adapter import CONFIG_FILE, LoRAAdapter, LoRAError, check_finite, load_adapter
 from orca_jax.lora.request import LoRARequest
 from orca_jax.lora.slots import AdapterSlots
 
@@ -44,8 +44,9 @@ class LoRAManager:
     # ---- the registry ----------------------------------------------------------------------------
     def add(self, lora: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
         """Register an adapter (read from lora.lora_path unless given; one given whose path holds no
-        adapter, e.g. random weights, stays in host memory); LoRAError if it cannot be served or its
-        name or id is taken by another. Registering the same one again is a no-op."""
+        adapter, e.g. random weights, stays in host memory); LoRAError if it cannot be served (a weight
+        not finite among them: one slot's NaN would reach every token of a batch that reads the table
+        densely) or its name or id is taken by another. Registering the same one again is a no-op."""
         known = self._registered.get(lora.lora_int_id)
         if known == lora:
             return
@@ -57,6 +58,8 @@ class LoRAManager:
                             f"by adapter {known.lora_name!r} ({known.lora_path})")
         if any(r.lora_name == lora.lora_name for r in self._registered.values()):
             raise LoRAError(f"LoRA adapter {lora.lora_name!r} is already loaded")
+        if adapter is not None:  # one read from its path was checked there
+            check_finite(adapter)
         self._host[lora.lora_int_id] = adapter or self._read(lora)
         if adapter is not None and not os.path.isfile(os.path.join(lora.lora_path, CONFIG_FILE)):
             self._unreadable.add(lora.lora_int_id)

@@ -96,9 +96,12 @@ class LoRATokens:
 
 
 def _shrink(equation: str, x: jax.Array, a: jax.Array, mask: jax.Array, mask_shape) -> jax.Array:
-    """x @ A for every slot at once, in f32, then zeroed outside each token's slot (compute dtype)."""
+    """x @ A for every slot at once, in f32, then zeroed outside each token's slot (compute dtype).
+    Selected, not multiplied by the mask: another slot's inf or NaN times 0 would be NaN for this
+    token. (The B side adds every slot's rows times those zeros, so the table itself is kept finite:
+    lora/table.py.)"""
     s = jnp.einsum(equation, x, a, preferred_element_type=jnp.float32)
-    return (s * mask.reshape(mask_shape).astype(jnp.float32)).astype(x.dtype)
+    return jnp.where(mask.reshape(mask_shape) > 0, s, 0.0).astype(x.dtype)
 
 
 def _expand(equation: str, s: jax.Array, b: jax.Array) -> jax.Array:
@@ -107,14 +110,17 @@ def _expand(equation: str, s: jax.Array, b: jax.Array) -> jax.Array:
 
 def _gathered_shrink(equation: str, x: jax.Array, a: jax.Array, slot_axis: int, tokens: LoRATokens,
                      used_shape) -> jax.Array:
-    """x @ (each token's own A), in f32, zero for tokens without an adapter (compute dtype)."""
+    """x @ (each token's own A), in f32, zero for tokens without an adapter (compute dtype): selected,
+    since a token without one reads row 0, another adapter's, whose inf or NaN times 0 is NaN."""
     s = jnp.einsum(equation, x, jnp.take(a, tokens.rows, axis=slot_axis), preferred_element_type=jnp.float32)
-    return (s * tokens.used.reshape(used_shape)).astype(x.dtype)
+    return jnp.where(tokens.used.reshape(used_shape) > 0, s, 0.0).astype(x.dtype)
 
 
-def _gathered_expand(equation: str, s: jax.Array, b: jax.Array, slot_axis: int, rows: jax.Array) -> jax.Array:
-    return jnp.einsum(equation, s, jnp.take(b, rows, axis=slot_axis),
-                      preferred_element_type=jnp.float32).astype(s.dtype)
+def _gathered_expand(equation: str, s: jax.Array, b: jax.Array, slot_axis: int, tokens: LoRATokens,
+                     used_shape) -> jax.Array:
+    """s @ (each token's own B), zero for tokens without an adapter: selected, as in _gathered_shrink."""
+    term = jnp.einsum(equation, s, jnp.take(b, tokens.rows, axis=slot_axis), preferred_element_type=jnp.float32)
+    return jnp.where(tokens.used.reshape(used_shape) > 0, term, 0.0).astype(s.dtype)
 
 
 def qkv_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
@@ -124,8 +130,8 @@ def qkv_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
     t = x.shape[0]
     if tokens.rows is not None:
         s = _gathered_shrink("TH,HPTR->TPR", x, lora["a"], 2, tokens, (t, 1, 1))  # [T, 3, R]
-        q = _gathered_expand("TR,TRKGD->TKGD", s[:, 0], lora["b_q"], 0, tokens.rows)
-        kv = _gathered_expand("TPR,PTRKD->TKPD", s[:, 1:], lora["b_kv"], 1, tokens.rows)
+        q = _gathered_expand("TR,TRKGD->TKGD", s[:, 0], lora["b_q"], 0, tokens, (t, 1, 1, 1))
+        kv = _gathered_expand("TPR,PTRKD->TKPD", s[:, 1:], lora["b_kv"], 1, tokens, (t, 1, 1, 1))
         return jnp.concatenate([q, kv], axis=2)
     s = _shrink("TH,HPMR->TPMR", x, lora["a"], tokens.mask, (t, 1, -1, 1))  # [T, 3, M, R]
     q = _expand("TMR,MRKGD->TKGD", s[:, 0], lora["b_q"])  # [T, K, G, D]
@@ -137,7 +143,7 @@ def o_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
     """x [T, N, D] -> [T, H]. lora: a [N, D, M, R] (row-parallel: split like x), b [M, R, H]."""
     if tokens.rows is not None:
         s = _gathered_shrink("TND,NDTR->TR", x, lora["a"], 2, tokens, (-1, 1))
-        return _gathered_expand("TR,TRH->TH", s, lora["b"], 0, tokens.rows)
+        return _gathered_expand("TR,TRH->TH", s, lora["b"], 0, tokens, (-1, 1))
     s = _shrink("TND,NDMR->TMR", x, lora["a"], tokens.mask, (x.shape[0], -1, 1))
     return _expand("TMR,MRH->TH", s, lora["b"])
 
@@ -146,7 +152,7 @@ def gate_up_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
     """x [T, H] -> [T, 2, F]. lora: a [H, 2, M, R], b [2, M, R, F]."""
     if tokens.rows is not None:
         s = _gathered_shrink("TH,HPTR->TPR", x, lora["a"], 2, tokens, (-1, 1, 1))
-        return _gathered_expand("TPR,PTRF->TPF", s, lora["b"], 1, tokens.rows)
+        return _gathered_expand("TPR,PTRF->TPF", s, lora["b"], 1, tokens, (-1, 1, 1))
     s = _shrink("TH,HPMR->TPMR", x, lora["a"], tokens.mask, (x.shape[0], 1, -1, 1))
     return _expand("TPMR,PMRF->TPF", s, lora["b"])
 
@@ -156,7 +162,7 @@ def in_delta(x: jax.Array, lora: dict, tokens: LoRATokens) -> jax.Array:
     lora: a [in, M, R], b [M, R, out]."""
     if tokens.rows is not None:
         s = _gathered_shrink("TI,ITR->TR", x, lora["a"], 1, tokens, (-1, 1))
-        return _gathered_expand("TR,TRO->TO", s, lora["b"], 0, tokens.rows)
+        return _gathered_expand("TR,TRO->TO", s, lora["b"], 0, tokens, (-1, 1))
     s = _shrink("TI,IMR->TMR", x, lora["a"], tokens.mask, (x.shape[0], -1, 1))
     return _expand("TMR,MRO->TO", s, lora["b"])
 

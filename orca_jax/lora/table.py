@@ -77,8 +77,12 @@ class StageLoRATable:
 
 
 def _update_slot(table, row, slot):
-    """Every leaf's slot `row` replaced by `slot`'s (its slot axis of size 1)."""
+    """Every leaf's slot `row` replaced by `slot`'s (its slot axis of size 1), any non-finite value
+    written as 0. The table only ever holds finite values: a batch of many tokens multiplies every
+    slot's B (lora/ops.py's dense form) and one NaN there would reach every token, 0 x NaN being NaN.
+    Adapters are checked finite before they get here (lora/manager.py); this is the second line."""
     def write(path, leaf, value):
         axis = SLOT_AXIS[rules.path_name(path)]
+        value = jnp.where(jnp.isfinite(value), value, jnp.zeros_like(value))
         return jax.lax.dynamic_update_slice_in_dim(leaf, value, row, axis)
     return jax.tree_util.tree_map_with_path(write, table, slot)

@@ -9,6 +9,7 @@ WeightsError naming the file, the tensor and both shapes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -16,6 +17,7 @@ from typing import Callable
 
 import jax
 import numpy as np
+import safetensors
 
 from orca_jax.config import ModelConfig
 from orca_jax.models.weights import Params, WeightsError, check_params, expected_shapes
@@ -30,35 +32,45 @@ _DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.d
            "BF16": np.dtype(jax.numpy.bfloat16)}
 
 
-class SafetensorsFile:
-    """One .safetensors file: its header parsed and checked against the file size; data read on demand.
+# The largest header read: safetensors' own bound (its MAX_HEADER_SIZE). A caller reading files from
+# less trusted places (LoRA adapters) passes a smaller one.
+MAX_HEADER_BYTES = 100_000_000
 
-    Read with plain file reads rather than `safetensors.safe_open`: that maps the file and goes through
-    jax buffers for bf16, which left the host at twice the model's size at peak; a
-    read into a fresh array holds one tensor at a time.
+
+class SafetensorsFile:
+    """One .safetensors file: its header checked by the safetensors library, data read on demand.
+
+    The header is validated by `safetensors.safe_open` (JSON within a nesting limit, known dtypes,
+    integer shapes whose sizes match their byte ranges without overflow, ranges that tile the data
+    and end with the file) before we parse it ourselves for the offsets. Data is read with plain
+    file reads rather than through safe_open's tensors: those map the file and go through jax
+    buffers for bf16, which left the host at twice the model's size at peak; a read into a fresh
+    array holds one tensor at a time. Errors name the file and the rule it breaks, never its
+    contents (a path may point at any readable file).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, max_header_bytes: int = MAX_HEADER_BYTES):
         if not os.path.isfile(path):
             raise WeightsError(f"{path}: no such file")
         self.path = path
         size = os.path.getsize(path)
+        corrupt = WeightsError(f"{path}: cannot read safetensors, truncated or corrupt (the format: an 8-byte "
+                               f"header length, a JSON header of at most {max_header_bytes} bytes naming each "
+                               "tensor's dtype, shape and byte range, then the tensors' bytes)")
         try:
             with open(path, "rb") as f:
                 (header_len,) = struct.unpack("<Q", f.read(8))
-                if header_len > size - 8:
-                    raise ValueError(f"header of {header_len} bytes in a {size}-byte file")
+                if header_len > min(size - 8, max_header_bytes):
+                    raise corrupt
+                with safetensors.safe_open(path, "numpy"):  # validates the header against the file
+                    pass
                 header = json.loads(f.read(header_len))
-            header.pop("__metadata__", None)
-            self.entries = {name: (info["dtype"], tuple(info["shape"]), tuple(info["data_offsets"]))
-                            for name, info in header.items()}
-        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise WeightsError(f"{path}: cannot read safetensors, truncated or corrupt ({err})") from err
+        except (struct.error, OSError, ValueError, safetensors.SafetensorError):
+            raise corrupt from None
+        header.pop("__metadata__", None)
+        self.entries = {name: (info["dtype"], tuple(info["shape"]), tuple(info["data_offsets"]))
+                        for name, info in header.items()}
         self.data_start = 8 + header_len
-        end = max((offsets[1] for _, _, offsets in self.entries.values()), default=0)
-        if self.data_start + end > size:
-            raise WeightsError(f"{path}: cannot read safetensors, truncated or corrupt (its tensors end at "
-                               f"byte {self.data_start + end}, the file has {size})")
 
     def read(self, name: str) -> np.ndarray:
         dtype_name, shape, (begin, end) = self.entries[name]
@@ -66,10 +78,7 @@ class SafetensorsFile:
             raise WeightsError(f"{self.path}: tensor {name} has dtype {dtype_name}, "
                                f"not one of {', '.join(_DTYPES)}")
         dtype = _DTYPES[dtype_name]
-        count = int(np.prod(shape))
-        if end - begin != count * dtype.itemsize:
-            raise WeightsError(f"{self.path}: tensor {name} spans {end - begin} bytes, "
-                               f"{shape} x {dtype_name} needs {count * dtype.itemsize}")
+        count = math.prod(shape)
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
             return np.fromfile(f, dtype=dtype, count=count).reshape(shape)

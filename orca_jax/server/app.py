@@ -16,6 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
+from orca_jax.json_limits import DEFAULT_MAX_DEPTH
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.errors import install_error_handlers
 from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, FineTuningJobsCollector,
@@ -23,6 +24,7 @@ from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, F
 from orca_jax.server.lora import ServedModels, install_lora_routes
 from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics
 from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
+from orca_jax.server.preprocess import FrontendLimits, Preprocessor
 from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from orca_jax.server.responses import (
     ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
@@ -108,7 +110,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                allowed_hosts: tuple[str, ...] | None = None, chat_template: str | None = None,
                log_requests: bool = False, cors: CORSPolicy | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
-               tool_calls: ToolCallSettings = ToolCallSettings()) -> FastAPI:
+               tool_calls: ToolCallSettings = ToolCallSettings(),
+               frontend: FrontendLimits = FrontendLimits(), max_json_depth: int = DEFAULT_MAX_DEPTH) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
     A bare Engine is wrapped in an AsyncEngine. Only one app at a time may drive one engine.
@@ -117,7 +120,10 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     `chat_template` replaces the model's own; `log_requests` logs one line per generation request;
     `cors` (None: no cross-origin access) lets web pages of other origins call the API. With the
     engine's fine-tuning on, OpenAI's files and fine-tuning routes too (uploads up to max_upload_bytes).
-    `tool_calls`: the tool-call parser and whether "auto" tool choice is on.
+    `tool_calls`: the tool-call parser and whether "auto" tool choice is on. `frontend`: the grammar
+    workers' time limit and number (app.state.preprocess starts them at the first constrained
+    request, or at its start()). `max_json_depth`: how deeply a body may nest JSON arrays and objects
+    (deeper: 400).
     """
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     served_model_name = served_model_name or async_engine.engine.config.model
@@ -126,7 +132,12 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     async_engine.add_iteration_listener(metrics.observe_iteration)
     # The base and its LoRA adapters (those the engine holds now, and later loads over HTTP).
     models = ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
-    serving = OpenAIServing(async_engine, metrics, served_model_name=served_model_name,
+    engine_core = async_engine.engine
+    compiler = engine_core.grammar_compiler  # None: an engine that compiles its grammars itself
+    preprocess = Preprocessor(engine_core.tokenizer, compiler,
+                              engine_core.model_config.vocab_size if compiler is None else compiler.vocab_size,
+                              frontend)
+    serving = OpenAIServing(async_engine, metrics, preprocess, served_model_name=served_model_name,
                             default_max_tokens=default_max_tokens,
                             allow_special_tokens_in_text=allow_special_tokens_in_text,
                             chat_template=chat_template, log_requests=log_requests, tool_calls=tool_calls,
@@ -140,9 +151,11 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
         finally:
             # Joining can wait for one iteration; keep the event loop free meanwhile.
             await asyncio.to_thread(async_engine.shutdown, SHUTDOWN_JOIN_SECONDS)
+            preprocess.close()
 
     app = FastAPI(title="orca_jax", summary="OpenAI-compatible ORCA serving", lifespan=lifespan)
     app.state.async_engine = async_engine
+    app.state.preprocess = preprocess
     app.state.metrics = metrics
     install_error_handlers(app)
 
@@ -176,7 +189,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES,
               description="vLLM's: a prompt's token ids, or a conversation's as the chat template renders it.")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES,
               description="vLLM's: the text of token ids, special tokens included "
@@ -223,7 +236,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     # Added last = outermost: the Host and the key are checked before the body is even read. CORS
     # sits outside the key: a browser's preflight carries no key, and a 401 needs CORS headers too.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes,
-                       limits_by_prefix={FILES_PATH: max(max_upload_bytes, max_body_bytes)})
+                       limits_by_prefix={FILES_PATH: max(max_upload_bytes, max_body_bytes)},
+                       max_json_depth=max_json_depth)
     if api_key:
         protected = ("/v1", "/reset_prefix_cache", "/tokenize", "/detokenize", *_DOC_PATHS) + (("/metrics",) if metrics_require_auth else ())
         app.add_middleware(APIKeyMiddleware, api_key=api_key, protected_prefixes=protected)

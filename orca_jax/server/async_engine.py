@@ -25,6 +25,7 @@ from orca_jax.server.request_stream import RequestStream
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine, EngineStats
+    from orca_jax.structured.matcher import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class _Add:
     stream: RequestStream
     accepted: asyncio.Future  # resolved on stream.loop: None, or the exception add_request raised
     lora_request: LoRARequest | None = None
+    grammar: CompiledGrammar | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,14 +101,18 @@ class AsyncEngine:
     (Engine.precompile), so that nothing compiles while serving; requests that arrive meanwhile
     wait in the queue, and `readiness` says how far it got (what /health reports). `on_ready` runs
     on the engine thread once that is done, before /health says ready (a server freezes its heap).
+    `on_failure(error)` runs on the engine thread if the loop raises, once every request in flight
+    has that error (a server exits: an engine that failed once is not trusted to serve again).
     """
 
     def __init__(self, engine: Engine, *, max_in_flight: int | None = None,
                  shutdown_grace_seconds: float = 0.0, precompile: bool = False,
-                 on_ready: Callable[[], None] | None = None):
+                 on_ready: Callable[[], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.precompile = precompile
         self.on_ready = on_ready
+        self.on_failure = on_failure
         self.readiness = Readiness(ready=not precompile)
         scheduler = engine.config.scheduler
         # Our own bound covers requests still in the command queue, which the engine cannot see.
@@ -166,9 +172,10 @@ class AsyncEngine:
 
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
                      request_id: str, priority: int = 0, deadline: float | None = None,
-                     lora_request: LoRARequest | None = None) -> RequestStream:
-        """Queue a request (with the LoRA adapter `lora_request`, or the base model); returns its
-        stream once the engine has accepted it.
+                     lora_request: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
+        """Queue a request (with the LoRA adapter `lora_request`, or the base model; `grammar`: its
+        structured_outputs compiled by the engine's grammar_compiler, so the engine thread compiles
+        nothing); returns its stream once the engine has accepted it.
 
         Raises EngineOverloadedError, EngineUnavailableError, or what Engine.add_request raised
         (ValueError for a request the engine cannot hold; QueueFullError when its pool is full).
@@ -185,7 +192,7 @@ class AsyncEngine:
                 raise EngineOverloadedError(f"{self._num_in_flight} requests in flight; retry later")
             self._num_in_flight += 1
             self._commands.append(_Add(prompt_token_ids, sampling, priority, deadline, stream, accepted,
-                                       lora_request))
+                                       lora_request, grammar))
             self._cond.notify()
         try:
             error = await accepted
@@ -234,6 +241,8 @@ class AsyncEngine:
             logger.exception("engine loop failed; failing all requests in flight")
             self.error = error
             self._fail_everything(tracked, EngineDeadError(f"engine loop failed: {error!r}"))
+            if self.on_failure is not None:
+                self.on_failure(error)
 
     def _compile_everything(self) -> None:
         start = time.monotonic()
@@ -304,7 +313,8 @@ class AsyncEngine:
             try:
                 self.engine.add_request(command.prompt_token_ids, command.sampling,
                                         request_id=stream.request_id, priority=command.priority,
-                                        deadline=command.deadline, lora_request=command.lora_request)
+                                        deadline=command.deadline, lora_request=command.lora_request,
+                                        grammar=command.grammar)
             except (ValueError, QueueFullError) as refused:  # the request's fault or a full pool
                 error = refused
         if error is None:

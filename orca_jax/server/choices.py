@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import hashlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -20,6 +21,9 @@ from orca_jax.server.async_engine import AsyncEngine, RequestStream
 from orca_jax.server.formatting import Final
 from orca_jax.server.metrics import RequestTimer
 from orca_jax.server.responses import Usage
+
+if TYPE_CHECKING:
+    from orca_jax.structured.matcher import CompiledGrammar
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,15 +61,17 @@ def usage_of(choices: list[Choice], finals: list[RequestOutput | None]) -> Usage
 
 
 async def submit_all(async_engine: AsyncEngine, choices: list[Choice], *, request_id: str, priority: int,
-                     deadline: float | None, lora_request: LoRARequest | None = None) -> list[RequestStream]:
-    """Submit every choice; all or nothing (the first error is raised after the others are aborted)."""
+                     deadline: float | None, lora_request: LoRARequest | None = None,
+                     grammar: CompiledGrammar | None = None) -> list[RequestStream]:
+    """Submit every choice; all or nothing (the first error is raised after the others are aborted).
+    `grammar`: their structured_outputs, compiled (each choice gets its own matcher of it)."""
 
     def engine_id(choice: Choice) -> str:
         return request_id if len(choices) == 1 else f"{request_id}-{choice.index}"
 
     results = await asyncio.gather(*(
         async_engine.submit(choice.prompt_ids, choice.sampling, request_id=engine_id(choice),
-                            priority=priority, deadline=deadline, lora_request=lora_request)
+                            priority=priority, deadline=deadline, lora_request=lora_request, grammar=grammar)
         for choice in choices), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:

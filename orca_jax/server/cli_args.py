@@ -17,17 +17,22 @@ import jinja2
 from orca_jax.config import (DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
                              ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine.defaults import BatchDefaults, UsageContext, batch_defaults_for
+from orca_jax.json_limits import DEFAULT_MAX_DEPTH, MAX_DEPTH_LIMIT
 from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
 from orca_jax.server.fine_tuning import add_fine_tuning_arguments, fine_tuning_config_from_args
 from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules
+from orca_jax.server.preprocess import add_grammar_arguments, frontend_limits_from_args, grammar_limits_from_args
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
 from orca_jax.server.structured import DEFAULT_TOOL_CALL_FORMAT, ToolCallSettings
 from orca_jax.structured.tool_parsers import TOOL_PARSERS
 
 PROG = "python -m orca_jax.serve"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# Not given, --long-prefill-token-threshold is this share of the token budget: a long prompt then takes
+# at most a quarter of an iteration it shares (vLLM's default is 4% of the context: 327 of 8,192).
+LONG_PREFILL_SHARE = 4
 # The server's default, unlike the library's (RESERVE, ORCA as published): chats without max_tokens
 # then share the pool instead of running one at a time (measured: notes/policy.md, README).
 SERVE_KV_ALLOCATION = KVAllocation.ON_DEMAND
@@ -47,6 +52,17 @@ def string_list(value: str) -> tuple[str, ...]:
             raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
         return tuple(items)
     return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def _json_depth(value: str) -> int:
+    """--max-json-depth: 1 to MAX_DEPTH_LIMIT (deeper would reach Python's stack limit in a parser)."""
+    try:
+        depth = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if not 1 <= depth <= MAX_DEPTH_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_DEPTH_LIMIT}, got {depth}")
+    return depth
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -96,8 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per iteration; longer prompts are fed over several; the device's default "
                        "when not given (4096 on a GPU with >= 40 GiB, 2048 on a smaller one, 512 on CPU)")
     sched.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                       help="the most prompt tokens one request feeds per iteration (the rest wait for the "
-                       "next), so long prompts share iterations with decodes; no cap when not given")
+                       help="the most prompt tokens one request feeds per iteration it shares with other "
+                       "requests (the rest wait for the next), so a long prompt cannot hold up decodes and "
+                       "new prompts; a prompt alone in its batch takes the whole budget. Not given: "
+                       f"--max-num-batched-tokens / {LONG_PREFILL_SHARE}; 0: no cap")
     sched.add_argument("--max-waiting", type=int, default=_default(SchedulerConfig, "max_waiting"),
                        help="requests queued beyond the running batch; more get 503 + Retry-After")
     sched.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy] + ["deadline"],
@@ -194,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     limits, defaults = p.add_argument_group("HTTP limits (each refusal closes the connection)"), HTTPLimits()
     limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="request body size; larger get 413")
+    limits.add_argument("--max-json-depth", type=_json_depth, default=DEFAULT_MAX_DEPTH,
+                        help="how deeply a JSON body may nest arrays and objects (at most "
+                        f"{MAX_DEPTH_LIMIT}); deeper get 400")
     limits.add_argument("--max-header-bytes", type=int, default=defaults.max_header_bytes,
                         help="request line and headers together; larger get 431")
     limits.add_argument("--max-header-count", type=int, default=defaults.max_header_count,
@@ -217,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="no line per HTTP request from uvicorn (health polling fills the log)")
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="no line per generation request (its id, prompt tokens and sampling settings)")
+    add_grammar_arguments(p)
     add_lora_arguments(p)
     add_fine_tuning_arguments(p)
     return p
@@ -284,6 +306,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parse_lora_modules(args.lora_modules)
         http_limits_from_args(args)
         tool_call_settings_from_args(args)
+        frontend_limits_from_args(args)
     except (ValueError, jinja2.TemplateSyntaxError) as error:
         parser.error(str(error))
 
@@ -325,10 +348,18 @@ def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
                       max_connections=args.max_connections)
 
 
+def long_prefill_token_threshold(given: int | None, max_num_batched_tokens: int) -> int | None:
+    """The flag's value: None (not given) is a 1/LONG_PREFILL_SHARE of the budget, 0 no cap."""
+    if given is None:
+        return max(1, max_num_batched_tokens // LONG_PREFILL_SHARE)
+    return given or None
+
+
 def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | None = None) -> EngineConfig:
     """Raises ValueError (from the configs' own checks) on inconsistent flags. `defaults`: the device's
     batch (engine.defaults.batch_defaults, known once jax has started); the CPU's when None."""
     defaults = defaults or batch_defaults_for("cpu", 0.0, UsageContext.SERVER)
+    max_num_batched_tokens = args.max_num_batched_tokens or defaults.max_num_batched_tokens
     fine_tuning = fine_tuning_config_from_args(args)
     lora = lora_config_from_args(args)
     if fine_tuning is not None and lora is None:  # fine-tuned adapters are served from the LoRA slots
@@ -340,9 +371,9 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens
-                                  or defaults.max_num_batched_tokens,
-                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  long_prefill_token_threshold=long_prefill_token_threshold(
+                                      args.long_prefill_token_threshold, max_num_batched_tokens),
                                   policy=SchedulingPolicy(args.scheduling_policy),
                                   max_waiting=args.max_waiting, async_scheduling=args.async_scheduling,
                                   kv_allocation=KVAllocation(args.kv_allocation),
@@ -357,4 +388,4 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
-        lora=lora, fine_tuning=fine_tuning)
+        lora=lora, fine_tuning=fine_tuning, grammar_limits=grammar_limits_from_args(args))

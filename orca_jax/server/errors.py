@@ -66,7 +66,7 @@ def _describe_validation_error(error: dict) -> tuple[str, str | None]:
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
     if not fields:
         if error.get("type") == "value_error":  # a check across fields (a model validator)
-            return message, None
+            return message, getattr(error.get("ctx", {}).get("error"), "param", None)
         return "the request body must be a JSON object (Content-Type: application/json)", None
     if error.get("type") == "extra_forbidden":
         message = "unknown field; see /docs for the fields this server accepts"

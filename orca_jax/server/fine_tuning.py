@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
@@ -22,8 +22,9 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field
 
 from orca_jax.config import FineTuningConfig, FineTuningMemory
-from orca_jax.finetune.data import DatasetError, read_jsonl
-from orca_jax.finetune.hparams import TrainingHyperparameters
+from orca_jax.finetune.data import DatasetError, ValidationStopped, read_jsonl
+from orca_jax.finetune.hparams import MAX_SEED, TrainingHyperparameters
+from orca_jax.lora.adapter import MAX_ALPHA, MAX_RANK
 from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
 from orca_jax.server.errors import APIError
 from orca_jax.server.metrics import PREFIX
@@ -69,6 +70,16 @@ def add_fine_tuning_arguments(parser: argparse.ArgumentParser) -> None:
                        help="newest checkpoints kept per job")
     group.add_argument("--max-upload-bytes", type=int, default=DEFAULT_MAX_UPLOAD_BYTES,
                        help="largest file POST /v1/files accepts")
+    group.add_argument("--fine-tuning-max-micro-batch-tokens", type=int, default=defaults.max_micro_batch_tokens,
+                       help="the largest micro_batch_tokens a job may ask for (its training batch is compiled "
+                       "before its memory is checked)")
+    group.add_argument("--fine-tuning-max-epochs", type=int, default=defaults.max_epochs,
+                       help="the largest n_epochs a job may ask for")
+    group.add_argument("--fine-tuning-max-batch-size", type=int, default=defaults.max_batch_size,
+                       help="the largest batch_size a job may ask for")
+    group.add_argument("--fine-tuning-max-example-messages", type=int, default=defaults.max_example_messages,
+                       help="messages one chat example of a training file may have (each assistant message "
+                       "costs two renders of the chat template)")
 
 
 def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig | None:
@@ -79,15 +90,24 @@ def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig |
                             memory_policy=FineTuningMemory(args.fine_tuning_memory_policy),
                             keep_checkpoints=args.fine_tuning_keep_checkpoints,
                             max_inference_slowdown=args.fine_tuning_max_inference_slowdown,
-                            tpot_slo_ms=args.fine_tuning_tpot_slo_ms)
+                            tpot_slo_ms=args.fine_tuning_tpot_slo_ms,
+                            max_micro_batch_tokens=args.fine_tuning_max_micro_batch_tokens,
+                            max_epochs=args.fine_tuning_max_epochs, max_batch_size=args.fine_tuning_max_batch_size,
+                            max_example_messages=args.fine_tuning_max_example_messages)
 
 
 # ---- bodies ---------------------------------------------------------------------------------------
 
 Auto = Literal["auto"]
+# Every number finite and within its meaning's range, so a mistake is a 400 naming the field and the
+# range; how large a job may be (epochs, batch, micro-batch tokens) is the server's flags' to say.
+_BODY = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Hyperparameters(BaseModel):
+    """Types only: TrainingHyperparameters checks each value's range (NaN and infinities included) and
+    names it, which pydantic's errors for a value fitting neither "auto" nor a number would not."""
+
     model_config = ConfigDict(extra="forbid")
     n_epochs: Auto | int = "auto"
     batch_size: Auto | int = "auto"
@@ -99,10 +119,10 @@ class Hyperparameters(BaseModel):
 
 
 class LoRAOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rank: int | None = None  # None: 16, or the server's --max-lora-rank if lower
-    alpha: float | None = None  # None: 2 x rank
-    target_modules: list[str] | None = None  # None: every projection
+    model_config = _BODY
+    rank: Annotated[int, Field(ge=1, le=MAX_RANK)] | None = None  # None: 16, or --max-lora-rank if lower
+    alpha: Annotated[float, Field(gt=0, le=MAX_ALPHA)] | None = None  # None: 2 x rank
+    target_modules: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=64)] | None = None
 
 
 class Supervised(BaseModel):
@@ -115,13 +135,13 @@ class Method(BaseModel):
 
 
 class CreateJobRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _BODY
     model: str = Field(min_length=1, max_length=256)
     training_file: str = Field(min_length=1, max_length=256)
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
     suffix: str | None = Field(default=None, max_length=64)
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     validation_file: None = None  # not supported: only null is accepted
     lora: LoRAOptions = LoRAOptions()
 
@@ -176,10 +196,17 @@ class FineTuningRoutes:
             raise APIError(400, "a 'file' part is needed", param="file", code="invalid_request")
         data = await upload.read()
         engine = self.async_engine.engine
-        try:  # tokenized off the event loop: a large file takes a while
-            await asyncio.to_thread(read_jsonl, data, engine.tokenizer, engine.max_model_len)
+        # Checked off the event loop (a large file takes a while), and given up when the server
+        # shuts down: the thread would otherwise hold the process until the last line.
+        stopping = lambda: not self.async_engine.is_running  # noqa: E731
+        try:
+            await asyncio.to_thread(read_jsonl, data, engine.tokenizer, engine.max_model_len,
+                                    max_messages=tuner.config.max_example_messages, should_stop=stopping)
         except DatasetError as error:
             raise APIError(400, f"invalid training file: {error}", param="file", code="invalid_file") from None
+        except ValidationStopped:
+            raise APIError(503, "the server is shutting down; upload the file again once it is back",
+                           code="shutting_down", headers={"Retry-After": "1"}) from None
         return await asyncio.to_thread(tuner.store.save_file, data, upload.filename or "file.jsonl", purpose)
 
     def file(self, file_id: str) -> dict:

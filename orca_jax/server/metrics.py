@@ -37,10 +37,11 @@ _TOKEN_BUCKETS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def kv_cache_usage(stats: EngineStats) -> float:
-    """Fraction of the pool's usable pages (scratch page excluded) holding or reserved for tokens."""
+    """Fraction of the pool's usable pages (scratch page excluded) holding or reserved for tokens:
+    kv_pages_reserved counts the pages held too (held plus promised), so it alone is the numerator."""
     if not stats.kv_pages_total:
         return 0.0
-    return (stats.kv_pages_used + stats.kv_pages_reserved) / stats.kv_pages_total
+    return stats.kv_pages_reserved / stats.kv_pages_total
 
 
 class _EngineStatsCollector(Collector):

@@ -1,8 +1,9 @@
-"""Plain ASGI middleware: Host check, API-key check and request-body size limit.
+"""Plain ASGI middleware: Host check, API-key check and request-body size and nesting limits.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware) so that streaming responses and the handlers'
 disconnect detection pass through untouched. All answer before the body is parsed: an
-unauthenticated client never gets its body read, an oversized one never gets it buffered.
+unauthenticated client never gets its body read, an oversized one never gets it buffered, and JSON
+nested past the limit never reaches a parser (Python's, pydantic's and ours recurse per level).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from orca_jax.json_limits import DEFAULT_MAX_DEPTH, JSONLimitError, check_depth
 from orca_jax.server.errors import error_body
 
 
@@ -73,21 +75,36 @@ def route_path(scope: Scope) -> str:
 
 
 def host_name(header: bytes) -> str:
-    """The host of a Host header, without the port, lower case ("[::1]:8000" -> "[::1]")."""
+    """The host of a Host header, without the port, lower case ("[::1]:8000" -> "[::1]"). A header
+    that is not `host[:port]` with a numeric port comes back whole, so it matches no allowed host
+    ("localhost:1@evil.com" is not localhost)."""
     host = header.decode("latin-1").strip().lower()
     if host.startswith("["):
-        return host[:host.find("]") + 1]
-    return host.rpartition(":")[0] if ":" in host else host
+        end = host.find("]") + 1
+        name, rest = host[:end], host[end:]
+    else:
+        name, _, port = host.partition(":")
+        rest = ":" + port if ":" in host else ""
+    return name if _is_port(rest) else host
+
+
+def _is_port(rest: str) -> bool:
+    """"" or ":" and digits: what may follow the host in a Host header (RFC 9110 section 7.2)."""
+    return rest == "" or (rest[:1] == ":" and rest[1:].isascii() and (rest[1:].isdigit() or rest == ":"))
 
 
 class BodyLimitMiddleware:
     """Answers 413 to bodies over `max_body_bytes` (or the limit of the longest prefix of
-    `limits_by_prefix` the path starts with: file uploads); buffers smaller ones and replays them."""
+    `limits_by_prefix` the path starts with: file uploads), and 400 to a body that is not
+    multipart and nests JSON arrays and objects deeper than `max_json_depth`; buffers the rest and
+    replays them."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, limits_by_prefix: dict[str, int] | None = None):
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, limits_by_prefix: dict[str, int] | None = None,
+                 max_json_depth: int = DEFAULT_MAX_DEPTH):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.limits_by_prefix = sorted((limits_by_prefix or {}).items(), key=lambda item: -len(item[0]))
+        self.max_json_depth = max_json_depth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -117,7 +134,15 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        body = b"".join(chunks)
+        # FastAPI parses any body but a form as JSON (whatever its Content-Type says).
+        if not dict(scope["headers"]).get(b"content-type", b"").lower().startswith(b"multipart/"):
+            try:
+                check_depth(body, self.max_json_depth, "the request body")
+            except JSONLimitError as error:
+                await _send_error(send, 400, f"{error} (the server's --max-json-depth)", code="json_too_deep")
+                return
+        await self.app(scope, _replay(body, receive), send)
 
     async def _too_large(self, send: Send, limit: int) -> None:
         await _send_error(send, 413, f"request body larger than {limit} bytes", code="request_too_large")

@@ -1,13 +1,16 @@
 """The base of every request body: strict values, lenient about fields it does not know.
 
 Values are strict (a string is not an int, NaN is not a float, a lone surrogate is not text), so a
-mistake is a 400 naming the field. Fields the server does not know are kept aside and ignored, as
+mistake is a 400 naming the field; NaN and Infinity, which Python's JSON parser takes but JSON has
+not, are refused anywhere in a body, inside free-form fields like a JSON schema too. Fields the server does not know are kept aside and ignored, as
 vLLM ignores them: clients and agent frameworks send many (`store`, `metadata`, `service_tier`,
 `"functions": null`), and refusing them would lock those clients out. The server logs each such
 field name once (`ignored_fields`), so a misspelt `max_token` still shows up in the log.
 """
 
 from __future__ import annotations
+
+import math
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
@@ -30,15 +33,31 @@ def _check_encodable(value: object) -> None:
             _check_encodable(item)
 
 
-def _integral_floats_to_int(value: object) -> object:
+class FieldValueError(ValueError):
+    """A value refused by a check across the whole body; `param` names its top-level field (the
+    error's location is the body's, as for any model validator)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _integral_floats_to_int(value: object, path: str = "") -> object:
     """1.0 -> 1, in lists and objects too: JSON does not tell 1.0 from 1 (nor does JSON Schema's
-    "integer"), but a strict int field would refuse the float. Float fields take ints as they are."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
+    "integer"), but a strict int field would refuse the float. Float fields take ints as they are.
+    ValueError naming the field for NaN or an infinity. (One frame per level: the body's nesting is
+    bounded before it is parsed, middleware.BodyLimitMiddleware.)"""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            spelt = "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")  # as they came
+            raise FieldValueError(f"{path or 'the body'}: {spelt} is not a JSON number (numbers must be finite)",
+                                  path.split(".")[0] if path else None)
+        return int(value) if value.is_integer() else value
     if isinstance(value, list):
-        return [_integral_floats_to_int(item) for item in value]
+        return [_integral_floats_to_int(item, f"{path}.{i}" if path else str(i)) for i, item in enumerate(value)]
     if isinstance(value, dict):
-        return {key: _integral_floats_to_int(item) for key, item in value.items()}
+        return {key: _integral_floats_to_int(item, f"{path}.{key}" if path else str(key))
+                for key, item in value.items()}
     return value
 
 

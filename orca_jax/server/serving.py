@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from orca_jax.lora.request import LoRARequest
+from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.async_engine import (
     AsyncEngine, EngineOverloadedError, EngineUnavailableError, QueueFullError, RequestStream,
@@ -22,12 +23,14 @@ from orca_jax.server.errors import APIError, error_body
 from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
 from orca_jax.server.lora import ServedModels
 from orca_jax.server.metrics import ServerMetrics
+from orca_jax.server.preprocess import Preprocessor
 from orca_jax.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       TokenizeChatRequest, TokenizeCompletionRequest)
 from orca_jax.server.protocol_base import StrictBody, ignored_fields
 from orca_jax.server.responses import DetokenizeResponse, TokenizeResponse, new_id, unix_now
-from orca_jax.server.structured import ToolCallSettings, output_constraint, tool_plan
+from orca_jax.server.structured import ConstraintRequest, ToolCallSettings, output_constraint, tool_plan
 from orca_jax.structured.constraint import Constraint
+from orca_jax.structured.matcher import CompiledGrammar
 from orca_jax.tokenizer import with_chat_template
 
 RETRY_AFTER_SECONDS = "1"
@@ -38,6 +41,8 @@ DEFAULT_MAX_TOKENS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
 DEADLINE = "deadline"  # RequestStatus.FINISHED_DEADLINE's finish reason
 DEADLINE_MESSAGE = "the deadline ({:g} s after arrival) passed before the request could start; it was dropped"
+ERROR = "error"  # RequestStatus.FINISHED_ERROR's finish reason: the engine ended the request (output.error)
+GENERATION_FAILED = "generation_failed"
 request_log = logging.getLogger("orca_jax.requests")
 log = logging.getLogger(__name__)
 MAX_WARNED_FIELDS = 1000  # distinct ignored field names logged; a client inventing names cannot grow it further
@@ -52,15 +57,17 @@ class OpenAIServing:
     `default_max_tokens` caps chat completions that name no max_tokens (None: the rest of the
     context). `allow_special_tokens_in_text` lets control tokens typed in prompts and message
     content act as control tokens; by default they are plain text, so no caller can forge a turn.
-    `tool_calls`: how chats with tools are answered (server/structured.py).
+    `tool_calls`: how chats with tools are answered (server/structured.py). Templates, tokenizing
+    and constraints run on `preprocess`'s threads and grammar workers, never on the event loop.
     """
 
-    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, *, served_model_name: str,
-                 default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, preprocess: Preprocessor, *,
+                 served_model_name: str, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  allow_special_tokens_in_text: bool = False, chat_template: str | None = None,
                  log_requests: bool = False, tool_calls: ToolCallSettings = ToolCallSettings(),
                  models: ServedModels | None = None):
         self.async_engine = async_engine
+        self.preprocess = preprocess
         self.metrics = metrics
         self.served_model_name = served_model_name
         # The names a request's `model` may give: the base and its LoRA adapters.
@@ -82,10 +89,10 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         lora = self.check_model(body.model)
         self.warn_ignored_fields(body)
-        constraint = output_constraint(body)
+        constraint_request = output_constraint(body)
         texts = body.prompts()
-        prompts = [self.tokenizer.encode_prompt(p, split_special_tokens=self.split_special_tokens)
-                   if isinstance(p, str) else list(p) for p in texts]
+        prompts = await self.preprocess.run(self._encode_prompts, texts)
+        constraint, grammar = await self._constraint(constraint_request)
         choices = self._choices(body, prompts, requested=body.max_tokens, default=COMPLETIONS_DEFAULT_MAX_TOKENS,
                                 logprobs=body.logprobs, param="prompt", constraint=constraint)
         echo_texts = None
@@ -97,30 +104,41 @@ class OpenAIServing:
                                         include_usage=body.include_usage_in_stream, echo_texts=echo_texts,
                                         echo_logprobs=body.echo_logprobs, prompt_ids=[c.prompt_ids for c in choices],
                                         prompt_logprobs=body.prompt_logprobs)
-        return await self._generate(body, request, request_id, choices, formatter, lora)
+        return await self._generate(body, request, request_id, choices, formatter, lora, grammar)
+
+    def _encode_prompts(self, texts: list[str | list[int]]) -> list[list[int]]:
+        return [self.tokenizer.encode_prompt(p, split_special_tokens=self.split_special_tokens)
+                if isinstance(p, str) else list(p) for p in texts]
+
+    async def _constraint(self, constraint_request: ConstraintRequest | None
+                          ) -> tuple[Constraint | None, CompiledGrammar | None]:
+        if constraint_request is None:
+            return None, None
+        return await self.preprocess.constraint(constraint_request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         lora = self.check_model(body.model)
         self.warn_ignored_fields(body)
-        constraint = output_constraint(body)
-        tools, tool_constraint = tool_plan(body, self.tool_calls, self.tokenizer)
-        if constraint is not None and tool_constraint is not None:
+        output_request = output_constraint(body)
+        tools, tool_request = tool_plan(body, self.tool_calls)
+        if output_request is not None and tool_request is not None:
             given = body.structured_fields_given()[0]
             raise APIError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
                            f"already constrains the output; it cannot be combined with {given}",
                            param=given, code="invalid_structured_output")
-        prompt_ids = self._chat_prompt_ids(body.messages, body.template_tools(), add_generation_prompt=True)
+        prompt_ids = await self.preprocess.run(self._chat_prompt_ids, body.messages, body.template_tools(), True)
+        constraint, grammar = await self._constraint(output_request or tool_request)
         choices = self._choices(body, [prompt_ids], requested=body.requested_max_tokens, default=None,
-                                logprobs=body.num_logprobs, param="messages",
-                                constraint=constraint or tool_constraint,
+                                logprobs=body.num_logprobs, param="messages", constraint=constraint,
                                 keep_special_tokens=tools is not None and tools.needs_special_tokens)
         request_id = new_id("chatcmpl")
         formatter = ChatFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
                                   include_usage=body.include_usage_in_stream, tools=tools,
                                   prompt_logprobs=body.prompt_logprobs)
-        return await self._generate(body, request, request_id, choices, formatter, lora)
+        return await self._generate(body, request, request_id, choices, formatter, lora, grammar)
 
-    def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None, *, add_generation_prompt: bool) -> list[int]:
+    def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None,
+                         add_generation_prompt: bool) -> list[int]:
         try:
             return self.tokenizer.encode_chat([m.template_message() for m in messages],
                                               add_generation_prompt=add_generation_prompt,
@@ -130,12 +148,15 @@ class OpenAIServing:
 
     # ---- /tokenize and /detokenize (vLLM's) -----------------------------------------------------
 
-    def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         self.check_model(body.model)
         self.warn_ignored_fields(body)
+        return await self.preprocess.run(self._tokenize, body)
+
+    def _tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         if isinstance(body, TokenizeChatRequest):
             tools = [tool.model_dump(by_alias=True, exclude_none=True) for tool in body.tools] if body.tools else None
-            ids = self._chat_prompt_ids(body.messages, tools, add_generation_prompt=body.add_generation_prompt)
+            ids = self._chat_prompt_ids(body.messages, tools, body.add_generation_prompt)
             if body.add_special_tokens:  # what the tokenizer puts before any prompt (a BOS), again, as vLLM does
                 ids = self.tokenizer.encode_prompt("") + ids
         elif body.add_special_tokens:
@@ -258,14 +279,15 @@ class OpenAIServing:
     # ---- generation -----------------------------------------------------------------------------
 
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
-                        request_id: str, choices: list[Choice],
-                        formatter: CompletionFormatter | ChatFormatter, lora: LoRARequest | None = None) -> Response:
+                        request_id: str, choices: list[Choice], formatter: CompletionFormatter | ChatFormatter,
+                        lora: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> Response:
         if self.log_requests:
             _log_request(request_id, body, choices)
         deadline = None if body.deadline_seconds is None else time.monotonic() + body.deadline_seconds
         timers = [self.metrics.request_timer(len(c.prompt_ids), c.sampling.max_tokens, body.priority)
                   for c in choices]
-        streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline, lora), timers)
+        streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline, lora, grammar),
+                                timers)
         if body.stream:
             return StreamingResponse(self._sse(streams, choices, formatter, body.deadline_seconds), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -278,14 +300,17 @@ class OpenAIServing:
         if any(final.finish_reason == DEADLINE for final, _ in finals):
             raise APIError(504, DEADLINE_MESSAGE.format(body.deadline_seconds), param="deadline_ms",
                            code="deadline_exceeded")
+        failed = next((final for final, _ in finals if final.finish_reason == ERROR), None)
+        if failed is not None:
+            raise _generation_failed(failed)
         usage = usage_of(choices, [final for final, _ in finals])
         return JSONResponse(formatter.response(finals, usage).model_dump(mode="json"))
 
-    async def _submit(self, choices: list[Choice], request_id: str, priority: int,
-                      deadline: float | None, lora: LoRARequest | None = None) -> list[RequestStream]:
+    async def _submit(self, choices: list[Choice], request_id: str, priority: int, deadline: float | None,
+                      lora: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> list[RequestStream]:
         try:
             return await submit_all(self.async_engine, choices, request_id=request_id, priority=priority,
-                                    deadline=deadline, lora_request=lora)
+                                    deadline=deadline, lora_request=lora, grammar=grammar)
         except (EngineOverloadedError, QueueFullError) as error:
             self.metrics.requests_rejected.labels(status="503", **self.metrics.labels).inc()
             raise APIError(503, f"server overloaded: {error}", code="server_overloaded",
@@ -322,6 +347,9 @@ class OpenAIServing:
                                       param="deadline_ms", code="deadline_exceeded")
                     yield f"data: {json.dumps(body)}\n\n"
                     break
+                if outputs[-1].finish_reason == ERROR:  # its chunk said finish_reason "error"; this says why
+                    failed = _generation_failed(outputs[-1])
+                    yield f"data: {json.dumps(error_body(failed.status, failed.message, code=failed.code))}\n\n"
             if formatter.include_usage and all(final is not None for final in finals):
                 yield f"data: {formatter.usage_chunk(usage_of(choices, finals))}\n\n"
         except EngineUnavailableError as error:
@@ -329,6 +357,15 @@ class OpenAIServing:
         finally:
             streams.abort_all()
         yield "data: [DONE]\n\n"
+
+
+def _generation_failed(output: RequestOutput) -> APIError:
+    """The answer to a request the engine ended itself: 400 when its own input led there, else 500."""
+    error = output.error
+    status = 400 if error is not None and error.caused_by_request else 500
+    reason = error.message if error is not None else "the engine ended the request"
+    return APIError(status, f"generation stopped after {len(output.output_token_ids)} tokens: {reason}",
+                    code=GENERATION_FAILED)
 
 
 def _log_request(request_id: str, body: CompletionRequest | ChatCompletionRequest, choices: list[Choice]) -> None:

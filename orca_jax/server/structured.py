@@ -1,6 +1,11 @@
 """What a request's output-shaping fields become: the Constraint its output must match, and how
 tool calls are read back out of its text.
 
+A Constraint is not built here, on the event loop: the grammar library validates one as it is made,
+and some grammars crash or stall it. These functions only check the fields and say how to build it
+(a ConstraintRequest); the server builds it in a grammar worker first, then on a front-end thread
+(server/preprocess.py).
+
 - response_format json_object / json_schema, structured_outputs and the guided_* fields: a
   Constraint (at most one of them per request);
 - tools with tool_choice "auto": no constraint; the parser of `--tool-call-parser` reads calls out
@@ -14,17 +19,26 @@ Every refusal is an APIError 400 naming the field.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from orca_jax.server.errors import APIError
 from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest
-from orca_jax.structured.constraint import Constraint, ConstraintKind, JsonOptions
-from orca_jax.structured.tool_grammar import tool_call_constraint
+from orca_jax.structured.constraint import ConstraintKind, JsonOptions
+from orca_jax.structured.sandbox import (ConstraintBuild, json_schema_constraint, kind_constraint,
+                                         tool_calls_constraint)
 from orca_jax.structured.tool_parsers import ToolParser, get_tool_parser
-from orca_jax.tokenizer import BaseTokenizer
 
 INVALID = "invalid_structured_output"  # the code of every refusal of an output constraint
 AUTO_TOOL_CHOICE_DISABLED = "auto_tool_choice_disabled"
 DEFAULT_TOOL_CALL_FORMAT = "hermes"  # the forced calls' format when no --tool-call-parser is set
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConstraintRequest:
+    """A request's output constraint, not built yet."""
+
+    param: str  # the body field it comes from, named in a refusal
+    build: ConstraintBuild  # picklable: build(tokenizer) -> Constraint
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,46 +76,42 @@ class ToolPlan:
         return finish_reason
 
 
-def output_constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
-    """The Constraint of response_format, structured_outputs or a guided_* field, or None."""
+def output_constraint(body: CompletionRequest | ChatCompletionRequest) -> ConstraintRequest | None:
+    """The constraint of response_format, structured_outputs or a guided_* field, or None."""
     given = body.structured_fields_given()
     if len(given) > 1:
         raise APIError(400, f"give at most one of response_format, structured_outputs and the guided_* "
                        f"fields; this request gives {', '.join(given)}", param=given[1], code=INVALID)
     if not given:
         return None
-    field = given[0]
-    try:
-        return _constraint_of(body, field)
-    except ValueError as error:
-        raise APIError(400, f"{field}: {error}", param=field, code=INVALID) from None
+    return ConstraintRequest(given[0], _build_of(body, given[0]))
 
 
-def _constraint_of(body: CompletionRequest | ChatCompletionRequest, field: str) -> Constraint:
+def _build_of(body: CompletionRequest | ChatCompletionRequest, field: str) -> ConstraintBuild:
+    plain = JsonOptions()
     if field == "response_format":
         response_format = body.response_format
         if response_format.type == "json_object":
-            return Constraint(ConstraintKind.JSON_OBJECT)
+            return functools.partial(kind_constraint, ConstraintKind.JSON_OBJECT, "", plain)
         schema = response_format.json_schema.schema_
-        return Constraint.json_schema({} if schema is None else schema)  # no schema: any JSON value
+        return functools.partial(json_schema_constraint, {} if schema is None else schema, plain)  # {}: any JSON
     if field == "structured_outputs":
         spec = body.structured_outputs
         options = JsonOptions(any_whitespace=not spec.disable_any_whitespace)
         kind = spec.kinds_given[0]
         if kind == "json":
-            return Constraint.json_schema(spec.json_, options)
+            return functools.partial(json_schema_constraint, spec.json_, options)
         if kind == "json_object":
-            return Constraint(ConstraintKind.JSON_OBJECT, json_options=options)
-        return Constraint(ConstraintKind(kind), getattr(spec, kind))
+            return functools.partial(kind_constraint, ConstraintKind.JSON_OBJECT, "", options)
+        return functools.partial(kind_constraint, ConstraintKind(kind), getattr(spec, kind), plain)
     if field == "guided_json":
-        return Constraint.json_schema(body.guided_json)
+        return functools.partial(json_schema_constraint, body.guided_json, plain)
     kind = {"guided_regex": ConstraintKind.REGEX, "guided_choice": ConstraintKind.CHOICE,
             "guided_grammar": ConstraintKind.GRAMMAR}[field]
-    return Constraint(kind, getattr(body, field))
+    return functools.partial(kind_constraint, kind, getattr(body, field), plain)
 
 
-def tool_plan(body: ChatCompletionRequest, settings: ToolCallSettings,
-              tokenizer: BaseTokenizer) -> tuple[ToolPlan | None, Constraint | None]:
+def tool_plan(body: ChatCompletionRequest, settings: ToolCallSettings) -> tuple[ToolPlan | None, ConstraintRequest | None]:
     """(how to read tool calls back, the grammar that forces them) of a chat request; (None, None)
     when its output is plain text."""
     tools = body.tools or []
@@ -122,14 +132,10 @@ def tool_plan(body: ChatCompletionRequest, settings: ToolCallSettings,
         raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among "
                        f"the tools ({', '.join(tool.function.name for tool in tools)})",
                        param="tool_choice", code=INVALID)
-    try:
-        constraint = tool_call_constraint(
-            [tool.model_dump(by_alias=True) for tool in tools],
-            choice.model_dump() if named else choice, settings.call_format,
-            parallel_tool_calls=body.parallel_tool_calls is not False, tokenizer=tokenizer)
-    except ValueError as error:
-        raise APIError(400, f"tools: {error}", param="tools", code=INVALID) from None
-    return _plan(settings.call_format, named=named), constraint
+    build = functools.partial(tool_calls_constraint, [tool.model_dump(by_alias=True) for tool in tools],
+                              choice.model_dump() if named else choice, settings.call_format,
+                              body.parallel_tool_calls is not False)
+    return _plan(settings.call_format, named=named), ConstraintRequest("tools", build)
 
 
 def _plan(parser: str, *, named: bool) -> ToolPlan:

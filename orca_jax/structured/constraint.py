@@ -14,6 +14,8 @@ import json
 
 import llguidance
 
+from orca_jax import json_limits
+
 
 class ConstraintKind(enum.Enum):
     """vLLM's structured-output kinds; `json_object` is OpenAI's response_format {"type": "json_object"}."""
@@ -112,10 +114,11 @@ class Constraint:
 
 
 def _check_json_schema_text(text: str):
+    # Nesting bounded before parsing: json.loads and the walks after it recurse per level.
     try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"invalid json_schema: not JSON ({err})") from err
+        schema = json_limits.loads(text, "the JSON schema text")
+    except json_limits.JSONLimitError as err:
+        raise ValueError(f"invalid json_schema: {err}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"invalid json_schema: must be an object or a boolean, got {type(schema).__name__}")
     return schema

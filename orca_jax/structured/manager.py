@@ -1,8 +1,10 @@
 """The engine's side of structured outputs (vLLM's name): each constrained request's matcher, and
 the allowed-token bitmask of each batch.
 
-- At add_request the request's Constraint is compiled for the engine's tokenizer (a ValueError
-  before anything runs) and the request gets its own GrammarMatcher (`Request.grammar`).
+- At add_request the request gets its own GrammarMatcher (`Request.grammar`): from the
+  CompiledGrammar it came with (a server compiles on its own threads, so the engine thread never
+  does), else its Constraint compiled now for the engine's tokenizer (a ValueError before anything
+  runs).
 - The scheduler's update advances the matcher with each output token (request.stop_status), and a
   matcher that completes finishes the request.
 - It is the sampling batcher's TokenMaskSource: a constrained row gets a placeholder that allows
@@ -25,21 +27,25 @@ from typing import Sequence
 
 import numpy as np
 
+from orca_jax.config import GrammarLimits
 from orca_jax.core.request import Request, RequestStatus
 from orca_jax.core.sched.output import ScheduledRequest, keeps_sample
 from orca_jax.structured.bitmask import ALL_ALLOWED
-from orca_jax.structured.matcher import GrammarCompiler, bitmask_width
+from orca_jax.structured.matcher import CompiledGrammar, GrammarCompiler, bitmask_width
 from orca_jax.tokenizer import BaseTokenizer
 
 
 class StructuredOutputManager:
     """Compiles constraints, keeps matchers, fills batch bitmasks; one per engine.
 
-    `token_masks`: another TokenMaskSource whose masks apply as well (ANDed in by the batcher)."""
+    `token_masks`: another TokenMaskSource whose masks apply as well (ANDed in by the batcher);
+    `limits`: what a grammar may cost, at compile and per token."""
 
-    def __init__(self, tokenizer: BaseTokenizer, vocab_size: int, token_masks=None):
+    def __init__(self, tokenizer: BaseTokenizer, vocab_size: int, token_masks=None, *,
+                 limits: GrammarLimits = GrammarLimits()):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (padded past the tokenizer's vocabulary)
+        self.limits = limits
         self.bitmask_width = bitmask_width(vocab_size)
         self._others = token_masks
         self._compiler: GrammarCompiler | None = None
@@ -51,16 +57,21 @@ class StructuredOutputManager:
 
     @property
     def compiler(self) -> GrammarCompiler:
+        """The compiler of this engine's grammars (thread-safe; built on first use)."""
         if self._compiler is None:
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, limits=self.limits)
         return self._compiler
 
-    def attach(self, request: Request) -> None:
-        """Give a request with SamplingParams.structured_outputs its matcher; ValueError when its
+    def attach(self, request: Request, compiled: CompiledGrammar | None = None) -> None:
+        """Give a request with SamplingParams.structured_outputs its matcher, from `compiled` when
+        given (it must be its constraint, compiled by this manager's compiler); ValueError when its
         constraint does not compile for this tokenizer."""
         constraint = request.sampling.structured_outputs
+        if compiled is not None and (compiled.constraint != constraint or compiled.compiler is not self._compiler):
+            raise ValueError("the compiled grammar given is not the request's structured_outputs compiled by "
+                             "this engine's grammar compiler")
         if constraint is not None:
-            request.grammar = self.compiler.matcher(constraint)
+            request.grammar = compiled.matcher() if compiled is not None else self.compiler.matcher(constraint)
 
     def token_mask(self, request: Request, step: int) -> np.ndarray | None:
         """TokenMaskSource: a constrained row's placeholder (every token; `fill` writes its own)."""

@@ -2,19 +2,23 @@
 
 One `GrammarCompiler` per tokenizer (the engine owns it): it builds llguidance's token trie once,
 compiles each distinct constraint once (an LRU cache of pristine matchers; a request's matcher is a
-copy, ~1 us against ~1 ms to compile) and fills many rows at once off the GIL. A `GrammarMatcher`
-follows one request's output tokens; preemption rebuilds it from them.
+copy, ~1 us against ~1 ms to compile) and fills many rows at once off the GIL. A server compiles on
+its own threads (a `CompiledGrammar`, handed to the engine with the request), so the engine thread
+never does. A `GrammarMatcher` follows one request's output tokens; preemption rebuilds it from them.
+Every matcher works within the compiler's GrammarLimits, per compile and per token.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from typing import Iterable, Sequence
 
 import llguidance
 import numpy as np
 
+from orca_jax.config import GrammarLimits
 from orca_jax.structured.constraint import Constraint
 from orca_jax.structured.vocab import grammar_tokenizer
 from orca_jax.tokenizer import BaseTokenizer
@@ -93,16 +97,31 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class CompiledGrammar:
+    """A constraint compiled for one compiler's tokenizer: hands out fresh matchers (~1 us each)."""
+
+    constraint: Constraint
+    compiler: GrammarCompiler
+    pristine: llguidance.LLMatcher  # never advanced; each matcher is a copy
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self.pristine.deep_copy(), self.constraint, self.compiler.vocab_size,
+                              self.compiler.eos_token_ids)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and hands out matchers; thread-safe."""
 
     def __init__(self, tokenizer: BaseTokenizer, vocab_size: int, *, max_cached_grammars: int = 128,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, limits: GrammarLimits = GrammarLimits()):
         if max_cached_grammars < 1:
             raise ValueError(f"max_cached_grammars must be >= 1, got {max_cached_grammars}")
         self.vocab_size = vocab_size  # the logits' width; masks have ceil(vocab_size / 32) words
         self.bitmask_width = bitmask_width(vocab_size)
         self.max_cached_grammars = max_cached_grammars
+        self.limits = limits
+        self._parser_limits = parser_limits(limits)
         self._ll_tokenizer = grammar_tokenizer(tokenizer, vocab_size)
         self.eos_token_ids = frozenset(self._ll_tokenizer.eos_tokens)
         self._cache: collections.OrderedDict[Constraint, llguidance.LLMatcher] = collections.OrderedDict()
@@ -111,11 +130,18 @@ class GrammarCompiler:
         self._executor = llguidance.LLExecutor(num_threads)
         self.num_compiled = 0  # cache misses, for tests and metrics
 
-    def compile(self, constraint: Constraint) -> None:
-        """Compile `constraint` into the cache now (at request admission, so errors surface early).
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """`constraint` compiled (and kept in the cache): at request admission, so errors surface early.
 
-        ValueError when the grammar does not fit this tokenizer (a special token it lacks)."""
-        self._pristine(constraint)
+        ValueError when the grammar does not fit this tokenizer (a special token it lacks) or passes
+        the compiler's limits."""
+        return CompiledGrammar(constraint, self, self._pristine(constraint))
+
+    def cached(self, constraint: Constraint) -> CompiledGrammar | None:
+        """`constraint` compiled if the cache holds it, else None (nothing is compiled)."""
+        with self._lock:
+            pristine = self._cache.get(constraint)
+        return None if pristine is None else CompiledGrammar(constraint, self, pristine)
 
     def matcher(self, constraint: Constraint, token_ids: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher for one request, advanced over `token_ids` (its output so far).
@@ -148,7 +174,7 @@ class GrammarCompiler:
         # Compiled outside the lock (llguidance drops the GIL): two threads may compile the same
         # constraint once each, which is harmless.
         matcher = llguidance.LLMatcher(self._ll_tokenizer, constraint.llguidance_grammar(),
-                                       log_level=_LOG_LEVEL)
+                                       log_level=_LOG_LEVEL, limits=self._parser_limits)
         if matcher.is_error():
             raise ValueError(f"invalid {constraint.kind.value} for this tokenizer: {matcher.get_error()}")
         with self._lock:
@@ -158,6 +184,16 @@ class GrammarCompiler:
             while len(self._cache) > self.max_cached_grammars:
                 self._cache.popitem(last=False)
         return matcher
+
+
+def parser_limits(limits: GrammarLimits) -> llguidance.LLParserLimits:
+    """llguidance's form of the limits; its errors short (a verbose one holds the parser's state
+    and the whole grammar)."""
+    return llguidance.LLParserLimits(
+        max_items_in_row=limits.max_items_in_row, initial_lexer_fuel=limits.initial_lexer_fuel,
+        step_lexer_fuel=limits.step_lexer_fuel, step_max_items=limits.step_max_items,
+        max_lexer_states=limits.max_lexer_states, max_grammar_size=limits.max_grammar_size,
+        verbose_errors=False)
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import importlib.util
 import logging
 import json
 import os
@@ -35,6 +36,8 @@ from orca_jax.worker.executable_cache import ExecutableCache
 log = logging.getLogger(__name__)
 
 AUTO = "auto"  # EngineConfig.compilation_cache_dir: jax's own setting if any, else default_cache_dir()
+JAX_SUBDIR = "jax"  # jax's entries in a directory of ours (its executables beside them in "executables")
+JAX_CACHE_MAX_BYTES = 8 * 2**30
 
 
 class Bucket(NamedTuple):
@@ -164,17 +167,29 @@ def configure_compilation_cache(directory: str | None) -> str | None:
     """Point jax's persistent cache at `directory` (AUTO: keep jax's if set); None turns it off.
 
     jax's cache is a process-wide setting, read when jax first compiles: this runs before a runner
-    builds anything. Returns the directory in use, or None when the cache is off.
+    builds anything. Returns the directory in use, or None when the cache is off. In a directory of
+    ours (the default, or one given) jax's entries go to its JAX_SUBDIR, with jax's LRU eviction on:
+    that also takes a file lock around every read and write, so processes sharing the directory
+    never read an entry half written nor interleave two writes of one (jax writes in place). A
+    directory jax was already given (AUTO) is left with the settings it has.
     """
     if directory is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    if directory == AUTO:
-        directory = jax.config.jax_compilation_cache_dir or default_cache_dir()
-    if directory != jax.config.jax_compilation_cache_dir:
-        os.makedirs(directory, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", directory)
-        log.info("persistent compilation cache: %s", directory)
+    if directory == AUTO and jax.config.jax_compilation_cache_dir:
+        directory = jax.config.jax_compilation_cache_dir
+    else:
+        directory = default_cache_dir() if directory == AUTO else directory
+        jax_directory = os.path.join(directory, JAX_SUBDIR)
+        if jax_directory != jax.config.jax_compilation_cache_dir:
+            os.makedirs(jax_directory, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", jax_directory)
+            if importlib.util.find_spec("filelock") is not None:  # jax's lock needs it
+                jax.config.update("jax_compilation_cache_max_size", JAX_CACHE_MAX_BYTES)
+            else:
+                log.warning("the filelock package is missing: jax's compilation cache in %s is not locked "
+                            "against other processes", jax_directory)
+            log.info("persistent compilation cache: %s", directory)
     # jax skips programs that compiled in under a second; a start compiles few programs, and the
     # quick ones (drawing random weights, allocating the KV pages) are paid again on every start.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -185,6 +200,28 @@ def executable_cache_for(cache_dir: str | None) -> ExecutableCache | None:
     """The compilation cache settings applied; the executable cache under it (None: caching off)."""
     directory = configure_compilation_cache(cache_dir)
     return None if directory is None else ExecutableCache(os.path.join(directory, "executables"))
+
+
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # jax.monitoring's event for a persistent-cache hit
+
+
+def compile_noting_jax_cache(lower: Callable[[], jax.stages.Lowered], options: dict | None
+                             ) -> tuple[jax.stages.Compiled, bool]:
+    """lower().compile(options), and whether jax's persistent cache served it (jax records the hit on
+    the compiling thread: several threads may compile at once)."""
+    thread = threading.get_ident()
+    served = []
+
+    def listen(event: str, **_) -> None:
+        if event == JAX_CACHE_HIT_EVENT and threading.get_ident() == thread:
+            served.append(event)
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        compiled = lower().compile(options)
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+    return compiled, bool(served)
 
 
 def usable_cores() -> int:
@@ -201,6 +238,7 @@ class CompilationManager:
         self._source = source
         self._identity = identity  # what every program depends on beyond its key and inputs (repr-able)
         self._options = compiler_options_for(platform)
+        self._platform = platform
         self.executable_cache = executable_cache
         self._executables: dict[ProgramKey, jax.stages.Compiled] = {}
         self._lock = threading.Lock()
@@ -260,6 +298,12 @@ class CompilationManager:
             (self._identity, self._options, key_to_json(key), source.inputs, [d.id for d in source.devices]))
         compiled = self.executable_cache.load(fingerprint, source.devices)
         if compiled is None:
-            compiled = source.lower().compile(self._options)
-            self.executable_cache.store(fingerprint, compiled)
+            compiled, from_jax_cache = compile_noting_jax_cache(source.lower, self._options)
+            if from_jax_cache and self._platform == "cpu":
+                # Measured (jax 0.10.2): an XLA:CPU executable that jax's cache served serializes without
+                # its kernels, and loads to fail its first run ("NOT_FOUND: Function ... not found").
+                # Only a fresh compile is stored; this one runs fine as it is.
+                log.debug("not caching %s: jax's persistent cache served it", key)
+            else:
+                self.executable_cache.store(fingerprint, compiled)
         return compiled

@@ -6,8 +6,14 @@ before each layer was traced once per program), and tracing holds the GIL, so th
 threads cannot overlap it. This cache keys each
 serialized executable by what its trace depends on, all known before tracing: the program's
 identity as the runner describes it (program key, model config, attention kernel, meshes), the
-shapes, dtypes and shardings of its inputs, the orca_jax source, jax's version and the devices. A
+shapes, dtypes and shardings of its inputs, the orca_jax source, jax's version, the devices and, on
+the CPU, the host's instruction set (XLA:CPU compiles for the features of the machine it runs on). A
 hit is deserialized; a miss is lowered and compiled as usual (through jax's cache) and stored.
+
+Several processes may share the directory (servers, benchmarks, tests): an entry is written to a
+temporary file and renamed into place, so nobody reads half of one, and it carries its own
+fingerprint and the digest of its bytes, so a damaged, truncated or misplaced entry is never loaded:
+it is dropped, compiled again and replaced. A cache never fails a start.
 
 Only for one controller process: an executable of several processes is theirs together.
 """
@@ -20,6 +26,7 @@ import importlib.metadata
 import logging
 import os
 import pickle
+import platform
 import tempfile
 import threading
 import time
@@ -90,7 +97,25 @@ def describe_arrays(tree) -> list[tuple]:
                                      is_leaf=lambda leaf: isinstance(leaf, tuple))
 
 
+@functools.lru_cache(maxsize=1)
+def host_identity() -> tuple[str, str]:
+    """The CPU architecture and a digest of its feature flags (Linux's /proc/cpuinfo): XLA:CPU
+    compiles for the host it runs on, so its executables are not another machine's."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine(), hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+
+
 DEFAULT_MAX_BYTES = 4 * 2**30  # a few models' programs; every code change starts a new set
+# An entry: this line, its fingerprint (64 hex digits), the sha256 of the rest, then the pickled
+# serialized executable. Entries of the older form (a bare pickle) fail the check and are replaced.
+_ENTRY_MAGIC = b"orca_jax executable v2\n"
+_FINGERPRINT_BYTES = 64
+_DIGEST_BYTES = 32
 # Loads that run at once; the precompile's other threads compile misses meanwhile. llama-8b's 43
 # programs on an H100 loaded in 2.4 s four at a time, 3.6-4.4 s sixteen at a time and 5.0 s one at a
 # time: past a few, loads slow each other down (on what is not known; 2.4 of 16 cores were busy).
@@ -135,7 +160,7 @@ class ExecutableCache:
         kinds = sorted({d.device_kind for d in jax.devices()})
         context = (IMPORTED_SOURCE_DIGEST, _library_versions(), device.platform, kinds,
                    device.client.platform_version, jax.device_count(), os.environ.get("XLA_FLAGS"),
-                   _trace_settings())
+                   _trace_settings(), host_identity() if device.platform == "cpu" else None)
         return hashlib.sha256(repr((context, identity)).encode()).hexdigest()
 
     def _path(self, fingerprint: str) -> str:
@@ -150,26 +175,27 @@ class ExecutableCache:
 
     def load(self, fingerprint: str, devices: list[jax.Device]) -> jax.stages.Compiled | None:
         """The stored executable, loaded onto `devices` (its mesh's, in mesh order: the fingerprint
-        must cover their ids), or None: absent, unreadable (kept), or not loadable by this jax
-        (removed)."""
+        must cover their ids), or None: absent, unreadable (kept), or damaged, not this program's or
+        not loadable by this jax (removed, so that the compile that follows replaces it)."""
         if not self.enabled:
             self._count(hit=False)
             return None
         path = self._path(fingerprint)
         try:
             with open(path, "rb") as f:
-                blob = f.read()
+                entry = f.read()
         except OSError:  # absent, or another user's file: compile, leave it be
             self._count(hit=False)
             return None
         try:
-            payload, in_tree, out_tree = pickle.loads(blob)
+            payload, in_tree, out_tree = pickle.loads(_checked_payload(entry, fingerprint))
             with self._loading:
                 compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                                      backend=devices[0].client,
                                                                      execution_devices=devices)
         except Exception as error:  # noqa: BLE001 - a bad entry costs a compile, never a failure
-            log.warning("dropping unreadable cached executable %s: %r", path, error)
+            log.warning("dropping cached executable %s, which cannot be used (%s); compiling it again",
+                        path, error)
             self._count(hit=False)
             try:
                 os.remove(path)
@@ -194,10 +220,12 @@ class ExecutableCache:
             self.enabled = False
             return
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            payload = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception as error:  # noqa: BLE001 - not every executable serializes
             log.debug("not caching an executable that cannot be serialized: %r", error)
             return
+        blob = _ENTRY_MAGIC + fingerprint.encode().ljust(_FINGERPRINT_BYTES)[:_FINGERPRINT_BYTES] \
+            + hashlib.sha256(payload).digest() + payload
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
@@ -239,3 +267,18 @@ class ExecutableCache:
             except FileNotFoundError:
                 pass
             total -= size
+
+
+def _checked_payload(entry: bytes, fingerprint: str) -> bytes:
+    """The pickled executable of an entry read from disk; ValueError unless it is whole and is the
+    entry of `fingerprint` (a file copied or renamed over another program's is not)."""
+    head = len(_ENTRY_MAGIC) + _FINGERPRINT_BYTES + _DIGEST_BYTES
+    if len(entry) < head or not entry.startswith(_ENTRY_MAGIC):
+        raise ValueError("not an entry of this cache's format")
+    named = entry[len(_ENTRY_MAGIC):len(_ENTRY_MAGIC) + _FINGERPRINT_BYTES]
+    if named != fingerprint.encode().ljust(_FINGERPRINT_BYTES)[:_FINGERPRINT_BYTES]:
+        raise ValueError("the entry is another program's")
+    payload = entry[head:]
+    if hashlib.sha256(payload).digest() != entry[head - _DIGEST_BYTES:head]:
+        raise ValueError("the entry's bytes are damaged or cut short")
+    return payload

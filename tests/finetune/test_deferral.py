@@ -161,7 +161,7 @@ def run_stream(engine: Engine, interval_s: float) -> dict[str, tuple[list[int], 
 
 @pytest.mark.slow  # ~25 s: a job's compile and a stream of a few seconds, twice
 def test_bound_holds_under_a_steady_stream(loaded, tmp_path):
-    engine = Engine(engine_config(str(tmp_path), deferral_bound_s=BOUND_S), loaded)
+    engine = Engine(engine_config(str(tmp_path), deferral_bound_s=BOUND_S, max_epochs=100_000), loaded)
     # No request may wait for a compile (the waits must be the deferral's): the stream's programs first.
     engine.runner.precompile([key for key in engine.program_keys() if not getattr(key, "lora", False)
                               and not (isinstance(key, SampleKey) and (key.num_top_logprobs or key.mode != SampleMode.GREEDY))])

@@ -77,7 +77,7 @@ def test_official_client_fine_tunes_and_serves(base_dir, tmp_path):
 
 
 def test_errors_cancel_auth_and_metrics(base_dir, tmp_path):
-    engine = Engine(engine_config(str(tmp_path)), load_model(base_dir))
+    engine = Engine(engine_config(str(tmp_path), max_epochs=1000), load_model(base_dir))  # a job that runs on
     app = create_app(engine, api_key=KEY, served_model_name="tiny")
     auth = {"Authorization": f"Bearer {KEY}"}
 
@@ -104,7 +104,7 @@ def test_errors_cancel_auth_and_metrics(base_dir, tmp_path):
                                   ({"model": "other"}, "neither the base model 'tiny' nor a served adapter"),
                                   ({"lora": {"rank": 64}}, "LoRA rank 64 is above the server's maximum (8"),
                                   ({"lora": {"target_modules": ["embed_tokens"]}}, "unknown LoRA target module"),
-                                  ({"hyperparameters": {"n_epochs": 0}}, "n_epochs must be positive")]:
+                                  ({"hyperparameters": {"n_epochs": 0}}, "n_epochs must be an integer from 1")]:
                 response = await create(**body)
                 assert response.status_code == 400 and problem in response.json()["error"]["message"], response.text
             assert (await client.get("/v1/fine_tuning/jobs/ftjob-nope")).status_code == 404

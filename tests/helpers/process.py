@@ -11,6 +11,9 @@ import time
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# `python -m orca_jax.serve`'s flags for a tiny server that starts in seconds on a CPU.
+TINY_SERVER = ["--model", "tiny-llama", "--page-size", "128", "--num-kv-pages", "8", "--max-num-seqs", "4",
+               "--max-num-batched-tokens", "8", "--log-level", "warning"]
 
 
 def checkout_env(**extra: str) -> dict[str, str]:

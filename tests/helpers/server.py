@@ -100,12 +100,13 @@ class FakeEngine:
 
     lora = None  # no LoRA adapters (Engine.lora)
     fine_tuning = None  # no fine-tuning jobs (Engine.fine_tuning)
+    grammar_compiler = None  # no grammars: the server checks constraints in its workers, compiles none
 
     def list_loras(self) -> list:
         return []
 
     def add_request(self, prompt: str | list[int], sampling: SamplingParams, *, request_id: str | None = None,
-                    priority: int = 0, deadline: float | None = None, lora_request=None) -> str:
+                    priority: int = 0, deadline: float | None = None, lora_request=None, grammar=None) -> str:
         self._enter()
         if lora_request is not None:
             raise ValueError("the fake engine serves no LoRA adapters")
@@ -188,6 +189,7 @@ class FakeEngine:
         stats.num_running = len(self.running)
         stats.num_waiting = len(self.waiting)
         stats.kv_pages_used = sum(r.pages for r in self.running.values())
+        stats.kv_pages_reserved = stats.kv_pages_used  # as the engine counts: held plus promised (all held here)
         return stats
 
     # ---- internals ----

@@ -32,7 +32,7 @@ def smol():
     (ConstraintKind.GRAMMAR, "start: missing_rule", "unknown name"),
     (ConstraintKind.GRAMMAR, 'root ::= "a" | b', "Rule 'b' not found"),
     (ConstraintKind.JSON_SCHEMA, '{"type": "strange"}', "Invalid type"),
-    (ConstraintKind.JSON_SCHEMA, "{not json", "not JSON"),
+    (ConstraintKind.JSON_SCHEMA, "{not json", "not valid JSON"),
     (ConstraintKind.JSON_SCHEMA, "[1, 2]", "object or a boolean"),
     (ConstraintKind.JSON_SCHEMA, '{"type": "object", "propertyNames": {"maxLength": 3}}', "propertyNames"),
     (ConstraintKind.CHOICE, (), "at least one"),

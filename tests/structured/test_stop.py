@@ -60,10 +60,11 @@ def test_a_complete_grammar_finishes_the_request_before_max_tokens(compiler):
     assert ignoring.status is RequestStatus.FINISHED_STOPPED and ignoring.output_token_ids == [ord("7"), EOS]
 
 
-def test_a_token_the_grammar_refuses_aborts(compiler, caplog):
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(compiler, caplog):
     refused = _run(_constrained(compiler, Constraint(ConstraintKind.CHOICE, ("yes", "no"))), b"yo")
-    assert refused.status is RequestStatus.FINISHED_ABORTED and refused.output_token_ids == list(b"yo")
-    assert "not allowed by its choice" in caplog.text
+    assert refused.status is RequestStatus.FINISHED_ERROR and refused.output_token_ids == list(b"yo")
+    assert "not allowed by the request's choice" in refused.error.message and refused.error.caused_by_request
+    assert "not allowed by the request's choice" in caplog.text
 
 
 def test_stop_reason_names_the_stop_string_or_token():

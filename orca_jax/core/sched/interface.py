@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from orca_jax.core.request import Request
+from orca_jax.core.request import Request, RequestStatus
 from orca_jax.core.sched.output import SchedulerOutput
 
 
@@ -75,6 +75,10 @@ class SchedulerInterface(Protocol):
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
                logprobs: Sequence[tuple[float, dict[int, float]] | None] | None = None) -> list[Request]:
         """Take a batch's sampled tokens, apply stop conditions; return the requests it finished."""
+        ...
+
+    def finish(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish a request now with `status` (a finished one) and free its KV; False if unknown."""
         ...
 
     def abort(self, request_id: str) -> bool:

@@ -144,7 +144,7 @@ class Scheduler:
         the pool. A policy that preempts for admission may first free lower-ranked running requests.
         Token budget: every increment-phase request gets its 1 token first; what remains of
         max_num_batched_tokens goes to initiation-phase requests as prompt chunks in batch order (each
-        at most long_prefill_token_threshold, when set).
+        at most long_prefill_token_threshold, when set and the batch holds more than that request).
         With a token_target, the last chunks then shrink so a batch with increments feeds
         token_target(total) tokens (the runner's bucket: no padding), when the chunks hold that many.
         A request whose chunk comes out as 0 sits this iteration out but keeps its KV.
@@ -186,7 +186,9 @@ class Scheduler:
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_num_seqs.
         budget = self.config.max_num_batched_tokens
         budget -= sum(1 for r in batch if not views[r].in_initiation)
-        chunk_cap = self.config.long_prefill_token_threshold or budget
+        # The cap shares an iteration among requests; a prompt alone in its batch starves nobody.
+        chunk_cap = self.config.long_prefill_token_threshold if len(batch) > 1 else None
+        chunk_cap = chunk_cap or budget
         planned: list[tuple[Request, int]] = []
         for request in batch:
             view = views[request]

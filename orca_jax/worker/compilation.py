@@ -8,7 +8,7 @@ length bucket. Their keys are typed (ForwardKey, StageInKey, LoRAUpdateKey, Prom
 sampler's SampleKey and PenaltyFillKey, sample/sampler.py). `precompile` compiles them on a thread
 pool (XLA compiles outside the GIL), each one first looked up in the executable cache
 (executable_cache.py: serialized executables, loaded without tracing) and in jax's persistent
-compilation cache, so nothing compiles while serving. A key that was not precompiled still runs,
+compilation cache (written only to ours: not_written_to_jax_cache), so nothing compiles while serving. A key that was not precompiled still runs,
 compiled on the spot and logged as a warning.
 
 The manager knows nothing of models: the runner hands it `source(key)`, which says how to lower a
@@ -18,6 +18,7 @@ key's program, on which devices it runs and what its inputs are (for the cache's
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -28,6 +29,7 @@ import time
 from typing import Callable, Iterable, NamedTuple
 
 import jax
+from jax._src import config as jax_config_states  # the thread-local form of a setting
 
 from orca_jax.sample.mode import SampleMode
 from orca_jax.sample.sampler import PenaltyFillKey, SampleKey
@@ -224,6 +226,22 @@ def compile_noting_jax_cache(lower: Callable[[], jax.stages.Lowered], options: d
     return compiled, bool(served)
 
 
+@contextlib.contextmanager
+def not_written_to_jax_cache():
+    """On this thread, programs compiled are not written to jax's persistent cache (it may still
+    serve one it holds). Measured on 4 H200s (jax 0.11.2): the precompile's 16 threads each wrote
+    their executables into jax's directory under its one file lock as well as into ours, and waits
+    for the lock passed jax's 10 s limit ("The file lock ... could not be acquired": the entry
+    skipped, the start slower). jax's setting is thread-local; without it (a jax that moved it)
+    this does nothing."""
+    state = getattr(jax_config_states, "persistent_cache_min_compile_time_secs", None)
+    if state is None:
+        yield
+        return
+    with state(float("inf")):
+        yield
+
+
 def usable_cores() -> int:
     """Cores this process may run on (XLA's compiles are CPU-bound: one thread each)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -298,7 +316,8 @@ class CompilationManager:
             (self._identity, self._options, key_to_json(key), source.inputs, [d.id for d in source.devices]))
         compiled = self.executable_cache.load(fingerprint, source.devices)
         if compiled is None:
-            compiled, from_jax_cache = compile_noting_jax_cache(source.lower, self._options)
+            with not_written_to_jax_cache():  # ours holds it; jax's would store it a second time
+                compiled, from_jax_cache = compile_noting_jax_cache(source.lower, self._options)
             if from_jax_cache and self._platform == "cpu":
                 # Measured (jax 0.10.2): an XLA:CPU executable that jax's cache served serializes without
                 # its kernels, and loads to fail its first run ("NOT_FOUND: Function ... not found").

@@ -129,6 +129,21 @@ def test_a_directory_of_ours_gets_jax_entries_under_its_lock(tmp_path, jax_cache
     assert jax.config.jax_compilation_cache_max_size == JAX_CACHE_MAX_BYTES  # jax locks its directory then
 
 
+def test_the_engine_s_programs_are_written_to_its_cache_only(tmp_path, own_jax_cache):
+    # jax's cache in tmp_path itself; the engine's directory beside it. Two threads compiling the
+    # same engine programs into both caches waited on jax's lock (see not_written_to_jax_cache).
+    configure_compilation_cache(str(tmp_path / "ours"))
+    engine = tiny_engine(max_num_seqs=5, max_num_batched_tokens=28, num_pages=41, precompile=True,
+                         compilation_cache_dir=str(tmp_path / "ours"))
+    stored = glob.glob(str(tmp_path / "ours" / "executables" / "*.bin"))
+    assert len(stored) == engine.runner.compilation.num_compiled_programs > 2
+    jax_entries = [os.path.basename(p) for p in glob.glob(str(tmp_path / "ours" / JAX_SUBDIR / "*"))]
+    assert not [name for name in jax_entries if "stage_forward" in name or "sample" in name], jax_entries
+    # while other programs on the thread that built it still go to jax's cache
+    _fresh_program(random.random())
+    assert any(name.startswith("jit__lambda") for name in os.listdir(tmp_path / "ours" / JAX_SUBDIR))
+
+
 def _start(cache_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = checkout_env()

@@ -8,8 +8,9 @@ length bucket. Their keys are typed (ForwardKey, StageInKey, LoRAUpdateKey, Prom
 sampler's SampleKey and PenaltyFillKey, sample/sampler.py). `precompile` compiles them on a thread
 pool (XLA compiles outside the GIL), each one first looked up in the executable cache
 (executable_cache.py: serialized executables, loaded without tracing) and in jax's persistent
-compilation cache (written only to ours: not_written_to_jax_cache), so nothing compiles while serving. A key that was not precompiled still runs,
-compiled on the spot and logged as a warning.
+compilation cache (a fresh compile is written to ours only: not_written_to_jax_cache), so nothing
+compiles while serving. A key that was not precompiled still runs, compiled on the spot and logged
+as a warning.
 
 The manager knows nothing of models: the runner hands it `source(key)`, which says how to lower a
 key's program, on which devices it runs and what its inputs are (for the cache's fingerprint).

@@ -222,7 +222,7 @@ def build_engine(args: argparse.Namespace, **overrides):
 
 
 def measured_engine(args: argparse.Namespace, results: Results, peaks=None, **overrides):
-    """(engine, peaks, model costs): the device's peaks measured first (unless given), before the engine
+    """(engine, peaks, model costs per device of its mesh): the device's peaks measured first (unless given), before the engine
     sizes its KV pool from the memory left; the engine's shape, start-up seconds, the peaks and the
     weight-read bound go to results."""
     from orca_jax.bench import roofline
@@ -237,7 +237,7 @@ def measured_engine(args: argparse.Namespace, results: Results, peaks=None, **ov
                                "params_bytes": engine.runner.params_bytes, "num_devices": engine.runner.num_devices,
                                "peaks": peaks.as_dict(),
                                "weight_bound_ms": 1e3 * roofline.weight_read_seconds(engine.runner, peaks)})
-    return engine, peaks, roofline.ModelCosts.of(engine.model_config)
+    return engine, peaks, roofline.ModelCosts.of(engine.model_config).per_device(engine.runner.num_devices)
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:

@@ -68,11 +68,11 @@ def measure_peaks(copy_bytes: int = 2 << 30, matmul_dim: int = 8192) -> Peaks:
 class ModelCosts:
     """Per-token and per-iteration constants of one model for the bound."""
 
-    weight_bytes: int  # read once per iteration
-    matmul_params: int  # params every token multiplies by (layers)
-    head_params: int  # LM head, applied once per sequence
-    kv_bytes_per_token: int
-    attn_flops_per_pair: int  # all layers, QK^T and PV
+    weight_bytes: float  # read once per iteration
+    matmul_params: float  # params every token multiplies by (layers)
+    head_params: float  # LM head, applied once per sequence
+    kv_bytes_per_token: float
+    attn_flops_per_pair: float  # all layers, QK^T and PV
 
     @classmethod
     def of(cls, config: ModelConfig) -> "ModelCosts":
@@ -85,6 +85,12 @@ class ModelCosts:
         return cls(weight_bytes=(layer_params + head) * itemsize, matmul_params=layer_params, head_params=head,
                    kv_bytes_per_token=config.kv_bytes_per_token,
                    attn_flops_per_pair=4 * config.num_layers * config.num_heads * d)
+
+    def per_device(self, num_devices: int) -> "ModelCosts":
+        """One device's share on an ideal mesh of num_devices: tensor parallelism splits each
+        iteration's reads and FLOPs, and the pipeline's stages work on different batches at once,
+        so the mesh's bound is one device's over num_devices (with one device's peaks)."""
+        return ModelCosts(*(value / num_devices for value in dataclasses.astuple(self)))
 
 
 def iteration_bound(costs: ModelCosts, peaks: Peaks, tokens: int, seqs: int, kv_tokens: int,

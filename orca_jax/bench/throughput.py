@@ -131,7 +131,8 @@ def run_interleaved(args: argparse.Namespace) -> Results:
             row["runs"] += run_configuration(engine, trace, config, 1)
     rows = []
     for engine, trace, config, row in points:
-        _finish_row(row, engine, trace, config, roofline.ModelCosts.of(engine.model_config), peaks)
+        _finish_row(row, engine, trace, config,
+                    roofline.ModelCosts.of(engine.model_config).per_device(engine.runner.num_devices), peaks)
         rows.append(row)
         print(describe_row(row), flush=True)
     results.section("runs", rows)

@@ -1,0 +1,72 @@
+"""Which data-parallel replica takes a request: the one holding its prompt's prefix, else the least loaded.
+
+Replicas are whole engines, each on its own devices with its own KV pool and prefix cache, so a
+conversation's next turn is cheap only on the replica that served the last one. The router keeps a
+bounded map from prompt-prefix keys to the replica that last took them: keys of every full page of
+the prompt, chained as the prefix cache chains them (core/kv/prefix_index.py: a page's key covers
+every token before it and the request's KV salt), so the longest known prefix wins. Affinity yields to
+load: a replica more than `imbalance` requests busier than the least loaded one is passed over (a
+hot conversation must not pile every request onto one replica).
+
+Host only, no jax: the front end routes before any engine sees the request.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Hashable, Sequence
+
+ROOT_KEY = 0  # the "previous key" of a prompt's first page
+
+
+def prefix_keys(token_ids: Sequence[int], page_size: int, salt: Hashable = ()) -> list[int]:
+    """Chained keys of each full page of token_ids: key_i = hash((key_{i-1}, page i's tokens, salt))."""
+    keys, parent = [], ROOT_KEY
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = hash((parent, tuple(token_ids[start:start + page_size]), salt))
+        keys.append(parent)
+    return keys
+
+
+class ReplicaRouter:
+    """Picks a replica per request and counts what each has in flight."""
+
+    def __init__(self, num_replicas: int, page_size: int, imbalance: int = 8, max_keys: int = 1 << 16):
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.num_replicas = num_replicas
+        self.page_size = page_size
+        self.imbalance = imbalance
+        self.max_keys = max_keys
+        self.in_flight = [0] * num_replicas
+        self.affinity_hits = 0  # requests sent where their prefix was (for /metrics)
+        self._owner: collections.OrderedDict[int, int] = collections.OrderedDict()  # key -> replica, LRU
+
+    def route(self, token_ids: Sequence[int], salt: Hashable = ()) -> int:
+        """The replica for a request with these prompt tokens; counted in flight until `finished`."""
+        keys = prefix_keys(token_ids, self.page_size, salt)
+        least = min(range(self.num_replicas), key=self.in_flight.__getitem__)
+        replica = least
+        for key in reversed(keys):  # the longest prefix a replica holds
+            owner = self._owner.get(key)
+            if owner is not None:
+                if self.in_flight[owner] <= self.in_flight[least] + self.imbalance:
+                    replica = owner
+                    self.affinity_hits += 1
+                break
+        for key in keys:
+            self._owner[key] = replica
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.max_keys:
+            self._owner.popitem(last=False)
+        self.in_flight[replica] += 1
+        return replica
+
+    @property
+    def num_keys(self) -> int:
+        """Prefix keys remembered (at most max_keys)."""
+        return len(self._owner)
+
+    def finished(self, replica: int) -> None:
+        """A request routed to `replica` ended (finished, aborted or failed)."""
+        self.in_flight[replica] = max(0, self.in_flight[replica] - 1)

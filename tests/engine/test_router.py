@@ -1,0 +1,59 @@
+"""The data-parallel router: a conversation's turns go where its prefix is, load spreads the rest."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orca_jax.engine.router import ReplicaRouter, prefix_keys
+
+
+def test_keys_chain_every_token_before_a_page():
+    a = prefix_keys(list(range(40)), 16)
+    assert len(a) == 2  # 40 tokens: two full pages
+    b = prefix_keys([99] + list(range(1, 40)), 16)
+    assert a[0] != b[0] and a[1] != b[1]  # a change in page 0 changes every later key
+    assert prefix_keys(list(range(40)), 16, salt=("adapter",)) != a
+    assert prefix_keys(list(range(15)), 16) == []
+
+
+def test_a_conversation_s_turns_go_to_the_replica_holding_its_prefix():
+    router = ReplicaRouter(num_replicas=2, page_size=4)
+    rng = random.Random(0)
+    chats = {c: [rng.randrange(1000) for _ in range(12)] for c in range(6)}
+    first = {c: router.route(history) for c, history in chats.items()}
+    assert sorted(router.in_flight) == [3, 3]  # new prefixes spread by load
+    for turn in range(3):
+        for c, history in chats.items():
+            router.finished(first[c])
+            history += [rng.randrange(1000) for _ in range(9)]  # the reply and the next question
+            assert router.route(history) == first[c]
+    assert router.affinity_hits == 18
+
+
+def test_affinity_yields_to_a_replica_too_busy():
+    router = ReplicaRouter(num_replicas=2, page_size=4, imbalance=2)
+    hot = list(range(8))
+    assert router.route(hot) == 0
+    for _ in range(2):
+        assert router.route(hot + [7]) == 0  # within the imbalance: stays with its prefix
+    assert router.in_flight == [3, 0]
+    assert router.route(hot + [8]) == 1  # 3 > 0 + 2: goes to the idle replica, which now owns the prefix
+    assert router.route(hot + [9]) == 1
+
+
+def test_the_map_is_bounded_and_counts_never_go_negative():
+    router = ReplicaRouter(num_replicas=3, page_size=2, max_keys=10)
+    for i in range(50):
+        router.route([i, i + 1, i + 2, i + 3])
+    assert router.num_keys == 10
+    router.finished(0)
+    for _ in range(100):
+        router.finished(2)
+    assert min(router.in_flight) >= 0
+
+
+def test_one_replica_is_refused_below_one():
+    with pytest.raises(ValueError, match="num_replicas"):
+        ReplicaRouter(num_replicas=0, page_size=16)

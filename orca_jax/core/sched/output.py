@@ -49,11 +49,11 @@ class SchedulerOutput:
     # Requests the scheduler ended while planning (deadline passed while waiting): the engine reports
     # them; they are in no batch.
     dropped: tuple[Request, ...] = ()
+    # Tokens fed this iteration, all requests together: counted once (read several times per iteration).
+    num_tokens: int = dataclasses.field(init=False)
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens fed this iteration, all requests together."""
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def __post_init__(self):
+        object.__setattr__(self, "num_tokens", sum(len(s.token_ids) for s in self.scheduled))
 
     @property
     def num_requests(self) -> int:

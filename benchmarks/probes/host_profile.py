@@ -70,7 +70,8 @@ def make_engine(args) -> Engine:
     max_seqs = max(args.seqs)
     config = EngineConfig(
         model=args.model, max_model_len=args.max_model_len, precompile=args.precompile, seed=0,
-        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages, enable_prefix_caching=not args.no_prefix_caching),
+        cache=CacheConfig(page_size=args.page_size, num_pages=args.num_pages,
+                          enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   async_scheduling=not args.no_async))
     return Engine(config)

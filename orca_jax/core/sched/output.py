@@ -7,14 +7,17 @@ SchedulerOutput; the batch builder (worker/input_batch.py) reads nothing else.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from orca_jax.core.request import Request
 from orca_jax.sampling_params import SamplingParams
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of an iteration: everything the batch builder needs, as plain data."""
+class ScheduledRequest(NamedTuple):
+    """One request's share of an iteration: everything the batch builder needs, as plain data.
+
+    A NamedTuple, not a frozen dataclass: one is made per row per iteration, and a frozen dataclass's
+    field-by-field construction cost 1.0 us against 0.4 (a quarter of planning a decode row)."""
 
     request: Request  # for update() and the engine's outputs; build_batch never reads it
     start: int  # position of the first token fed: tokens already in the KV cache

@@ -8,16 +8,16 @@ and the request-level baseline the benchmarks compare with) plans through it.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request
 from orca_jax.core.sched.output import ScheduledRequest
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PlanningView:
-    """Where a request stands for planning: its own state, advanced past the batch it is in flight in."""
+class PlanningView(NamedTuple):
+    """Where a request stands for planning: its own state, advanced past the batch it is in flight in
+    (a NamedTuple: one is made per request per iteration, like ScheduledRequest)."""
 
     start: int  # tokens in the KV cache once every in-flight batch has run
     step: int  # output tokens sampled once every in-flight batch has run
@@ -47,7 +47,7 @@ def take_cached(request: Request, view: PlanningView, kv: KVCacheManager, max_to
     request.num_computed_tokens += gained
     if request.num_preemptions == 0:  # what its client hears of: its first life's hits
         request.num_cached_tokens += gained
-    return dataclasses.replace(view, start=view.start + gained)
+    return view._replace(start=view.start + gained)
 
 
 def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import platform
 import pstats
@@ -39,8 +40,27 @@ from orca_jax.sample.batcher import SamplingBatcher
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.input_batch import build_batch, pack_forward_inputs
 
-# ours: schedule + build + update + output, the Python loop apart from the launches and the device
-PHASES = ("schedule", "build", "dispatch", "update", "output", "ours", "wait", "host", "step")
+# ours: schedule + build + update + output, the Python loop apart from the launches and the device;
+# gc: the cyclic garbage collector's pauses inside the step (already counted in the phase they hit)
+PHASES = ("schedule", "build", "dispatch", "update", "output", "ours", "gc", "wait", "host", "step")
+
+
+class GCPauses:
+    """Seconds the cyclic garbage collector ran since the last take() (gc.callbacks)."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 class Split:
@@ -93,13 +113,14 @@ def run_case(engine: Engine, name: str, num_seqs: int, args, mixed: bool) -> dic
     short = SamplingParams(max_tokens=args.mixed_tokens, ignore_eos=True, temperature=0.0)
     # Warm up past every prompt (the decode cases' steady state), then args.warmup more steps.
     warmup = args.warmup + -(-num_seqs * args.prompt_len // args.max_num_batched_tokens)
-    rows, profiler = [], cProfile.Profile() if args.cprofile else None
+    rows, profiler, pauses = [], cProfile.Profile() if args.cprofile else None, GCPauses()
     for i in range(warmup + args.iterations):
         timed = i >= warmup
         if mixed and i % args.mixed_every == 0:
             engine.add_request(prompt(rng, args.mixed_prompt_len, vocab), short)
         wait_before = engine.stats().device_wait_seconds_total
         split.take()
+        pauses.take()
         if timed and profiler:
             profiler.enable()
         start = time.perf_counter()
@@ -109,7 +130,8 @@ def run_case(engine: Engine, name: str, num_seqs: int, args, mixed: bool) -> dic
             profiler.disable()
         if not outputs and not engine.has_unfinished():
             raise RuntimeError(f"{name}: the engine ran dry; raise max_tokens")
-        row = split.take() | {"wait": engine.stats().device_wait_seconds_total - wait_before, "step": step}
+        row = split.take() | {"wait": engine.stats().device_wait_seconds_total - wait_before, "step": step,
+                              "gc": pauses.take()}
         row["host"] = step - row["wait"]
         row["ours"] = step - row["wait"] - row["dispatch"]
         row["output"] = step - sum(row[k] for k in ("schedule", "build", "dispatch", "update", "wait"))
@@ -118,6 +140,7 @@ def run_case(engine: Engine, name: str, num_seqs: int, args, mixed: bool) -> dic
         if i == warmup - 1:
             split.plans, split.batches = [], []
     engine.remove_observer(split)
+    gc.callbacks.remove(pauses)
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished():
@@ -187,12 +210,17 @@ def main():
                         help="async scheduling off: on a CPU, keeps the device's work out of the host phases")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--precompile", action="store_true", help="compile every bucket first (GPU runs)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.collect(); gc.freeze() once the engine is built (what a process owning one could do)")
     parser.add_argument("--cprofile", type=int, default=0, help="top N functions per case by own time")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.num_pages is None and args.model.startswith("tiny"):
         args.num_pages = 1 + max(args.seqs + [args.mixed_seqs + 8]) * -(-args.max_model_len // args.page_size)
     engine = make_engine(args)
+    if args.gc_freeze:  # the engine's long-lived objects out of the collector's scans (vLLM's engine core does this)
+        gc.collect()
+        gc.freeze()
     cases = [(f"decode-{n}", n, False) for n in args.seqs]
     if args.mixed_seqs:
         cases.append((f"mixed-{args.mixed_seqs}", args.mixed_seqs, True))

@@ -57,7 +57,9 @@ def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
     end = view.start + num_new_tokens
     # A request with the same prompt planned earlier in this batch may have published pages this
     # chunk would compute: take them, keeping the chunk's end (its budget share) and its last token.
-    start = take_cached(request, view, kv, min(end, view.num_prompt_tokens) - 1).start
+    start = view.start
+    if start < view.num_prompt_tokens:  # in its prompt (take_cached's own first test, skipped per decoding row)
+        start = take_cached(request, view, kv, min(end, view.num_prompt_tokens) - 1).start
     kv.allocate_up_to(request.request_id, end)
     # Pages this batch completes are shareable from now on: a later request reading them runs in a
     # later batch, or in this one, whose forward writes every new token's K/V before any layer attends.

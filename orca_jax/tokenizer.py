@@ -338,7 +338,13 @@ class StreamDecoder:
     def push(self, token_id: int) -> str:
         if self.skip_special_tokens and self.tokenizer.is_special(token_id):
             return ""
-        self._pending += self.tokenizer.token_bytes(token_id)
+        data = self.tokenizer.token_bytes(token_id)
+        if not self._pending:  # the common case, once per token of every request: whole characters
+            try:
+                return data.decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        self._pending += data
         # A UTF-8 character is at most 4 bytes: decode everything except a possibly cut tail.
         for cut in range(min(3, len(self._pending)) + 1):
             head = self._pending[:len(self._pending) - cut]

@@ -50,7 +50,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        # Identity against module globals: read several times per request per iteration, and an enum
+        # member looked up on its class costs more than the comparison.
+        return self is not _WAITING and self is not _RUNNING
+
+
+_WAITING, _RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -338,10 +338,12 @@ class Engine:
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:
         scheduled = flight.output.scheduled
         errored = self._end_non_finite(scheduled, result)
-        logprobs = [None if (n := s.request.sampling.logprobs) is None else
-                    (float(result.logprobs[i]),
-                     dict(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist())))
-                    for i, s in enumerate(scheduled)]
+        logprobs = None  # none asked for (most batches): update() skips them
+        if any(s.sampling.logprobs is not None for s in scheduled):
+            logprobs = [None if (n := s.sampling.logprobs) is None else
+                        (float(result.logprobs[i]),
+                         dict(zip(result.top_ids[i, :n].tolist(), result.top_logprobs[i, :n].tolist())))
+                        for i, s in enumerate(scheduled)]
         update_start = time.perf_counter()
         finished_now = set(self.scheduler.update(flight.output, result.token_ids.tolist(), logprobs))
         seconds = time.perf_counter() - update_start
@@ -350,13 +352,14 @@ class Engine:
         outputs = []
         for item in scheduled:
             request = item.request
-            if request.status.finished:
+            status = request.status
+            if status.finished:
                 self._sampling.release(request)  # its penalty slot, if it had one
-            if request.status is RequestStatus.FINISHED_ABORTED:
-                continue  # aborted by its caller while in flight; one the engine ends is answered
-            if request in errored:
-                outputs.append(self._output_for(request, 0))
-                continue
+                if status is RequestStatus.FINISHED_ABORTED:
+                    continue  # aborted by its caller while in flight; one the engine ends is answered
+                if request in errored:
+                    outputs.append(self._output_for(request, 0))
+                    continue
             num_new = len(request.output_token_ids) - item.step
             # Nothing new: a prompt chunk short of the prompt's end, or (async scheduling) a row
             # planned before an earlier batch finished the request; its token is dropped.

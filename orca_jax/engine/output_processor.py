@@ -15,22 +15,21 @@ def request_output(request: Request, num_new: int) -> RequestOutput:
     its first output only."""
     detok = request.detokenizer
     ids = request.output_token_ids
-    if request.status.finished:
+    status = request.status
+    finished = status.finished  # read once: this runs per request per iteration
+    if finished:
         detok.flush()
-    new_text = detok.take_new_text()
     new_logprobs = None
-    if request.sampling.logprobs is not None and num_new:
+    if num_new and request.sampling.logprobs is not None:
         new_logprobs = [TokenLogprob(t, lp, top) for t, lp, top in zip(
             ids[-num_new:], request.output_logprobs[-num_new:],
             request.output_top_logprobs[-num_new:])]
     prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None  # the first output's only
+    scheduled_time = request.scheduled_time
     return RequestOutput(
-        request_id=request.request_id, new_token_ids=ids[len(ids) - num_new:], new_text=new_text,
-        output_token_ids=list(ids), text=detok.text, num_prompt_tokens=request.num_prompt_tokens,
-        finished=request.status.finished,
-        finish_reason=request.status.value if request.status.finished else None,
-        new_logprobs=new_logprobs,
-        queue_seconds=None if request.scheduled_time is None else request.scheduled_time - request.arrival_time,
-        num_cached_tokens=request.num_cached_tokens,
-        stop_reason=request.stop_reason if request.status.finished else None,
+        request_id=request.request_id, new_token_ids=ids[len(ids) - num_new:], new_text=detok.take_new_text(),
+        output_token_ids=list(ids), text=detok.text, num_prompt_tokens=len(request.prompt_token_ids),
+        finished=finished, finish_reason=status.value if finished else None, new_logprobs=new_logprobs,
+        queue_seconds=None if scheduled_time is None else scheduled_time - request.arrival_time,
+        num_cached_tokens=request.num_cached_tokens, stop_reason=request.stop_reason if finished else None,
         prompt_logprobs=prompt_logprobs, error=request.error)

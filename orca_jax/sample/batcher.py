@@ -126,27 +126,39 @@ class SamplingBatcher:
     def rows(self, scheduled: Sequence[ScheduledRequest], s_pad: int) -> SamplingInputs:
         """The sampling inputs of these rows, padded to s_pad."""
         n = len(scheduled)
-        kept = [keeps_sample(item) for item in scheduled]
-        # A discarded sample is drawn greedily: the row then never asks for a slower program.
-        sampled = [k and not item.sampling.greedy for k, item in zip(kept, scheduled)]
-        columns = [(sp.temperature, sp.top_k, sp.top_p, sp.min_p) if s else (0.0, 0, 1.0, 0.0)
-                   for s, sp in zip(sampled, (item.sampling for item in scheduled))]
         out = {"temperature": np.zeros(s_pad, np.float32), "top_k": np.zeros(s_pad, np.int32),
                "top_p": np.ones(s_pad, np.float32), "min_p": np.zeros(s_pad, np.float32),
                "seed": np.zeros(s_pad, np.uint32), "step": np.zeros(s_pad, np.int32)}
+        # One pass over the rows (this runs every iteration, per row): what each keeps and asks for.
+        kept, seeds, steps = [False] * n, [0] * n, [0] * n
+        sampled: list[int] = []  # kept rows drawn with their own parameters
+        ruled: list[int] = []  # kept rows whose LogitsRules apply at this step
+        wants_top = False
+        for i, item in enumerate(scheduled):
+            seeds[i], steps[i] = item.seed, item.step
+            if not keeps_sample(item):
+                continue  # a discarded sample is drawn greedily: never asks for a slower program
+            kept[i] = True
+            sp = item.sampling
+            if not sp.greedy:
+                sampled.append(i)
+            wants_top = wants_top or bool(sp.logprobs)
+            rules = item.request.logits_rules
+            if rules is not None and rules.applies_at(item.step):
+                ruled.append(i)
         if n:
-            for name, column in zip(("temperature", "top_k", "top_p", "min_p"), zip(*columns)):
-                out[name][:n] = column
-            out["seed"][:n] = [item.seed for item in scheduled]
-            out["step"][:n] = [item.step for item in scheduled]
-        mode = sample_mode([item.sampling for s, item in zip(sampled, scheduled) if s])
-        wants_top = any(k and item.sampling.logprobs for k, item in zip(kept, scheduled))
+            out["seed"][:n] = seeds
+            out["step"][:n] = steps
+        params = [scheduled[i].sampling for i in sampled]
+        if sampled:  # greedy rows keep the arrays' defaults (0, 0, 1, 0)
+            for name in ("temperature", "top_k", "top_p", "min_p"):
+                out[name][sampled] = [getattr(sp, name) for sp in params]
+        mode = sample_mode(params)
         masks = {}  # row -> packed allowed tokens from the mask source
         if self.token_masks is not None:
             masks = {i: mask for i, item in enumerate(scheduled)
                      if kept[i] and (mask := self.token_masks.token_mask(item.request, item.step)) is not None}
-        processed = [i for i, item in enumerate(scheduled) if kept[i] and (
-            i in masks or (item.request.logits_rules is not None and item.request.logits_rules.applies_at(item.step)))]
+        processed = sorted(masks.keys() | set(ruled)) if masks else ruled
         # SEARCH programs always process logits; processed ones always return the top logprobs
         # (sampler.sample_variants).
         is_processed = bool(processed) or mode >= SampleMode.SEARCH

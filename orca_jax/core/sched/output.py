@@ -7,14 +7,17 @@ SchedulerOutput; the batch builder (worker/input_batch.py) reads nothing else.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from orca_jax.core.request import Request
 from orca_jax.sampling_params import SamplingParams
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of an iteration: everything the batch builder needs, as plain data."""
+class ScheduledRequest(NamedTuple):
+    """One request's share of an iteration: everything the batch builder needs, as plain data.
+
+    A NamedTuple, not a frozen dataclass: one is made per row per iteration, and a frozen dataclass's
+    field-by-field construction cost 1.0 us against 0.4 (a quarter of planning a decode row)."""
 
     request: Request  # for update() and the engine's outputs; build_batch never reads it
     start: int  # position of the first token fed: tokens already in the KV cache
@@ -49,11 +52,11 @@ class SchedulerOutput:
     # Requests the scheduler ended while planning (deadline passed while waiting): the engine reports
     # them; they are in no batch.
     dropped: tuple[Request, ...] = ()
+    # Tokens fed this iteration, all requests together: counted once (read several times per iteration).
+    num_tokens: int = dataclasses.field(init=False)
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens fed this iteration, all requests together."""
-        return sum(s.num_new_tokens for s in self.scheduled)
+    def __post_init__(self):
+        object.__setattr__(self, "num_tokens", sum(len(s.token_ids) for s in self.scheduled))
 
     @property
     def num_requests(self) -> int:

@@ -8,16 +8,16 @@ and the request-level baseline the benchmarks compare with) plans through it.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import NamedTuple
 
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request
 from orca_jax.core.sched.output import ScheduledRequest
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PlanningView:
-    """Where a request stands for planning: its own state, advanced past the batch it is in flight in."""
+class PlanningView(NamedTuple):
+    """Where a request stands for planning: its own state, advanced past the batch it is in flight in
+    (a NamedTuple: one is made per request per iteration, like ScheduledRequest)."""
 
     start: int  # tokens in the KV cache once every in-flight batch has run
     step: int  # output tokens sampled once every in-flight batch has run
@@ -47,7 +47,7 @@ def take_cached(request: Request, view: PlanningView, kv: KVCacheManager, max_to
     request.num_computed_tokens += gained
     if request.num_preemptions == 0:  # what its client hears of: its first life's hits
         request.num_cached_tokens += gained
-    return dataclasses.replace(view, start=view.start + gained)
+    return view._replace(start=view.start + gained)
 
 
 def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
@@ -57,7 +57,9 @@ def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
     end = view.start + num_new_tokens
     # A request with the same prompt planned earlier in this batch may have published pages this
     # chunk would compute: take them, keeping the chunk's end (its budget share) and its last token.
-    start = take_cached(request, view, kv, min(end, view.num_prompt_tokens) - 1).start
+    start = view.start
+    if start < view.num_prompt_tokens:  # in its prompt (take_cached's own first test, skipped per decoding row)
+        start = take_cached(request, view, kv, min(end, view.num_prompt_tokens) - 1).start
     kv.allocate_up_to(request.request_id, end)
     # Pages this batch completes are shareable from now on: a later request reading them runs in a
     # later batch, or in this one, whose forward writes every new token's K/V before any layer attends.

@@ -163,10 +163,11 @@ class Scheduler:
         refused = float("inf")
         ahead = self._pipeline_stages == 1 or all(r in self._in_flight_rows for r in self._requests.values())
         views = {r: view for r in self._requests.values() if (view := self._planning_view(r, ahead)) is not None}
+        max_num_seqs, waiting = self.config.max_num_seqs, RequestStatus.WAITING  # locals: read per row
         for request in self.policy.order(list(views), now):
-            if len(batch) >= self.config.max_num_seqs:
+            if len(batch) >= max_num_seqs:
                 break
-            if request.status is RequestStatus.WAITING:
+            if request.status is waiting:
                 if not can_admit or request in preempted:
                     continue
                 admitted = self._admit(request, batch, preempted, now)
@@ -182,7 +183,9 @@ class Scheduler:
         # Prompts first take what was published since their admission (earlier batches' pages), so
         # the token budget goes to what is left to compute.
         for request in batch:
-            views[request] = take_cached(request, views[request], self.kv, views[request].num_prompt_tokens - 1)
+            view = views[request]
+            if view.in_initiation:  # (a decoding request has nothing to take: skip the call, per row)
+                views[request] = take_cached(request, view, self.kv, view.num_prompt_tokens - 1)
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_num_seqs.
         budget = self.config.max_num_batched_tokens
         budget -= sum(1 for r in batch if not views[r].in_initiation)

@@ -3,8 +3,8 @@
 OpenAI's `tool_choice`, as vLLM serves it:
 - "none": the model must not call a tool. No constraint and no parsing; the text is the content.
 - "auto" (the default when tools are given): no constraint; the model decides, and the server's
-  parser for its family (`--tool-call-parser`) finds calls in the text. Without
-  `--enable-auto-tool-choice` the server refuses "auto" (vLLM does the same).
+  parser for its family (`--tool-call-parser`, else the chat template's) finds calls in the text.
+  A server started with `--no-enable-auto-tool-choice` refuses "auto".
 - "required": one or more calls (exactly one when parallel_tool_calls is false) of any given tool;
 - {"type": "function", "function": {"name": N}}: exactly one call of N.
 
@@ -15,9 +15,9 @@ default) does: an object schema that does not say `additionalProperties` gets `f
 llguidance follows JSON Schema (additional properties allowed) and never makes additional keys
 unique, so a small model invents keys and repeats them until max_tokens. A tool with `strict: true`
 (OpenAI's structured function calling) may not allow additional properties anywhere. Keys listed
-in `properties` come once each, in their order (llguidance's rule). Format markers that are special tokens of the tokenizer (Mistral's
-`[TOOL_CALLS]`) are written as that token, so the text must be detokenized with special tokens kept
-for the parser to see them.
+in `properties` come once each, in their order (llguidance's rule). Format markers that are special
+tokens of the tokenizer (Mistral's `[TOOL_CALLS]`) are written as that token, so the text must be
+detokenized with special tokens kept for the parser to see them.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def closed_schema(schema, *, strict: bool = False, where: str = "the tool"):
             closed[key] = [closed_schema(item, strict=strict, where=where) for item in closed[key]]
     for key in _SCHEMA_MAPS:
         if isinstance(closed.get(key), dict):
-            closed[key] = {name: closed_schema(value, strict=strict, where=where) for name, value in closed[key].items()}
+            closed[key] = {name: closed_schema(value, strict=strict, where=where)
+                           for name, value in closed[key].items()}
     if isinstance(closed.get("additionalProperties"), dict):
         closed["additionalProperties"] = closed_schema(closed["additionalProperties"], strict=strict, where=where)
     # A key required but not listed would be an additional property, which `false` forbids.

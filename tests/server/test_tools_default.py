@@ -141,3 +141,22 @@ def test_serve_flags_default_to_auto_with_the_templates_parser():
     assert not tool_call_settings_from_args(parse_args(["--no-enable-auto-tool-choice"])).enable_auto_tool_choice
     assert ToolCallSettings().for_template("{{ '<|python_tag|>' }}").parser == "llama3_json"
     assert ToolCallSettings(parser="hermes").for_template("[TOOL_CALLS]").parser == "hermes"  # a given parser wins
+
+
+def test_langchain_bind_tools_invoke_without_tool_choice_reads_the_models_call():
+    """LangChain's exchange (tools, no tool_choice) on a server with no tool flags: a model that
+    writes a hermes call gets it back as tool_calls (SmolLM2 itself: tests/server/test_tools_smollm2.py)."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from tests.helpers.server import live_server
+
+    _, app = _app()
+    with live_server(app) as server:
+        model = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="fake",
+                                            max_tokens=200, max_retries=0)
+        message = model.bind_tools([WEATHER]).invoke("Weather in Paris?")
+        streamed = None
+        for chunk in model.bind_tools([WEATHER]).stream("Weather in Paris?"):
+            streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]

@@ -33,7 +33,7 @@ from orca_jax.server.structured import (ConstraintRequest, ToolCallSettings, out
                                        tool_plan)
 from orca_jax.structured.constraint import Constraint
 from orca_jax.structured.matcher import CompiledGrammar
-from orca_jax.structured.tool_prompt import with_tools_in_system_message
+from orca_jax.structured.tool_prompt import with_calls_as_text, with_tools_in_system_message
 from orca_jax.tokenizer import with_chat_template
 
 RETRY_AFTER_SECONDS = "1"
@@ -150,11 +150,14 @@ class OpenAIServing:
     def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None,
                          add_generation_prompt: bool, may_call_tools: bool = True) -> list[int]:
         """The chat's prompt; `tools` go to the template, or into a system message when it drops them
-        (nowhere when the request may not call them: tool_choice "none")."""
+        (nowhere when the request may not call them: tool_choice "none"), and then earlier calls and
+        tool results are written as text in the parser's format."""
         template_messages = [m.template_message() for m in messages]
-        if tools and self.tools_in_system_message:
-            if may_call_tools:
-                template_messages = with_tools_in_system_message(template_messages, tools, self.tool_calls.call_format)
+        if self.tools_in_system_message:  # such a template drops calls and tool turns' links too
+            call_format = self.tool_calls.call_format
+            template_messages = with_calls_as_text(template_messages, call_format)
+            if tools and may_call_tools:
+                template_messages = with_tools_in_system_message(template_messages, tools, call_format)
             tools = None
         try:
             return self.tokenizer.encode_chat(template_messages,

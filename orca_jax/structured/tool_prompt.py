@@ -4,8 +4,10 @@ Some chat templates (SmolLM2's, the default model's) never write `tools` into th
 model cannot know them and `tool_choice: "auto"` never calls. For those, the tools go into the
 system message as the instructions of the tool-call format the server reads back: hermes as
 Qwen2.5's template writes them (`<tools>` signatures, calls as `<tool_call>{"name", "arguments"}`),
-llama3_json as Llama 3.1's JSON tool prompt, mistral as a list after `[TOOL_CALLS]`. Which format a
-template uses is read from the markers it holds (hermes when it holds none).
+llama3_json as Llama 3.1's JSON tool prompt, mistral as a list after `[TOOL_CALLS]`. Such a template
+drops an assistant turn's `tool_calls` too: they are written into its content in the same format, and
+(hermes) tool results become Qwen2.5's `<tool_response>` user turns. Which format a template uses is
+read from the markers it holds (hermes when it holds none).
 """
 
 from __future__ import annotations
@@ -56,3 +58,31 @@ def with_tools_in_system_message(messages: list[dict], tools: list[dict], call_f
         first = {**messages[0], "content": messages[0]["content"] + "\n\n" + instructions}
         return [first, *messages[1:]]
     return [{"role": "system", "content": instructions}, *messages]
+
+
+def with_calls_as_text(messages: list[dict], call_format: str) -> list[dict]:
+    """`messages` with earlier assistant calls written into their content in `call_format`, and, for
+    hermes, tool results as Qwen2.5's template gives them (a user turn of `<tool_response>`s), for a
+    template that drops tools and so drops calls too: the model then sees what it called and got."""
+    written = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if message.get("role") == "assistant" and calls:
+            text = _calls_text([call.get("function") or {} for call in calls], call_format)
+            content = message.get("content") or ""
+            message = {key: value for key, value in message.items() if key != "tool_calls"}
+            message["content"] = f"{content}\n{text}" if content else text
+        elif message.get("role") == "tool" and call_format == "hermes":
+            message = {"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"}
+        written.append(message)
+    return written
+
+
+def _calls_text(functions: list[dict], call_format: str) -> str:
+    key = "parameters" if call_format == "llama3_json" else "arguments"
+    objects = [json.dumps({"name": f.get("name"), key: f.get("arguments", {})}, ensure_ascii=False) for f in functions]
+    if call_format == "hermes":
+        return "\n".join(f"<tool_call>\n{text}\n</tool_call>" for text in objects)
+    if call_format == "llama3_json":
+        return "; ".join(objects)
+    return "[TOOL_CALLS][" + ", ".join(objects) + "]"

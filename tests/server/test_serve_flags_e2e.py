@@ -95,7 +95,8 @@ def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     command = [sys.executable, "-m", "orca_jax.serve", "--model", "tiny-llama", "--port", str(port),
                "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "512", "--page-size", "16",
-               "--chat-template", str(template), "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", "5",
+               "--chat-template", str(template), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--max-logprobs", "5",
                "--enable-prompt-logprobs",
                "--compilation-cache-dir", str(tmp_path / "xla")]
     process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(),

@@ -160,3 +160,17 @@ def test_langchain_bind_tools_invoke_without_tool_choice_reads_the_models_call()
     assert [(c["name"], c["args"]) for c in message.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]
     assert message.response_metadata["finish_reason"] == "tool_calls"
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", {"city": "Paris", "days": 3})]
+
+
+async def test_a_template_that_drops_tools_sees_earlier_calls_and_results_as_text():
+    engine, app = _app(reply="It is sunny.")
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                      "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    async with asgi_client(app) as client:
+        response = await client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER]})
+    assert response.json()["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
+    assert _prompt(engine).endswith(
+        '<|user|>\nWeather in Paris?\n<|assistant|>\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>\n<|user|>\n<tool_response>\nsunny\n</tool_response>\n<|assistant|>\n')

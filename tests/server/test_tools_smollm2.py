@@ -47,7 +47,8 @@ TOOLS = [
     _tool("search", "Search the web", _object({"query": S, "max_results": {"type": "integer", "minimum": 1,
                                                                            "maximum": 10}}, ["query"])),
     _tool("book_flight", "Book a flight", _strict({
-        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"}, "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
         "passengers": {"type": "integer", "minimum": 1, "maximum": 9}}), strict=True),
     _tool("create_event", "Create a calendar event", _object({
         "title": S, "when": _object({"day": {"type": "integer", "minimum": 1, "maximum": 31},
@@ -174,8 +175,9 @@ def test_langchain_bind_tools_invoke_with_and_without_tool_choice(server):
         auto, named, required = auto.result(), named.result(), required.result()
     for message in (named, required):
         assert message.tool_calls and not message.invalid_tool_calls
+        schemas = {"get_weather": WEATHER, "add": ADD}
         for call in message.tool_calls:  # "any" may call more than once
-            jsonschema.validate(call["args"], {"get_weather": WEATHER, "add": ADD}[call["name"]]["function"]["parameters"])
+            jsonschema.validate(call["args"], schemas[call["name"]]["function"]["parameters"])
     assert named.tool_calls[0]["name"] == "add"
     # Without tool_choice ("auto") the model decides; this 135M model answers in words even with the
     # tools in its system prompt. The request is answered, not refused (it was a 400).

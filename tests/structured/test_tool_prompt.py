@@ -9,7 +9,8 @@ import pytest
 
 from orca_jax.chat_template import renders_tools
 from orca_jax.structured.tool_parsers import get_tool_parser
-from orca_jax.structured.tool_prompt import tool_call_format_of, tools_instructions, with_tools_in_system_message
+from orca_jax.structured.tool_prompt import (tool_call_format_of, tools_instructions, with_calls_as_text,
+                                             with_tools_in_system_message)
 from orca_jax.tokenizer import ByteTokenizer
 from tests.helpers.structured import smollm2_tokenizer
 
@@ -59,3 +60,19 @@ def test_the_instructions_join_a_system_message_or_come_first():
     joined = with_tools_in_system_message([system, user], [ADD], "hermes")
     assert joined == [{"role": "system", "content": "Be brief.\n\n" + tools_instructions([ADD], "hermes")}, user]
     assert system == {"role": "system", "content": "Be brief."}  # not changed in place
+
+
+def test_earlier_calls_and_results_are_written_in_the_format_the_parser_reads():
+    messages = [{"role": "user", "content": "1 + 2?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    user, assistant, tool = with_calls_as_text(messages, "hermes")
+    assert user == messages[0] and assistant == {"role": "assistant", "content": (
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')}
+    assert tool == {"role": "user", "content": "<tool_response>\n3\n</tool_response>"}
+    for call_format in ("hermes", "llama3_json", "mistral"):
+        assistant = with_calls_as_text(messages, call_format)[1]
+        _, (call,) = get_tool_parser(call_format).parse(assistant["content"])
+        assert (call.name, json.loads(call.arguments)) == ("add", {"a": 1, "b": 2})
+    assert with_calls_as_text(messages, "llama3_json")[2] == messages[2]  # tool turns kept outside hermes

@@ -17,7 +17,7 @@ from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 
 from tests.helpers.models import smollm2_gguf_path
 
-pytestmark = pytest.mark.slow  # the real model: ~100 s for the module on a busy 2-core machine
+pytestmark = pytest.mark.slow  # the real model: ~90 s for the module on a busy 2-core machine
 
 
 def _tool(name: str, description: str, parameters: dict, strict: bool = False) -> dict:

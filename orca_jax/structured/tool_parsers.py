@@ -12,14 +12,15 @@ detokenized with skip_special_tokens=False; the server does that for requests wi
 `parse` is the streaming parser fed the whole text at once, and the streaming parser only emits what
 no later text can change, so the deltas of any split of a text add up to `parse` of it.
 
-hermes streams a call's arguments as they are generated, as vLLM does: once a call's text reads
-`{"name": "N", "arguments": {` its index, id and name go out, then the arguments object's text as it
-comes (the model's own text, whitespace included), until the object closes. Such a call stays a
-call whatever follows: a text cut by max_tokens gives the arguments written so far (not valid JSON
-then; finish_reason says "length"), and one whose name was complete but whose arguments had not
-begun gives "". The other formats, and hermes calls written otherwise (arguments first, or as a
-JSON string), are emitted when their JSON is complete: index, id and name, then the arguments as
-one fragment; such a call whose JSON does not parse, or does not name a function, stays in the
+hermes and llama3_json stream a call's arguments as they are generated, as vLLM does: once a call's
+text reads `{"name": "N", "arguments": {` (llama3_json: "parameters" or "arguments") its index, id
+and name go out, then the arguments object's text as it comes (the model's own text, whitespace
+included), until the object closes; what follows it in the call object is skipped. Such a call
+stays a call whatever follows: a text cut by max_tokens gives the arguments written so far (not
+valid JSON then; finish_reason says "length"), and a hermes call whose name was complete but whose
+arguments had not begun gives "". mistral's calls, and calls written otherwise (arguments first, or
+as a JSON string), are emitted when their JSON is complete: index, id and name, then the arguments
+as one fragment; such a call whose JSON does not parse, or does not name a function, stays in the
 content as the text it was. Whitespace next to calls is layout and dropped; other content is kept
 verbatim.
 """
@@ -254,9 +255,10 @@ class HermesParser(StreamingToolParser):
         return True
 
 
-# A hermes call's head, up to where its arguments' value begins; and its name alone.
+# A hermes call's head, up to where its arguments' value begins; its name alone; a llama3_json call's head.
 _CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _CALL_HEAD = re.compile(_CALL_NAME.pattern + r'\s*,\s*"arguments"\s*:\s*')
+_JSON_CALL_HEAD = re.compile(_CALL_NAME.pattern + r'\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
 
 class Llama3JsonParser(StreamingToolParser):
@@ -264,7 +266,9 @@ class Llama3JsonParser(StreamingToolParser):
 
     def __init__(self, id_factory: Callable[[], str] = openai_call_id):
         super().__init__(id_factory)
-        self._state = "start"  # start -> calls <-> separator; or text; failed: all the rest is content
+        # start -> calls <-> separator (calls -> arguments -> call_end -> separator when a call streams);
+        # or text; failed: all the rest is content
+        self._state = "start"
         self._raw_tag = ""  # the tag or `;` before a call, put back into the content if the call fails
 
     def _advance(self, final: bool) -> None:
@@ -288,6 +292,13 @@ class Llama3JsonParser(StreamingToolParser):
                 return
             if self._state == "calls":
                 stripped = self._buf.lstrip()
+                head = _JSON_CALL_HEAD.match(stripped)
+                name = _loads(f'"{head.group(1)}"') if head and stripped.startswith("{", head.end()) else None
+                if isinstance(name, str) and name:  # its arguments stream from here
+                    self._take(len(self._buf) - len(stripped) + head.end())
+                    self._emit_call_head(name)
+                    self._raw_tag, self._state = "", "arguments"
+                    continue
                 end = self._value_end(stripped) if stripped.startswith("{") else None
                 if end is None and not final and (not stripped or stripped.startswith("{")):
                     return
@@ -300,6 +311,21 @@ class Llama3JsonParser(StreamingToolParser):
                 self._take(skip + end)
                 self._emit_call(*call)
                 self._raw_tag, self._state = "", "separator"
+            if self._state == "arguments":
+                end = self._value_end(self._buf)
+                if end is None:  # all of it is arguments so far (the rest, when the text ends here)
+                    self._emit_arguments(self._take_scanned(len(self._buf)))
+                    return
+                self._emit_arguments(self._take(end))
+                self._value_end.reset(depth=1)  # inside the call object: find where it closes
+                self._state = "call_end"
+            if self._state == "call_end":
+                end = self._value_end(self._buf)
+                if end is None:  # layout (or keys after the arguments) of a call whose end is to come
+                    self._take_scanned(len(self._buf))
+                    return
+                self._take(end)
+                self._state = "separator"
             if self._state == "separator":
                 stripped = self._buf.lstrip()
                 if not stripped:
@@ -428,8 +454,9 @@ class _ValueEnd:
     def __init__(self):
         self.reset()
 
-    def reset(self) -> None:
-        self._scanned, self._depth, self._in_string, self._escaped = 0, 0, False, False
+    def reset(self, depth: int = 0) -> None:
+        """Scan anew, from `depth` brackets deep (1: inside an object whose end is wanted)."""
+        self._scanned, self._depth, self._in_string, self._escaped = 0, depth, False, False
 
     def drop(self, count: int) -> None:
         """The first `count` characters, all scanned, were removed from the text."""

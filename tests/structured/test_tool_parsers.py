@@ -66,6 +66,9 @@ CASES = {
         ('I will call it. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
          '"celsius"}}', "I will call it.", [W_CALL]),
         ('<|python_tag|>{"name": ', '<|python_tag|>{"name": ', []),
+        ('{"name": "add", "parameters": {"a": 1, "b": [2', None, [("add", '{"a": 1, "b": [2')]),  # cut
+        ('{"name": "add", "parameters": {"a": 1}, "x": {"}": 2}}; {"name": "add", "parameters": {}}', None,
+         [("add", '{"a": 1}'), ("add", "{}")]),  # keys after the arguments are skipped
         ("<|python", "<|python", []),
     ],
     "mistral": [
@@ -141,6 +144,18 @@ def test_hermes_arguments_stream_as_they_are_generated():
     assert stream.feed('is</') == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments="is"),))
     assert stream.feed('b>"}') == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments='</b>"}'),))
     assert stream.feed("}\n</tool_call>") == ParsedDelta()
+    assert stream.finish() == ParsedDelta()
+
+
+def test_llama3_json_arguments_stream_as_they_are_generated():
+    stream = get_tool_parser("llama3_json").streaming(counter_ids())
+    assert stream.feed('{"name": "add", "parameters": ') == ParsedDelta()
+    assert stream.feed('{"a"') == ParsedDelta(tool_calls=(ToolCallDelta(0, "id0", "add"),
+                                                          ToolCallDelta(0, arguments='{"a"')))
+    assert stream.feed(': 1, "b": "}"') == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments=': 1, "b": "}"'),))
+    assert stream.feed("}}; ") == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments="}"),))
+    assert stream.feed('{"name": "now", "parameters": {}}') == ParsedDelta(tool_calls=(
+        ToolCallDelta(1, "id1", "now"), ToolCallDelta(1, arguments="{}")))
     assert stream.finish() == ParsedDelta()
 
 

@@ -213,3 +213,13 @@ def test_streamed_forced_calls_send_argument_deltas_and_a_cut_call_reports_lengt
     written = "".join(p.function.arguments or "" for p in pieces)
     # Greedy: the cut call is the whole one's beginning, reported as far as it was written.
     assert written.startswith("{") and whole_text.startswith(written) and written != whole_text
+
+
+def test_smollm2s_prompt_now_shows_the_tools(server):
+    import httpx
+
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        plain = client.post("/tokenize", json=body).json()["count"]
+        with_tools = client.post("/tokenize", json={**body, "tools": [WEATHER]}).json()["count"]
+    assert with_tools > plain + 50  # the instructions and the tool's signature (the same count before)

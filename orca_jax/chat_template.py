@@ -98,3 +98,22 @@ def overlaps(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
             return True
         j += 1
     return False
+
+
+# A tool no template knows: its name appears in a render only when the template writes tools out.
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "orca_probe_3f9a", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
+
+
+@functools.lru_cache(maxsize=16)
+def renders_tools(template: str) -> bool:
+    """Whether `template` writes the `tools` it is given into the prompt (checked once per template:
+    a conversation rendered with a probe tool and without, compared). SmolLM2's does not: it drops
+    them without a word. A template that fails on the probe is taken to render them (it is left alone)."""
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        with_tools = render_chat_template(template, messages, True, tools=[_PROBE_TOOL])
+        without = render_chat_template(template, messages, True)
+    except jinja2.TemplateError:
+        return True
+    return with_tools != without and _PROBE_TOOL["function"]["name"] in with_tools

@@ -73,9 +73,9 @@ _RUNTIME_RULES = (
     "know are ignored (and logged once per name).")
 _CHAT_RULES = (" The model's chat template may refuse a conversation, e.g. roles out of order "
                "(param messages). tool_choice \"required\" or a function needs tools naming it, and excludes the fields above; a tool's parameters must be "
-               f"a schema the grammar library compiles (code {INVALID}); tools with tool_choice \"auto\" "
-               "(their default) need a server started with --enable-auto-tool-choice (code "
-               f"{AUTO_TOOL_CHOICE_DISABLED}).")
+               f"a schema the grammar library compiles (code {INVALID}), and a strict tool's objects "
+               "may not allow additional properties; tools with tool_choice \"auto\" (their default) are "
+               f"refused by a server started with --no-enable-auto-tool-choice (code {AUTO_TOOL_CHOICE_DISABLED}).")
 
 # With "stream": true the 200 is server-sent events (the schema describes one event): each `data:` a
 # chunk object as JSON (or an error object), the last one [DONE].

@@ -25,7 +25,7 @@ from orca_jax.server.http_limits import HTTPLimits
 from orca_jax.server.lora import add_lora_arguments, lora_config_from_args, parse_lora_modules
 from orca_jax.server.preprocess import add_grammar_arguments, frontend_limits_from_args, grammar_limits_from_args
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
-from orca_jax.server.structured import DEFAULT_TOOL_CALL_FORMAT, ToolCallSettings
+from orca_jax.server.structured import ToolCallSettings
 from orca_jax.structured.tool_parsers import TOOL_PARSERS
 
 PROG = "python -m orca_jax.serve"
@@ -201,13 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on SIGTERM, let in-flight requests run this long before aborting them")
 
     tools = p.add_argument_group("tool calls")
-    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+    tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                        help='answer tool_choice "auto" (the default with tools): the model decides, and its '
-                       "calls are read out of its text by --tool-call-parser; without it such requests get 400")
+                       "calls are read out of its text by the tool-call parser (on by default; "
+                       "--no-enable-auto-tool-choice refuses such requests with 400)")
     tools.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                        help="the model family's tool-call format: hermes (Qwen2.5, Hermes), llama3_json (Llama "
                        "3.1-3.3), mistral; also the format tool_choice \"required\" or a named function forces "
-                       f"({DEFAULT_TOOL_CALL_FORMAT} when not given)")
+                       "(default: the one the chat template's markers name, else hermes)")
 
     limits, defaults = p.add_argument_group("HTTP limits (each refusal closes the connection)"), HTTPLimits()
     limits.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,

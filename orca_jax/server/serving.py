@@ -12,6 +12,7 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from orca_jax.chat_template import renders_tools
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
@@ -28,9 +29,11 @@ from orca_jax.server.protocol import (ChatCompletionRequest, ChatMessage, Comple
                                       TokenizeChatRequest, TokenizeCompletionRequest)
 from orca_jax.server.protocol_base import StrictBody, ignored_fields
 from orca_jax.server.responses import DetokenizeResponse, TokenizeResponse, new_id, unix_now
-from orca_jax.server.structured import ConstraintRequest, ToolCallSettings, output_constraint, tool_plan
+from orca_jax.server.structured import (ConstraintRequest, ToolCallSettings, output_constraint, tool_choice_of,
+                                       tool_plan)
 from orca_jax.structured.constraint import Constraint
 from orca_jax.structured.matcher import CompiledGrammar
+from orca_jax.structured.tool_prompt import with_calls_as_text, with_tools_in_system_message
 from orca_jax.tokenizer import with_chat_template
 
 RETRY_AFTER_SECONDS = "1"
@@ -75,11 +78,17 @@ class OpenAIServing:
         self.default_max_tokens = default_max_tokens
         self.split_special_tokens = not allow_special_tokens_in_text
         self.log_requests = log_requests
-        self.tool_calls = tool_calls
         self._warned_fields: set[str] = set()
         engine = async_engine.engine
         self.tokenizer = (engine.tokenizer if chat_template is None
                           else with_chat_template(engine.tokenizer, chat_template))
+        template = self.tokenizer.chat_template
+        self.tool_calls = tool_calls.for_template(template)
+        # A template that drops `tools` (SmolLM2's): they go into a system message in the parser's format.
+        self.tools_in_system_message = template is not None and not renders_tools(template)
+        if self.tools_in_system_message:
+            log.info("the chat template does not render tools; a request's tools go into a system message "
+                     "in the %s format", self.tool_calls.call_format)
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.max_logprobs = engine.config.sampling.max_logprobs
@@ -126,7 +135,8 @@ class OpenAIServing:
             raise APIError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
                            f"already constrains the output; it cannot be combined with {given}",
                            param=given, code="invalid_structured_output")
-        prompt_ids = await self.preprocess.run(self._chat_prompt_ids, body.messages, body.template_tools(), True)
+        prompt_ids = await self.preprocess.run(self._chat_prompt_ids, body.messages, body.template_tools(), True,
+                                               tool_choice_of(body) != "none")
         constraint, grammar = await self._constraint(output_request or tool_request)
         choices = self._choices(body, [prompt_ids], requested=body.requested_max_tokens, default=None,
                                 logprobs=body.num_logprobs, param="messages", constraint=constraint,
@@ -138,9 +148,19 @@ class OpenAIServing:
         return await self._generate(body, request, request_id, choices, formatter, lora, grammar)
 
     def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None,
-                         add_generation_prompt: bool) -> list[int]:
+                         add_generation_prompt: bool, may_call_tools: bool = True) -> list[int]:
+        """The chat's prompt; `tools` go to the template, or into a system message when it drops them
+        (nowhere when the request may not call them: tool_choice "none"), and then earlier calls and
+        tool results are written as text in the parser's format."""
+        template_messages = [m.template_message() for m in messages]
+        if self.tools_in_system_message:  # such a template drops calls and tool turns' links too
+            call_format = self.tool_calls.call_format
+            template_messages = with_calls_as_text(template_messages, call_format)
+            if tools and may_call_tools:
+                template_messages = with_tools_in_system_message(template_messages, tools, call_format)
+            tools = None
         try:
-            return self.tokenizer.encode_chat([m.template_message() for m in messages],
+            return self.tokenizer.encode_chat(template_messages,
                                               add_generation_prompt=add_generation_prompt,
                                               split_special_tokens=self.split_special_tokens, tools=tools)
         except (ValueError, jinja2.TemplateError) as error:  # e.g. a template that checks role order

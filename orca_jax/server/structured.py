@@ -8,10 +8,11 @@ and some grammars crash or stall it. These functions only check the fields and s
 
 - response_format json_object / json_schema, structured_outputs and the guided_* fields: a
   Constraint (at most one of them per request);
-- tools with tool_choice "auto": no constraint; the parser of `--tool-call-parser` reads calls out
-  of the model's own format (refused unless `--enable-auto-tool-choice`, as vLLM does);
-- "required" or a named function: a grammar in that parser's format (hermes when none is set),
-  so the output is calls the same parser reads back (structured/tool_grammar.py);
+- tools with tool_choice "auto" (the default with tools, as OpenAI's): no constraint; the parser
+  of `--tool-call-parser` (else the one the chat template's markers name, else hermes) reads calls
+  out of the model's own format (refused only with `--no-enable-auto-tool-choice`);
+- "required" or a named function: a grammar in that parser's format, so the output is calls the
+  same parser reads back (structured/tool_grammar.py);
 - "none", or no tools: plain text.
 Every refusal is an APIError 400 naming the field.
 """
@@ -27,10 +28,10 @@ from orca_jax.structured.constraint import ConstraintKind, JsonOptions
 from orca_jax.structured.sandbox import (ConstraintBuild, json_schema_constraint, kind_constraint,
                                          tool_calls_constraint)
 from orca_jax.structured.tool_parsers import ToolParser, get_tool_parser
+from orca_jax.structured.tool_prompt import DEFAULT_FORMAT, tool_call_format_of
 
 INVALID = "invalid_structured_output"  # the code of every refusal of an output constraint
 AUTO_TOOL_CHOICE_DISABLED = "auto_tool_choice_disabled"
-DEFAULT_TOOL_CALL_FORMAT = "hermes"  # the forced calls' format when no --tool-call-parser is set
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,18 +46,20 @@ class ConstraintRequest:
 class ToolCallSettings:
     """The server's `--tool-call-parser` and `--enable-auto-tool-choice`."""
 
-    parser: str | None = None  # hermes, llama3_json or mistral; None: forced calls in hermes' format
-    enable_auto_tool_choice: bool = False
+    parser: str | None = None  # hermes, llama3_json or mistral; None: the chat template's (for_template)
+    enable_auto_tool_choice: bool = True
 
     def __post_init__(self):
         if self.parser is not None:
             get_tool_parser(self.parser)  # ValueError naming the known parsers
-        if self.enable_auto_tool_choice and self.parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
     @property
     def call_format(self) -> str:
-        return self.parser or DEFAULT_TOOL_CALL_FORMAT
+        return self.parser or DEFAULT_FORMAT
+
+    def for_template(self, template: str | None) -> ToolCallSettings:
+        """These settings with the parser the chat template's markers name when none was given."""
+        return dataclasses.replace(self, parser=self.parser or tool_call_format_of(template))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,19 +114,24 @@ def _build_of(body: CompletionRequest | ChatCompletionRequest, field: str) -> Co
     return functools.partial(kind_constraint, kind, getattr(body, field), plain)
 
 
+def tool_choice_of(body: ChatCompletionRequest):
+    """The request's tool_choice, or OpenAI's default: "auto" with tools, else "none"."""
+    return body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+
+
 def tool_plan(body: ChatCompletionRequest, settings: ToolCallSettings) -> tuple[ToolPlan | None, ConstraintRequest | None]:
     """(how to read tool calls back, the grammar that forces them) of a chat request; (None, None)
     when its output is plain text."""
     tools = body.tools or []
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    choice = tool_choice_of(body)
     if choice == "none" or (choice == "auto" and not tools):
         return None, None
     if choice == "auto":
         if not settings.enable_auto_tool_choice:
-            raise APIError(400, '"auto" tool choice (the default with tools) needs a server started with '
-                           '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "none", '
-                           '"required" or a named function', param="tool_choice", code=AUTO_TOOL_CHOICE_DISABLED)
-        return _plan(settings.parser, named=False), None
+            raise APIError(400, '"auto" tool choice (the default with tools) is off on this server '
+                           '(--no-enable-auto-tool-choice); send tool_choice "none", "required" or a named '
+                           'function', param="tool_choice", code=AUTO_TOOL_CHOICE_DISABLED)
+        return _plan(settings.call_format, named=False), None
     if not tools:
         raise APIError(400, "tool_choice 'required' or a named function needs tools", param="tool_choice",
                        code=INVALID)

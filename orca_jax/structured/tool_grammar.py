@@ -3,16 +3,21 @@
 OpenAI's `tool_choice`, as vLLM serves it:
 - "none": the model must not call a tool. No constraint and no parsing; the text is the content.
 - "auto" (the default when tools are given): no constraint; the model decides, and the server's
-  parser for its family (`--tool-call-parser`) finds calls in the text. Without
-  `--enable-auto-tool-choice` the server refuses "auto" (vLLM does the same).
+  parser for its family (`--tool-call-parser`, else the chat template's) finds calls in the text.
+  A server started with `--no-enable-auto-tool-choice` refuses "auto".
 - "required": one or more calls (exactly one when parallel_tool_calls is false) of any given tool;
 - {"type": "function", "function": {"name": N}}: exactly one call of N.
 
 The last two get a grammar constraint whose outputs are exactly the format that family's parser
 reads (tool_parsers.py), with each call's arguments valid for the tool's JSON schema (llguidance's
-`%json` inside Lark). Format markers that are special tokens of the tokenizer (Mistral's
-`[TOOL_CALLS]`) are written as that token, so the text must be detokenized with special tokens kept
-for the parser to see them.
+`%json` inside Lark). The arguments follow the schema strictly, as xgrammar's strict mode (vLLM's
+default) does: an object schema that does not say `additionalProperties` gets `false`, because
+llguidance follows JSON Schema (additional properties allowed) and never makes additional keys
+unique, so a small model invents keys and repeats them until max_tokens. A tool with `strict: true`
+(OpenAI's structured function calling) may not allow additional properties anywhere. Keys listed
+in `properties` come once each, in their order (llguidance's rule). Format markers that are special
+tokens of the tokenizer (Mistral's `[TOOL_CALLS]`) are written as that token, so the text must be
+detokenized with special tokens kept for the parser to see them.
 """
 
 from __future__ import annotations
@@ -111,7 +116,50 @@ def _function_of(tool: dict) -> dict:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise ValueError(f"tool {function['name']!r}: parameters must be a JSON schema object")
-    return {"name": function["name"], "parameters": parameters}
+    return {"name": function["name"], "parameters": closed_schema(parameters, strict=function.get("strict") is True,
+                                                                  where=function["name"])}
+
+
+# Keywords whose value is one subschema, a list of them, or a map of names to them. `not` is left
+# alone (closing inside it would widen what it excludes), and so is `allOf`: llguidance intersects
+# its branches, so closing each would leave only the keys they all list.
+_ONE_SCHEMA = ("items", "additionalItems", "contains", "propertyNames", "unevaluatedItems", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema, *, strict: bool = False, where: str = "the tool"):
+    """A copy of `schema` whose object schemas without `additionalProperties` get `false`;
+    ValueError when `strict` and one allows additional properties."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _ONE_SCHEMA:
+        if key in closed:
+            closed[key] = closed_schema(closed[key], strict=strict, where=where)
+    for key in _SCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_schema(item, strict=strict, where=where) for item in closed[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_schema(value, strict=strict, where=where)
+                           for name, value in closed[key].items()}
+    if isinstance(closed.get("additionalProperties"), dict):
+        closed["additionalProperties"] = closed_schema(closed["additionalProperties"], strict=strict, where=where)
+    # A key required but not listed would be an additional property, which `false` forbids.
+    unlisted = set(closed.get("required") or ()) - set(closed.get("properties") or ())
+    if _is_object_schema(closed) and not (unlisted and not strict):
+        extra = closed.setdefault("additionalProperties", False)
+        if strict and extra is not False:
+            raise ValueError(f"tool {where!r} is strict, so its objects may not allow additional properties "
+                             f"(additionalProperties must be false, got {json.dumps(extra)})")
+    return closed
+
+
+def _is_object_schema(schema: dict) -> bool:
+    kind = schema.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or (
+        kind is None and any(key in schema for key in ("properties", "required", "patternProperties")))
 
 
 def _named_choice(tool_choice) -> str:

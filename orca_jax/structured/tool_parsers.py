@@ -10,16 +10,26 @@ Markers that are special tokens (`<|python_tag|>`, `[TOOL_CALLS]`) are only in t
 detokenized with skip_special_tokens=False; the server does that for requests with tools.
 
 `parse` is the streaming parser fed the whole text at once, and the streaming parser only emits what
-no later text can change, so the deltas of any split of a text add up to `parse` of it. A call is
-emitted when its JSON is complete: first its index, id and name, then its arguments (one
-fragment). A call whose JSON does not parse, or does not name a function, stays in the content as
-the text it was. Whitespace next to calls is layout and dropped; other content is kept verbatim.
+no later text can change, so the deltas of any split of a text add up to `parse` of it.
+
+hermes and llama3_json stream a call's arguments as they are generated, as vLLM does: once a call's
+text reads `{"name": "N", "arguments": {` (llama3_json: "parameters" or "arguments") its index, id
+and name go out, then the arguments object's text as it comes (the model's own text, whitespace
+included), until the object closes; what follows it in the call object is skipped. Such a call
+stays a call whatever follows: a text cut by max_tokens gives the arguments written so far (not
+valid JSON then; finish_reason says "length"), and a hermes call whose name was complete but whose
+arguments had not begun gives "". mistral's calls, and calls written otherwise (arguments first, or
+as a JSON string), are emitted when their JSON is complete: index, id and name, then the arguments
+as one fragment; such a call whose JSON does not parse, or does not name a function, stays in the
+content as the text it was. Whitespace next to calls is layout and dropped; other content is kept
+verbatim.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 import string
 import types
@@ -107,15 +117,30 @@ class StreamingToolParser:
         self._held_space = text[len(body):]
 
     def _emit_call(self, name: str, arguments: str) -> None:
+        self._emit_call_head(name)
+        self._emit_arguments(arguments)
+
+    def _emit_call_head(self, name: str) -> None:
+        """A new call's index, id and name; its arguments follow in _emit_arguments."""
         self._held_space = ""  # whitespace before a call is layout, not content
         self._after_call = True
-        index = self._num_calls
         self._num_calls += 1
-        self._calls += [ToolCallDelta(index, self._id_factory(), name), ToolCallDelta(index, arguments=arguments)]
+        self._calls.append(ToolCallDelta(self._num_calls - 1, self._id_factory(), name))
+
+    def _emit_arguments(self, text: str) -> None:
+        """More of the last call's arguments text."""
+        if text:
+            self._calls.append(ToolCallDelta(self._num_calls - 1, arguments=text))
 
     def _take(self, count: int) -> str:
         taken, self._buf = self._buf[:count], self._buf[count:]
         self._value_end.reset()  # what it scanned has moved
+        return taken
+
+    def _take_scanned(self, count: int) -> str:
+        """_take, keeping the scan of the value that the taken text begins (it goes on after it)."""
+        taken, self._buf = self._buf[:count], self._buf[count:]
+        self._value_end.drop(count)
         return taken
 
     def _content_until(self, marker: str, final: bool) -> bool:
@@ -142,6 +167,9 @@ class HermesParser(StreamingToolParser):
     def __init__(self, id_factory: Callable[[], str] = openai_call_id):
         super().__init__(id_factory)
         self._in_call = False
+        # A streamed call: "arguments" while its arguments object is open, "rest" after it closed
+        # (what is left before END is layout); None: the call's head is not read yet.
+        self._streaming: str | None = None
 
     def _advance(self, final: bool) -> None:
         while True:
@@ -149,19 +177,88 @@ class HermesParser(StreamingToolParser):
                 if not self._content_until(self.START, final):
                     return
                 self._in_call = True
-            at = self._buf.find(self.END)
-            if at < 0 and not final:
-                return
-            body = self._take(at if at >= 0 else len(self._buf))
-            closing = self._take(len(self.END)) if at >= 0 else ""
-            call = _as_call(body, "arguments")
-            if call is None:
-                self._emit_content(self.START + body + closing)
-            else:
-                self._emit_call(*call)
-            self._in_call = False
+            if self._streaming is None and not self._start_streaming(final):
+                if not self._whole_call(final):
+                    return
+            elif self._streaming == "arguments":
+                if not self._stream_arguments(final):
+                    return
+            elif self._streaming == "rest":
+                if not self._skip_rest(final):
+                    return
             if not self._buf:
                 return
+
+    def _start_streaming(self, final: bool) -> bool:
+        """Read the call's head `{"name": "N", "arguments": ` when its arguments are an object; True
+        once the call is streaming. False: not yet known (more text may tell), or written otherwise."""
+        head = _CALL_HEAD.match(self._buf)
+        end = self._buf.find(self.END)
+        if head is not None and self._buf.startswith("{", head.end()) and (end < 0 or end > head.end()):
+            name = _loads(f'"{head.group(1)}"')
+            if isinstance(name, str) and name:
+                self._take(head.end())
+                self._emit_call_head(name)
+                self._streaming = "arguments"
+                return True
+        if final and end < 0:  # cut short after the name: a call whose arguments never began
+            named = _CALL_NAME.match(self._buf)
+            name = _loads(f'"{named.group(1)}"') if named is not None else None
+            if isinstance(name, str) and name and _as_call(self._buf, "arguments") is None:
+                self._take(len(self._buf))
+                self._emit_call_head(name)
+                self._in_call = False
+                return True
+        return False
+
+    def _whole_call(self, final: bool) -> bool:
+        """A call read when its END (or the text's end) comes; False when that is still to come."""
+        at = self._buf.find(self.END)
+        if at < 0 and not final:
+            return False
+        body = self._take(at if at >= 0 else len(self._buf))
+        closing = self._take(len(self.END)) if at >= 0 else ""
+        call = _as_call(body, "arguments")
+        if call is None:
+            self._emit_content(self.START + body + closing)
+        else:
+            self._emit_call(*call)
+        self._in_call = False
+        return True
+
+    def _stream_arguments(self, final: bool) -> bool:
+        """Emit the arguments object's text so far; True once it has closed (or the call ended)."""
+        end = self._value_end(self._buf)
+        stop = self._buf.find(self.END)
+        if end is not None and (stop < 0 or end <= stop):
+            self._emit_arguments(self._take(end))
+            self._streaming = "rest"
+            return True
+        if stop >= 0:  # the call ended inside its arguments: they are what was written
+            self._emit_arguments(self._take(stop))
+            self._take(len(self.END))
+            self._in_call, self._streaming = False, None
+            return True
+        keep = 0 if final else _partial_suffix(self._buf, self.END)
+        self._emit_arguments(self._take_scanned(len(self._buf) - keep))
+        if final:
+            self._in_call, self._streaming = False, None
+        return final
+
+    def _skip_rest(self, final: bool) -> bool:
+        """Drop the call's closing `}` and layout up to END; True once END (or the text) ended."""
+        at = self._buf.find(self.END)
+        if at < 0 and not final:
+            return False
+        self._take(at + len(self.END) if at >= 0 else len(self._buf))
+        self._in_call, self._streaming = False, None
+        return True
+
+
+# A hermes call's head, up to where its arguments' value begins; its name alone; a llama3_json call's head.
+_CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CALL_HEAD = re.compile(_CALL_NAME.pattern + r'\s*,\s*"arguments"\s*:\s*')
+_JSON_CALL_HEAD = re.compile(_CALL_NAME.pattern + r'\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
 
 class Llama3JsonParser(StreamingToolParser):
@@ -169,7 +266,9 @@ class Llama3JsonParser(StreamingToolParser):
 
     def __init__(self, id_factory: Callable[[], str] = openai_call_id):
         super().__init__(id_factory)
-        self._state = "start"  # start -> calls <-> separator; or text; failed: all the rest is content
+        # start -> calls <-> separator (calls -> arguments -> call_end -> separator when a call streams);
+        # or text; failed: all the rest is content
+        self._state = "start"
         self._raw_tag = ""  # the tag or `;` before a call, put back into the content if the call fails
 
     def _advance(self, final: bool) -> None:
@@ -193,6 +292,13 @@ class Llama3JsonParser(StreamingToolParser):
                 return
             if self._state == "calls":
                 stripped = self._buf.lstrip()
+                head = _JSON_CALL_HEAD.match(stripped)
+                name = _loads(f'"{head.group(1)}"') if head and stripped.startswith("{", head.end()) else None
+                if isinstance(name, str) and name:  # its arguments stream from here
+                    self._take(len(self._buf) - len(stripped) + head.end())
+                    self._emit_call_head(name)
+                    self._raw_tag, self._state = "", "arguments"
+                    continue
                 end = self._value_end(stripped) if stripped.startswith("{") else None
                 if end is None and not final and (not stripped or stripped.startswith("{")):
                     return
@@ -205,6 +311,21 @@ class Llama3JsonParser(StreamingToolParser):
                 self._take(skip + end)
                 self._emit_call(*call)
                 self._raw_tag, self._state = "", "separator"
+            if self._state == "arguments":
+                end = self._value_end(self._buf)
+                if end is None:  # all of it is arguments so far (the rest, when the text ends here)
+                    self._emit_arguments(self._take_scanned(len(self._buf)))
+                    return
+                self._emit_arguments(self._take(end))
+                self._value_end.reset(depth=1)  # inside the call object: find where it closes
+                self._state = "call_end"
+            if self._state == "call_end":
+                end = self._value_end(self._buf)
+                if end is None:  # layout (or keys after the arguments) of a call whose end is to come
+                    self._take_scanned(len(self._buf))
+                    return
+                self._take(end)
+                self._state = "separator"
             if self._state == "separator":
                 stripped = self._buf.lstrip()
                 if not stripped:
@@ -333,8 +454,13 @@ class _ValueEnd:
     def __init__(self):
         self.reset()
 
-    def reset(self) -> None:
-        self._scanned, self._depth, self._in_string, self._escaped = 0, 0, False, False
+    def reset(self, depth: int = 0) -> None:
+        """Scan anew, from `depth` brackets deep (1: inside an object whose end is wanted)."""
+        self._scanned, self._depth, self._in_string, self._escaped = 0, depth, False, False
+
+    def drop(self, count: int) -> None:
+        """The first `count` characters, all scanned, were removed from the text."""
+        self._scanned -= count
 
     def __call__(self, text: str) -> int | None:
         """Index after the closing bracket, or None when the text ends first. Brackets inside

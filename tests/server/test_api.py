@@ -215,7 +215,7 @@ _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "o
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL]}, "tool_choice"),
+    # (tools without tool_choice are "auto", answered by default: tests/server/test_tools_default.py)
     ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL], "tool_choice": "required",

@@ -87,9 +87,16 @@ def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
     import json
 
     port = free_port()
+    # A template that writes the tools' names: the byte template drops tools, which would then come as a
+    # system message of instructions, ~600 byte tokens, past tiny-llama's 512.
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+                        "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
     command = [sys.executable, "-m", "orca_jax.serve", "--model", "tiny-llama", "--port", str(port),
                "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "512", "--page-size", "16",
-               "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-logprobs", "5",
+               "--chat-template", str(template), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--max-logprobs", "5",
                "--enable-prompt-logprobs",
                "--compilation-cache-dir", str(tmp_path / "xla")]
     process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(),

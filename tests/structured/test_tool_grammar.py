@@ -127,3 +127,48 @@ def test_none_and_auto_have_no_grammar():
 def test_errors(tools, choice, parser, message):
     with pytest.raises(ValueError, match=message):
         tool_call_constraint(tools, choice, parser)
+
+
+def _accepts(constraint, text: str) -> bool:
+    from orca_jax.tokenizer import ByteTokenizer
+
+    matcher = GrammarCompiler(ByteTokenizer(eos_token_ids=(0,)), 256).matcher(constraint)
+    data = text.encode()
+    return matcher.accept_tokens(data) == len(data) and matcher.is_accepting()
+
+
+def _hermes_call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+NESTED = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "required": ["room"], "properties": {
+        "room": {"type": "string"},
+        "guest": {"type": "object", "properties": {"name": {"type": "string"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object", "additionalProperties": {"type": "integer"}}}}}}
+
+
+@pytest.mark.parametrize("arguments, accepted", [
+    ('{"room": "a"}', True),
+    ('{"room": "a", "guest": {"name": "Ada"}, "tags": [{"k": "v"}], "extra": {"n": 1}}', True),
+    ('{"room": "a", "room": "b"}', False),  # a listed key twice
+    ('{"room": "a", "note": "x"}', False),  # a key the schema does not list (llguidance would allow it)
+    ('{"room": "a", "guest": {"name": "Ada", "name": "Bo"}}', False),  # nested objects are closed too
+    ('{"room": "a", "guest": {"age": 3}}', False),
+    ('{"room": "a", "tags": [{"k": "v", "z": 1}]}', False),  # and objects inside arrays
+    ('{"room": "a", "extra": {"n": 1, "m": 2}}', True),  # additionalProperties the schema gives is kept
+])
+def test_forced_arguments_admit_no_unlisted_or_repeated_keys(arguments, accepted):
+    constraint = tool_call_constraint([NESTED], "required", "hermes")
+    assert _accepts(constraint, _hermes_call("book", arguments)) is accepted
+
+
+def test_a_strict_tool_may_not_allow_additional_properties():
+    strict = {"type": "function", "function": {**NESTED["function"], "strict": True}}
+    with pytest.raises(ValueError, match="strict.*additionalProperties must be false"):
+        tool_call_constraint([strict], "required", "hermes")
+    del strict["function"]["parameters"]["properties"]["extra"]
+    constraint = tool_call_constraint([strict], "required", "hermes")
+    assert _accepts(constraint, _hermes_call("book", '{"room": "a", "guest": {"name": "Ada"}}'))
+    assert not _accepts(constraint, _hermes_call("book", '{"room": "a", "guest": {"x": 1}}'))

@@ -23,7 +23,9 @@ def counter_ids():
 
 
 def calls(*pairs):
-    return [ToolCall(f"id{i}", name, json.dumps(args, ensure_ascii=False)) for i, (name, args) in enumerate(pairs)]
+    """Calls of (name, arguments): a dict, or the arguments' raw text (a streamed call cut short)."""
+    return [ToolCall(f"id{i}", name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+            for i, (name, args) in enumerate(pairs)]
 
 
 W_CALL = ("get_weather", {"city": "Paris", "unit": "celsius"})
@@ -34,8 +36,10 @@ CASES = {
         (f"<tool_call>\n{WEATHER}\n</tool_call>", None, [W_CALL]),
         (f"Let me check both.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>\n",
          "Let me check both.", [W_CALL, A_CALL]),
+        # Arguments that never close are what the model wrote: a call once its head was read.
         ("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"\n</tool_call>",
-         "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"\n</tool_call>", []),
+         None, [("get_weather", '{"city": "Paris"\n')]),
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2', None, [("add", '{"a": 1, "b": [2')]),  # cut
         (f"<tool_call>{ADD}</tool_call> then <tool_call>{{oops}}</tool_call>",
          "then <tool_call>{oops}</tool_call>", [A_CALL]),
         ("The answer is 4.\n", "The answer is 4.\n", []),
@@ -44,7 +48,8 @@ CASES = {
          [A_CALL]),  # arguments written as a JSON string
         ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
         ("Use <tool to go, a < b and x</tool_call>", "Use <tool to go, a < b and x</tool_call>", []),
-        ("<tool_call>\n{\"name\": \"add\", \"arg", "<tool_call>\n{\"name\": \"add\", \"arg", []),
+        ("<tool_call>\n{\"name\": \"add\", \"arg", None, [("add", "")]),  # cut after the name
+        ("<tool_call>\n{\"name\": \"ad", "<tool_call>\n{\"name\": \"ad", []),  # cut inside it
         ("", None, []),
     ],
     "llama3_json": [
@@ -61,6 +66,9 @@ CASES = {
         ('I will call it. <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
          '"celsius"}}', "I will call it.", [W_CALL]),
         ('<|python_tag|>{"name": ', '<|python_tag|>{"name": ', []),
+        ('{"name": "add", "parameters": {"a": 1, "b": [2', None, [("add", '{"a": 1, "b": [2')]),  # cut
+        ('{"name": "add", "parameters": {"a": 1}, "x": {"}": 2}}; {"name": "add", "parameters": {}}', None,
+         [("add", '{"a": 1}'), ("add", "{}")]),  # keys after the arguments are skipped
         ("<|python", "<|python", []),
     ],
     "mistral": [
@@ -81,7 +89,8 @@ def test_parse(parser, text, content, expected):
     assert got_content == content
     assert got_calls == calls(*expected)
     for call, (_, args) in zip(got_calls, expected):
-        assert json.loads(call.arguments) == args
+        if not isinstance(args, str):
+            assert json.loads(call.arguments) == args
 
 
 @pytest.mark.parametrize("parser, text", [(p, case[0]) for p, cases in CASES.items() for case in cases])
@@ -122,6 +131,31 @@ def test_streaming_emits_as_soon_as_certain():
     delta = stream.feed(WEATHER[20:] + "\n</tool_call>")
     assert delta.tool_calls == (ToolCallDelta(0, "id0", "get_weather"),
                                 ToolCallDelta(0, arguments='{"city": "Paris", "unit": "celsius"}'))
+    assert stream.finish() == ParsedDelta()
+
+
+def test_hermes_arguments_stream_as_they_are_generated():
+    stream = get_tool_parser("hermes").streaming(counter_ids())
+    assert stream.feed('<tool_call>\n{"name": "get_weather", "arguments": ') == ParsedDelta()
+    assert stream.feed("{") == ParsedDelta(tool_calls=(ToolCallDelta(0, "id0", "get_weather"),
+                                                       ToolCallDelta(0, arguments="{")))
+    assert stream.feed('"city": "Par') == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments='"city": "Par'),))
+    # "</" may begin the closing tag: held back until it cannot
+    assert stream.feed('is</') == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments="is"),))
+    assert stream.feed('b>"}') == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments='</b>"}'),))
+    assert stream.feed("}\n</tool_call>") == ParsedDelta()
+    assert stream.finish() == ParsedDelta()
+
+
+def test_llama3_json_arguments_stream_as_they_are_generated():
+    stream = get_tool_parser("llama3_json").streaming(counter_ids())
+    assert stream.feed('{"name": "add", "parameters": ') == ParsedDelta()
+    assert stream.feed('{"a"') == ParsedDelta(tool_calls=(ToolCallDelta(0, "id0", "add"),
+                                                          ToolCallDelta(0, arguments='{"a"')))
+    assert stream.feed(': 1, "b": "}"') == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments=': 1, "b": "}"'),))
+    assert stream.feed("}}; ") == ParsedDelta(tool_calls=(ToolCallDelta(0, arguments="}"),))
+    assert stream.feed('{"name": "now", "parameters": {}}') == ParsedDelta(tool_calls=(
+        ToolCallDelta(1, "id1", "now"), ToolCallDelta(1, arguments="{}")))
     assert stream.finish() == ParsedDelta()
 
 

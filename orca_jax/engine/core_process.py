@@ -17,6 +17,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -130,6 +134,7 @@ class CoreFailed:
 def run_engine_core(conn: Connection, build: Callable[[], Engine], precompile: bool, log_level: str) -> None:
     """The child's entry point: build the engine, report it, compile everything if asked, serve."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    threading.Thread(target=_exit_with_parent, name="orca-core-parent-watch", daemon=True).start()
     try:
         engine = build()
     except BaseException as error:  # noqa: BLE001 - every cause must reach the front end, which exits
@@ -147,6 +152,15 @@ def run_engine_core(conn: Connection, build: Callable[[], Engine], precompile: b
         log.exception("the engine core failed")
         _send_failure(conn, error, starting=False)
         raise SystemExit(1) from None
+
+
+def _exit_with_parent() -> None:
+    """A front end killed while this core loads or compiles (when it reads no pipe) must not leave
+    it running: it exits as soon as its parent does."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
 
 
 def _send_failure(conn: Connection, error: BaseException, *, starting: bool) -> None:

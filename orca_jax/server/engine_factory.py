@@ -1,0 +1,64 @@
+"""The engine `serve` runs, built from its flags: in the server's process, or in the engine core's
+(`--engine-process`, where ServedEngineFactory crosses to the spawned child and builds it there)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from orca_jax.config import EngineConfig
+    from orca_jax.engine import Engine
+
+log = logging.getLogger("orca_jax.serve")
+
+
+def build_engine(args: argparse.Namespace) -> Engine:
+    """Load the model the flags name and build its engine (precompile left to the caller's loop), with
+    the device's and the model's batch defaults (engine/defaults.py) where the flags leave it open.
+    Raises models.weights.WeightsError for a model that cannot be read."""
+    from orca_jax.engine import Engine
+    from orca_jax.engine.defaults import UsageContext, batch_defaults
+    from orca_jax.models.loader import load_model
+    from orca_jax.server.cli_args import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    loaded = load_model(config.model, dtype=config.dtype)
+    config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER, loaded.config.num_params))
+    return Engine(dataclasses.replace(config, precompile=False), loaded)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServedEngineFactory:
+    """Picklable: the engine core process calls it to build the engine from serve's command line."""
+
+    argv: tuple[str, ...]
+
+    def __call__(self) -> Engine:
+        from orca_jax.server.cli_args import engine_config_from_args, parse_args
+        from orca_jax.worker.compilation import configure_compilation_cache
+
+        args = parse_args(list(self.argv))
+        # Before the model loads: jax fixes its cache's directory at its first compile.
+        configure_compilation_cache(engine_config_from_args(args).compilation_cache_dir)
+        engine = build_engine(args)
+        from orca_jax.serve import startup_report
+
+        for line in startup_report(engine):
+            log.info("%s", line)
+        return engine
+
+
+def engine_process_refusal(config: EngineConfig) -> str | None:
+    """Why this configuration cannot run with the engine core in its own process (None: it can)."""
+    if config.parallel.num_processes != 1:
+        return "--engine-process serves from one process; several (--num-processes) need --no-engine-process"
+    if config.fine_tuning is not None:
+        return ("fine-tuning jobs (--enable-fine-tuning) do not run with the engine core in its own process yet; "
+                "start with --no-engine-process")
+    if config.lora is not None:
+        return ("LoRA adapters (--enable-lora, --lora-modules) are not served with the engine core in its own "
+                "process yet; start with --no-engine-process")
+    return None

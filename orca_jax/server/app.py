@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from orca_jax.json_limits import DEFAULT_MAX_DEPTH
-from orca_jax.server.async_engine import AsyncEngine
+from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
 from orca_jax.server.engine_client import EngineClient
-from orca_jax.server.errors import install_error_handlers
+from orca_jax.server.errors import APIError, install_error_handlers
 from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, FineTuningJobsCollector,
                                          FineTuningRoutes, install_fine_tuning_routes)
 from orca_jax.server.lora import ServedModels, install_lora_routes
@@ -213,7 +213,7 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
         if async_engine.error is None and async_engine.is_running and not readiness.ready:
             return JSONResponse({"status": "starting", "waiting_for": readiness.describe(),
                                  "compiled": readiness.compiled, "total": readiness.total}, status_code=503)
-        reason = ("engine loop failed" if async_engine.error is not None
+        reason = (f"engine loop failed: {async_engine.error}" if async_engine.error is not None
                   else "shutting down or not started")
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
@@ -232,7 +232,10 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
         """Forget every cached prefix (vLLM's route); running requests keep their pages."""
-        forgotten = await async_engine.reset_prefix_cache()
+        try:
+            forgotten = await async_engine.reset_prefix_cache()
+        except EngineUnavailableError as error:  # dead, stopping or not started: no 500
+            raise APIError(503, str(error), code="engine_unavailable") from None
         return JSONResponse({"status": "ok", "pages_forgotten": forgotten})
 
     # Added last = outermost: the Host and the key are checked before the body is even read. CORS

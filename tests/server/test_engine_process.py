@@ -1,0 +1,153 @@
+"""The engine core in its own process (`--engine-process`): what only that mode has to show.
+
+A core that dies is noticed at once (503s with the cause, /health failing, the server exiting 1);
+a client that hangs up frees its KV in the core; flags the mode does not serve are refused at start.
+The server's ordinary behaviour in this mode is checked by test_api.py and test_engine.py, which run
+their tests in both modes.
+"""
+
+import asyncio
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from orca_jax.server.app import create_app
+from orca_jax.server.process_engine import ProcessEngine
+
+from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
+from tests.helpers.server import FakeEngine, asgi_client, live_server, parse_sse, wait_until
+
+STEP_SECONDS = 0.02
+
+
+def _fake_core(**kwargs) -> ProcessEngine:
+    return ProcessEngine(functools.partial(FakeEngine, step_seconds=STEP_SECONDS, max_model_len=512,
+                                           num_pages=1024, **kwargs))
+
+
+@pytest.mark.anyio
+async def test_a_killed_core_gives_503s_with_the_cause_and_a_failing_health_at_once():
+    failures = []
+    core = _fake_core()
+    core.on_failure = failures.append
+    async with asgi_client(create_app(core, served_model_name="fake")) as client:
+        assert (await client.get("/health")).status_code == 200
+        streaming = asyncio.create_task(client.post("/v1/completions", json={
+            "prompt": "a", "max_tokens": 300, "stream": True}))
+        await wait_until(lambda: core.latest_stats.num_running == 1)
+        killed_at = time.monotonic()
+        os.kill(core.process.pid, signal.SIGKILL)
+        response = await asyncio.wait_for(streaming, 5)
+        noticed = time.monotonic() - killed_at
+        events = parse_sse(response.text)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "service_unavailable_error"
+        assert "engine core process died" in events[-2]["error"]["message"]
+        assert noticed < 2, noticed  # the stream would run 300 x 20 ms = 6 s
+        health = await client.get("/health")
+        assert health.status_code == 503 and "engine core process died" in health.json()["reason"]
+        late = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        assert late.status_code == 503 and "engine core process died" in late.json()["error"]["message"]
+        assert (await client.post("/reset_prefix_cache")).status_code == 503
+    assert len(failures) == 1 and "exit code -9" in str(failures[0])
+
+
+@pytest.mark.anyio
+async def test_a_client_hanging_up_frees_its_kv_in_the_core():
+    core = _fake_core()
+    with live_server(create_app(core, served_model_name="fake")) as server:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            body = {"prompt": "hello", "max_tokens": 300, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: "):
+                    pass
+                await wait_until(lambda: core.latest_stats.kv_pages_used > 0)
+                closed_at = time.monotonic()
+            await wait_until(lambda: core.latest_stats.kv_pages_used == 0 and core.latest_stats.num_running == 0
+                             and core.num_in_flight == 0, timeout=2.0)
+            assert time.monotonic() - closed_at < 1.0  # the request itself would run 6 s
+            assert (await client.get("/health")).status_code == 200
+            # The core still serves: the next request runs to its end.
+            done = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
+            assert done.json()["choices"][0]["text"] == "bcd"
+
+
+@pytest.mark.anyio
+async def test_shutdown_ends_running_requests_as_abort_and_the_core_exits_zero():
+    core = _fake_core()
+    app = create_app(core, served_model_name="fake")
+    async with asgi_client(app) as client:
+        running = asyncio.create_task(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 300}))
+        await wait_until(lambda: core.latest_stats.num_running == 1)
+        core.begin_shutdown()
+        response = await asyncio.wait_for(running, 5)
+        assert response.json()["choices"][0]["finish_reason"] == "abort"
+        assert (await client.get("/health")).status_code == 503
+    assert core.process.exitcode == 0 and core.error is None
+
+
+def _serve(*flags: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "orca_jax.serve", *TINY_SERVER, "--port", str(port), *flags],
+                               cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def _core_pid(server_pid: int) -> int:
+    """The engine core: the server's child that multiprocessing spawned (not its resource tracker)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if parent == server_pid and b"spawn_main" in command:
+            return int(entry)
+    raise AssertionError("no engine core process")
+
+
+def test_serve_exits_one_within_seconds_when_its_core_is_killed():
+    process, url = _serve("--engine-process")
+    try:
+        wait_healthy(url, process, timeout=180)
+        body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if len(events) == 2:
+                        os.kill(_core_pid(process.pid), signal.SIGKILL)
+                        killed_at = time.monotonic()
+        output, _ = process.communicate(timeout=30)
+        exit_seconds = time.monotonic() - killed_at
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1, output
+    assert exit_seconds < 5, output
+    assert events[-1] == "[DONE]" and "engine core process died" in json.loads(events[-2])["error"]["message"]
+    assert "the engine loop failed" in output
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-lora"], "LoRA adapters"),
+    (["--enable-fine-tuning"], "fine-tuning jobs"),
+])
+def test_engine_process_refuses_what_it_does_not_serve_at_start(flags, message):
+    process, _ = _serve("--engine-process", *flags)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output
+    assert f"python -m orca_jax.serve: error: {message}" in output and "--no-engine-process" in output

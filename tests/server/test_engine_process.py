@@ -151,3 +151,27 @@ def test_engine_process_refuses_what_it_does_not_serve_at_start(flags, message):
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 2, output
     assert f"python -m orca_jax.serve: error: {message}" in output and "--no-engine-process" in output
+
+
+def test_structured_outputs_are_compiled_and_followed_in_the_core():
+    """The front end checks the constraint (its grammar workers, its compiler); the core compiles it
+    again in its own and masks every token: the same greedy answer as the in-thread engine's."""
+    from orca_jax.config import SchedulingPolicy
+    from tests.helpers.engines import tiny_engine
+
+    build = functools.partial(tiny_engine, page_size=16, max_num_seqs=8, max_num_batched_tokens=8,
+                              scheduler_options=dict(policy=SchedulingPolicy.PRIORITY))
+    bodies = [{"prompt": "pick", "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": ["yes", "no"]}},
+              {"prompt": "digits", "max_tokens": 8, "temperature": 0, "structured_outputs": {"regex": "[0-9]{3}"}},
+              {"prompt": "bad", "max_tokens": 8, "structured_outputs": {"regex": "(unclosed"}}]
+    answers = {}
+    for mode, engine in (("thread", build()), ("process", ProcessEngine(build))):
+        with live_server(create_app(engine, served_model_name="tiny")) as server:
+            answers[mode] = [httpx.post(server.url + "/v1/completions", json=body, timeout=60) for body in bodies]
+    for mode, (choice, regex, bad) in answers.items():
+        assert choice.json()["choices"][0]["text"] in ("yes", "no"), (mode, choice.text)
+        text = regex.json()["choices"][0]["text"]
+        assert len(text) == 3 and text.isdigit(), (mode, text)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs", (mode, bad.text)
+    assert [r.json()["choices"][0]["text"] for r in answers["process"][:2]] == \
+        [r.json()["choices"][0]["text"] for r in answers["thread"][:2]]

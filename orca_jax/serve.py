@@ -22,6 +22,8 @@ from types import FrameType
 
 import uvicorn
 
+from orca_jax.server.engine_factory import startup_report
+
 __all__ = ["main"]  # and, lazily, the flag helpers below
 log = logging.getLogger("orca_jax.serve")
 PROG = "python -m orca_jax.serve"
@@ -293,32 +295,6 @@ def raise_open_file_limit(wanted: int) -> None:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def startup_report(engine) -> list[str]:
-    """What the engine runs on and how big its KV pool is, for the start-up log.
-
-    A GPU machine that silently serves on the CPU (a CPU-only jax) shows up here at once.
-    """
-    import jax
-
-    devices = [d for stage in engine.runner.stages for d in stage.mesh.devices.flat]
-    first = engine.runner.local_device  # only this process's devices answer memory_stats
-    line = f"devices: {len(devices)} x {first.device_kind} ({first.platform})"
-    stats = first.memory_stats() or {}
-    if "bytes_limit" in stats:
-        line += (f", {stats['bytes_limit'] / 2**30:.1f} GiB each, "
-                 f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB in use after loading")
-    if len(jax.devices()) > len(devices):
-        line += f" (of {len(jax.devices())} visible)"
-    # Counted as /metrics counts it: the pages requests can hold (page 0 is the scratch page).
-    pages, page_size = engine.stats().kv_pages_total, engine.runner.page_size
-    kv_bytes = engine.runner.kv_bytes
-    size = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
-    return [line, f"model: {engine.config.model} in {engine.model_config.dtype}, context {engine.max_model_len} "
-                  "tokens",
-            f"KV pool: {pages} pages x {page_size} tokens = {pages * page_size} tokens for requests "
-            f"(+1 scratch page), {size}"]
 
 
 def _already_handled(sig: int, frame: FrameType | None) -> None:

@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import threading
 import time
 import traceback
@@ -134,6 +135,10 @@ class CoreFailed:
 def run_engine_core(conn: Connection, build: Callable[[], Engine], precompile: bool, log_level: str) -> None:
     """The child's entry point: build the engine, report it, compile everything if asked, serve."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    # Ctrl-C in a terminal, or a supervisor's SIGTERM to the whole process group, reaches the core too: the
+    # front end drains and then tells the core to stop (Shutdown), so the signal is the front end's alone.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, name="orca-core-parent-watch", daemon=True).start()
     try:
         engine = build()

@@ -27,6 +27,19 @@ from tests.helpers.server import FakeEngine, asgi_client, live_server, parse_sse
 STEP_SECONDS = 0.02
 
 
+class SlowToCompile(FakeEngine):
+    """A fake whose three programs take 0.3 s each to "compile" (built in the core process)."""
+
+    def precompile(self, progress=None):
+        from orca_jax.worker.model_runner import PrecompileReport
+
+        for done in range(1, 4):
+            time.sleep(0.3)
+            if progress is not None:
+                progress(done, 3, ("forward", done), 0.3)
+        return PrecompileReport(3, 0.9, 0.0)
+
+
 def _fake_core(**kwargs) -> ProcessEngine:
     return ProcessEngine(functools.partial(FakeEngine, step_seconds=STEP_SECONDS, max_model_len=512,
                                            num_pages=1024, **kwargs))
@@ -56,6 +69,24 @@ async def test_a_killed_core_gives_503s_with_the_cause_and_a_failing_health_at_o
         assert late.status_code == 503 and "engine core process died" in late.json()["error"]["message"]
         assert (await client.post("/reset_prefix_cache")).status_code == 503
     assert len(failures) == 1 and "exit code -9" in str(failures[0])
+
+
+@pytest.mark.anyio
+async def test_health_reports_the_cores_compile_progress_and_early_requests_wait_for_it():
+    ready_when_called = []
+    core = ProcessEngine(SlowToCompile, precompile=True,
+                         on_ready=lambda: ready_when_called.append(core.readiness.ready))
+    async with asgi_client(create_app(core, served_model_name="fake")) as client:
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "starting", health.json()
+        early = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}))
+        seen = []
+        while (health := await client.get("/health")).status_code != 200:
+            seen.append(health.json()["waiting_for"])
+            await asyncio.sleep(0.05)
+        assert "compiling programs: 1 of 3 done" in seen or "compiling programs: 2 of 3 done" in seen, seen
+        assert (await early).json()["choices"][0]["text"] == "jk"  # queued behind the compilation, then served
+    assert ready_when_called == [False]  # once, before readiness flipped
 
 
 @pytest.mark.anyio
@@ -175,3 +206,30 @@ def test_structured_outputs_are_compiled_and_followed_in_the_core():
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "structured_outputs", (mode, bad.text)
     assert [r.json()["choices"][0]["text"] for r in answers["process"][:2]] == \
         [r.json()["choices"][0]["text"] for r in answers["thread"][:2]]
+
+
+def test_sigterm_to_the_whole_process_group_still_drains_and_exits_zero():
+    """A supervisor that signals every process of the group (systemd's default, Ctrl-C in a terminal) must
+    not kill the core under running requests: it leaves the signal to the server, which drains."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "orca_jax.serve", *TINY_SERVER, "--port", str(port),
+                                "--engine-process"], cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process, timeout=180)
+        body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if len(events) == 2:
+                        os.killpg(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, output
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("abort", "length")
+    assert "engine core process died" not in output, output

@@ -14,6 +14,7 @@ is applied after it, which frees the request's KV even when its client left befo
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import logging
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 # A core whose engine has work but whose step produced nothing (a fine-tuning job waiting for its data)
 # backs off up to this long between steps rather than spin.
 MAX_IDLE_BACKOFF_SECONDS = 0.01
+GRAMMAR_THREADS = 2  # structured outputs' compiles running at once in the core (off its loop)
+COMPILE_POLL_SECONDS = 0.001  # how often an idle core looks whether a grammar finished compiling
 
 
 # ---- front end -> core ----------------------------------------------------------------------------
@@ -184,6 +187,11 @@ class EngineCore:
         # Live requests and their latest output (to end them as 'abort' with their text at shutdown).
         self._live: dict[str, tuple[int, RequestOutput | None]] = {}
         self._shutdown: Shutdown | None = None
+        # Requests whose structured_outputs compile on the pool's threads (llguidance drops the GIL), so the
+        # loop never waits on a grammar: added once compiled, in the pass that finds them done.
+        self._compiling: dict[str, tuple[AddRequest, concurrent.futures.Future]] = {}
+        self._compile_pool = (None if engine.grammar_compiler is None else concurrent.futures.ThreadPoolExecutor(
+            GRAMMAR_THREADS, thread_name_prefix="orca-core-grammar"))
 
     def run(self, precompile: bool) -> None:
         if precompile:
@@ -200,8 +208,10 @@ class EngineCore:
         shutdown_deadline: float | None = None
         before = engine.stats()
         while True:
-            busy = engine.has_work() or self._shutdown is not None
-            timeout = (idle_backoff if busy else None)
+            if engine.has_work() or self._shutdown is not None:
+                timeout = idle_backoff
+            else:  # idle: sleep until a message comes (or, while grammars compile, look again soon)
+                timeout = COMPILE_POLL_SECONDS if self._compiling else None
             commands = []
             if self.conn.poll(timeout):
                 commands.append(self.conn.recv())
@@ -211,6 +221,7 @@ class EngineCore:
             call_results: list[tuple[int, object, BaseException | None]] = []
             for command in commands:
                 self._apply(command, accepted, call_results)
+            self._add_compiled(accepted)
             if self._shutdown is not None:
                 shutdown_deadline = shutdown_deadline or time.monotonic() + self._shutdown.grace_seconds
                 if not engine.has_unfinished() or time.monotonic() >= shutdown_deadline:
@@ -226,7 +237,7 @@ class EngineCore:
                 before = stats
                 self._track(outputs)
                 idle_backoff = 0.0 if ran or outputs else min(MAX_IDLE_BACKOFF_SECONDS, 2 * idle_backoff or 1e-4)
-            elif not commands:
+            elif not (commands or accepted):
                 continue
             else:
                 stats = before = engine.stats()
@@ -235,19 +246,17 @@ class EngineCore:
     def _apply(self, command, accepted: list, call_results: list) -> None:
         if isinstance(command, AddRequest):
             error: BaseException | None = None
+            constraint = command.sampling.structured_outputs
+            compiler = self.engine.grammar_compiler
             if self._shutdown is not None:
-                error = RuntimeError("server is shutting down")
+                accepted.append((command.request_id, RuntimeError("server is shutting down")))
+            elif constraint is not None and compiler is not None and compiler.cached(constraint) is None:
+                self._compiling[command.request_id] = (command, self._compile_pool.submit(compiler.compile, constraint))
             else:
-                try:
-                    self.engine.add_request(command.prompt_token_ids, command.sampling,
-                                            request_id=command.request_id, priority=command.priority,
-                                            deadline=command.deadline)
-                except (ValueError, QueueFullError) as refused:  # the request's fault or a full pool
-                    error = refused
-            if error is None:
-                self._live[command.request_id] = (len(command.prompt_token_ids), None)
-            accepted.append((command.request_id, error))
+                self._add(command, None, accepted)
         elif isinstance(command, AbortRequest):
+            if self._compiling.pop(command.request_id, None) is not None:
+                return  # never added; its compile's result is dropped
             if self._live.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
         elif isinstance(command, CoreCall):
@@ -258,8 +267,34 @@ class EngineCore:
                 call_results.append((command.call_id, None, error))
         elif isinstance(command, Shutdown):
             self._shutdown = command
+            for request_id in self._compiling:
+                accepted.append((request_id, RuntimeError("server is shutting down")))
+            self._compiling.clear()
         else:
             raise TypeError(f"unknown message {type(command).__name__}")
+
+    def _add(self, command: AddRequest, grammar, accepted: list) -> None:
+        error: BaseException | None = None
+        try:
+            self.engine.add_request(command.prompt_token_ids, command.sampling, request_id=command.request_id,
+                                    priority=command.priority, deadline=command.deadline, grammar=grammar)
+        except (ValueError, QueueFullError) as refused:  # the request's fault or a full pool
+            error = refused
+        if error is None:
+            self._live[command.request_id] = (len(command.prompt_token_ids), None)
+        accepted.append((command.request_id, error))
+
+    def _add_compiled(self, accepted: list) -> None:
+        for request_id, (command, compiled) in list(self._compiling.items()):
+            if not compiled.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                grammar = compiled.result()
+            except ValueError as refused:  # does not compile for this tokenizer, or past the limits
+                accepted.append((request_id, refused))
+                continue
+            self._add(command, grammar, accepted)
 
     def _track(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

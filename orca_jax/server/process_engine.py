@@ -179,7 +179,7 @@ class ProcessEngine:
                      request_id: str, priority: int = 0, deadline: float | None = None,
                      lora_request: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
         """AsyncEngine.submit's contract. `grammar` only proved the constraint compiles: the core
-        compiles sampling.structured_outputs again in its own compiler (cached there after the first)."""
+        compiles sampling.structured_outputs again in its own compiler, off its loop (cached after the first)."""
         if lora_request is not None:
             raise ValueError("LoRA adapters are not served with the engine core in its own process")
         if self.error is not None:

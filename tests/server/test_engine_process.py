@@ -40,6 +40,25 @@ class SlowToCompile(FakeEngine):
         return PrecompileReport(3, 0.9, 0.0)
 
 
+class SlowCompiler:
+    """A grammar compiler that takes a second per constraint (the core's own; the front end checks with a real one)."""
+
+    vocab_size = 256
+
+    def cached(self, constraint):
+        return None
+
+    def compile(self, constraint):
+        time.sleep(1.0)
+        return None  # FakeEngine takes any grammar and follows none
+
+
+class SlowGrammars(FakeEngine):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.grammar_compiler = SlowCompiler()
+
+
 def _fake_core(**kwargs) -> ProcessEngine:
     return ProcessEngine(functools.partial(FakeEngine, step_seconds=STEP_SECONDS, max_model_len=512,
                                            num_pages=1024, **kwargs))
@@ -122,6 +141,34 @@ async def test_shutdown_ends_running_requests_as_abort_and_the_core_exits_zero()
         assert response.json()["choices"][0]["finish_reason"] == "abort"
         assert (await client.get("/health")).status_code == 503
     assert core.process.exitcode == 0 and core.error is None
+
+
+@pytest.mark.anyio
+async def test_a_grammar_compiling_in_the_core_does_not_stall_its_loop():
+    core = ProcessEngine(functools.partial(SlowGrammars, step_seconds=STEP_SECONDS, max_model_len=512, num_pages=1024))
+    with live_server(create_app(core, served_model_name="fake")) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            arrivals = []
+
+            async def stream():
+                body = {"prompt": "a", "max_tokens": 300, "stream": True}  # 6 s, past the answer below
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            arrivals.append(time.monotonic())
+
+            streaming = asyncio.create_task(stream())
+            await wait_until(lambda: len(arrivals) > 5)
+            sent = time.monotonic()
+            constrained = await client.post("/v1/completions", json={
+                "prompt": "b", "max_tokens": 3, "structured_outputs": {"regex": "[a-z]+"}})
+            answered = time.monotonic()
+            await streaming
+    assert constrained.status_code == 200 and constrained.json()["choices"][0]["text"] == "cde"
+    assert answered - sent >= 1.0  # it waited for its grammar...
+    during = [t for t in arrivals if sent <= t <= answered]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(during) > 10 and max(gaps) < 0.3, gaps  # ...while the other request's tokens kept coming
 
 
 def _serve(*flags: str) -> tuple[subprocess.Popen, str]:

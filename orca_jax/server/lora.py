@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from orca_jax.config import LoRAConfig
 from orca_jax.lora.adapter import LoRAError, load_adapter
 from orca_jax.lora.request import LoRARequest
-from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
+from orca_jax.server.async_engine import EngineUnavailableError
+from orca_jax.server.engine_client import EngineClient
 from orca_jax.server.errors import APIError
 from orca_jax.server.responses import ErrorResponse, ModelCard, unix_now
 
@@ -100,7 +101,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class ServedModels:
     """The base model and the adapters served under their names; changed only on the event loop."""
 
-    def __init__(self, async_engine: AsyncEngine, base_name: str, max_model_len: int):
+    def __init__(self, async_engine: EngineClient, base_name: str, max_model_len: int):
         self.async_engine = async_engine
         self.base_name = base_name
         self.max_model_len = max_model_len

@@ -215,7 +215,7 @@ def _engine_process(argv, args, config, on_ready, on_failure):
         return ProcessEngine(ServedEngineFactory(tuple(argv)), shutdown_grace_seconds=args.shutdown_grace_seconds,
                              precompile=True, on_ready=on_ready, on_failure=on_failure, log_level=args.log_level)
     except EngineStartError as error:  # a model that cannot be read, say: one line
-        print(f"{PROG}: error: the engine core could not start: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
 
 

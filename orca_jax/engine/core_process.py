@@ -132,6 +132,7 @@ class CoreFailed:
     cause: str  # repr of the error
     traceback: str
     starting: bool  # the engine was never built (e.g. weights that cannot be read)
+    message: str = ""  # str of the error: what a start that failed prints
 
 
 # ---- the child process ----------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def _exit_with_parent() -> None:
 
 def _send_failure(conn: Connection, error: BaseException, *, starting: bool) -> None:
     try:
-        conn.send(CoreFailed(repr(error), traceback.format_exc(), starting))
+        conn.send(CoreFailed(repr(error), traceback.format_exc(), starting, str(error)))
     except OSError:
         pass
 

@@ -124,7 +124,7 @@ class ProcessEngine:
             return message
         self.process.join(STOP_JOIN_SECONDS)
         if isinstance(message, CoreFailed):
-            raise EngineStartError(message.cause)
+            raise EngineStartError(message.message or message.cause)
         raise EngineStartError(f"the engine core process ended before its engine was built "
                                f"(exit code {self.process.exitcode})")
 

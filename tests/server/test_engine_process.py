@@ -280,3 +280,13 @@ def test_sigterm_to_the_whole_process_group_still_drains_and_exits_zero():
     assert process.returncode == 0, output
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("abort", "length")
     assert "engine core process died" not in output, output
+
+
+def test_a_model_the_core_cannot_read_ends_the_start_with_one_line(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    process, _ = _serve("--engine-process", "--model", str(tmp_path))
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output
+    assert output.strip().splitlines()[-1] == (f"python -m orca_jax.serve: error: {tmp_path}/config.json: architecture "
+                                               "model_type None is not supported (supported: GPT2LMHeadModel, "
+                                               "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"), output

@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from orca_jax.core.sched.interface import QueueFullError
+from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class AddRequest:
     sampling: SamplingParams  # its structured_outputs compile in the core's own grammar compiler
     priority: int
     deadline: float | None  # time.monotonic's clock, which is the same in every process of a machine
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,13 +66,16 @@ class AbortRequest:
 
 
 class CoreCallKind(enum.Enum):
-    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"  # () -> pages forgotten
+    ADD_LORA = "add_lora"  # (LoRARequest, LoRAAdapter read and checked by the front end) -> None
+    REMOVE_LORA = "remove_lora"  # (lora_int_id,) -> whether it was registered
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CoreCall:
     call_id: int
     kind: CoreCallKind
+    args: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,6 +97,7 @@ class CoreInfo:
     tokenizer: BaseTokenizer
     grammar_vocab_size: int | None  # the logits' width its grammar compiler masks; None: it has none
     stats: EngineStats
+    loras: list[LoRARequest]  # the adapters registered at start (--lora-modules)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -152,7 +158,7 @@ def run_engine_core(conn: Connection, build: Callable[[], Engine], precompile: b
         raise SystemExit(1) from None
     compiler = engine.grammar_compiler
     conn.send(CoreInfo(engine.config, engine.model_config, engine.max_model_len, engine.tokenizer,
-                       None if compiler is None else compiler.vocab_size, engine.stats()))
+                       None if compiler is None else compiler.vocab_size, engine.stats(), engine.list_loras()))
     try:
         EngineCore(engine, conn).run(precompile)
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the front end is gone: nobody to serve
@@ -270,8 +276,13 @@ class EngineCore:
         elif isinstance(command, CoreCall):
             try:
                 if command.kind is CoreCallKind.RESET_PREFIX_CACHE:
-                    call_results.append((command.call_id, self.engine.reset_prefix_cache(), None))
-            except Exception as error:  # handed to the caller
+                    result = self.engine.reset_prefix_cache()
+                elif command.kind is CoreCallKind.ADD_LORA:
+                    result = self.engine.add_lora(*command.args)
+                else:
+                    result = self.engine.remove_lora(*command.args)
+                call_results.append((command.call_id, result, None))
+            except Exception as error:  # handed to the caller (a LoRAError: a 400 there)
                 call_results.append((command.call_id, None, error))
         elif isinstance(command, Shutdown):
             self._shutdown = command
@@ -285,7 +296,8 @@ class EngineCore:
         error: BaseException | None = None
         try:
             self.engine.add_request(command.prompt_token_ids, command.sampling, request_id=command.request_id,
-                                    priority=command.priority, deadline=command.deadline, grammar=grammar)
+                                    priority=command.priority, deadline=command.deadline,
+                                    lora_request=command.lora_request, grammar=grammar)
         except (ValueError, QueueFullError) as refused:  # the request's fault or a full pool
             error = refused
         if error is None:

@@ -44,6 +44,9 @@ class ServedEngineFactory:
         # Before the model loads: jax fixes its cache's directory at its first compile.
         configure_compilation_cache(engine_config_from_args(args).compilation_cache_dir)
         engine = build_engine(args)
+        from orca_jax.server.lora import parse_lora_modules, register_lora_modules
+
+        register_lora_modules(engine, parse_lora_modules(args.lora_modules))  # a LoRAError ends the start
         for line in startup_report(engine):
             log.info("%s", line)
         return engine
@@ -56,9 +59,6 @@ def engine_process_refusal(config: EngineConfig) -> str | None:
     if config.fine_tuning is not None:
         return ("fine-tuning jobs (--enable-fine-tuning) do not run with the engine core in its own process yet; "
                 "start with --no-engine-process")
-    if config.lora is not None:
-        return ("LoRA adapters (--enable-lora, --lora-modules) are not served with the engine core in its own "
-                "process yet; start with --no-engine-process")
     return None
 
 

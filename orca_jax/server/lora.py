@@ -148,7 +148,7 @@ class ServedModels:
         try:  # read and checked off the event loop and off the engine thread, which keeps serving
             adapter = await asyncio.to_thread(load_adapter, lora.lora_path, name, engine.model_config,
                                               engine.lora.config.max_lora_rank)
-            await self.async_engine.run_in_engine(lambda e: e.add_lora(lora, adapter))
+            await self.async_engine.add_lora(lora, adapter)
         except LoRAError as error:
             raise APIError(400, str(error), param="lora_path", code="invalid_lora_adapter") from None
         except EngineUnavailableError as error:
@@ -164,7 +164,7 @@ class ServedModels:
             raise APIError(404, f"the LoRA adapter {body.lora_name!r} cannot be found", param="lora_name",
                            code="lora_not_found")
         try:
-            await self.async_engine.run_in_engine(lambda e: e.remove_lora(lora.lora_int_id))
+            await self.async_engine.remove_lora(lora.lora_int_id)
         except EngineUnavailableError as error:
             raise APIError(503, str(error), code="engine_unavailable") from None
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -7,8 +7,8 @@ thread here reads the pipe and hands each message's outputs to the event loop in
 
 A core that dies (killed, crashed, out of memory) closes the pipe: the reader sees it at once, every
 request in flight and every later one gets EngineDeadError (503), /health fails, and `on_failure`
-runs, as with the in-thread engine. LoRA adapters and fine-tuning jobs are not served across the
-boundary yet (refused at start-up); tokenizing, templates and grammar checks stay in the front end.
+runs, as with the in-thread engine. Fine-tuning jobs do not run across the boundary yet (refused
+at start-up); tokenizing, templates and grammar checks stay in the front end.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from orca_jax.core.sched.interface import QueueFullError
 from orca_jax.engine.core_process import (AbortRequest, AddRequest, CoreCall, CoreCallKind, CoreFailed, CoreInfo,
                                           CoreIteration, CoreProgress, CoreReady, CoreStopped, Shutdown,
                                           run_engine_core)
+from orca_jax.config import LoRAConfig
+from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
@@ -48,6 +50,19 @@ class EngineStartError(RuntimeError):
     """The core process could not build its engine (its cause is the message)."""
 
 
+class LoRAIds:
+    """The front end's side of the core's LoRAManager: its config, and new lora_int_ids. Only the front
+    end names adapters once the core runs (no fine-tuning here), so a count past those registered at
+    start never repeats one, a removed one included."""
+
+    def __init__(self, config: LoRAConfig, registered: list[LoRARequest]):
+        self.config = config
+        self._ids = itertools.count(max((lora.lora_int_id for lora in registered), default=0) + 1)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineView:
     """The engine's fixed parts the front end reads (AsyncEngine.engine's, for the server's modules)."""
@@ -57,11 +72,12 @@ class EngineView:
     max_model_len: int
     tokenizer: object  # BaseTokenizer
     grammar_compiler: GrammarCompiler | None  # the front end's own, to check constraints before sending
-    lora = None  # LoRA adapters and fine-tuning jobs are not served across the process boundary
-    fine_tuning = None
+    lora: LoRAIds | None
+    loras: tuple[LoRARequest, ...]  # registered at start
+    fine_tuning = None  # fine-tuning jobs are not run across the process boundary (refused at start)
 
     def list_loras(self) -> list[LoRARequest]:
-        return []
+        return list(self.loras)
 
 
 @dataclasses.dataclass(slots=True)
@@ -107,7 +123,8 @@ class ProcessEngine:
         grammar_compiler = None if info.grammar_vocab_size is None else GrammarCompiler(
             info.tokenizer, info.grammar_vocab_size, limits=info.config.grammar_limits)
         self.engine = EngineView(info.config, info.model_config, info.max_model_len, info.tokenizer,
-                                 grammar_compiler)
+                                 grammar_compiler, None if info.config.lora is None else LoRAIds(info.config.lora, info.loras),
+                                 tuple(info.loras))
         self.latest_stats: EngineStats = info.stats
         scheduler = info.config.scheduler
         self.max_in_flight = max_in_flight or scheduler.max_waiting + scheduler.max_num_seqs
@@ -180,8 +197,6 @@ class ProcessEngine:
                      lora_request: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
         """AsyncEngine.submit's contract. `grammar` only proved the constraint compiles: the core
         compiles sampling.structured_outputs again in its own compiler, off its loop (cached after the first)."""
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not served with the engine core in its own process")
         if self.error is not None:
             raise EngineDeadError(str(self.error))
         if not self.is_running:
@@ -192,7 +207,7 @@ class ProcessEngine:
         stream = RequestStream(request_id, len(prompt_token_ids), loop, self._abort)
         accepted = loop.create_future()
         self._live[request_id] = _Live(stream, accepted)
-        self._send(AddRequest(request_id, list(prompt_token_ids), sampling, priority, deadline))
+        self._send(AddRequest(request_id, list(prompt_token_ids), sampling, priority, deadline, lora_request))
         try:
             error = await accepted
         except asyncio.CancelledError:
@@ -204,13 +219,24 @@ class ProcessEngine:
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix in the core; the number of pages forgotten."""
+        return await self._call(CoreCallKind.RESET_PREFIX_CACHE)
+
+    async def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Register an adapter (read and checked here, off the event loop) in the core; LoRAError if it
+        cannot be served there."""
+        await self._call(CoreCallKind.ADD_LORA, lora_request, adapter)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call(CoreCallKind.REMOVE_LORA, lora_int_id)
+
+    async def _call(self, kind: CoreCallKind, *args):
         if self.error is not None:
             raise EngineDeadError(str(self.error))
         if not self.is_running:
             raise EngineUnavailableError("engine is not running")
         call_id = next(self._call_ids)
         done = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self._send(CoreCall(call_id, CoreCallKind.RESET_PREFIX_CACHE))
+        self._send(CoreCall(call_id, kind, args))
         result, error = await done
         if error is not None:
             raise error

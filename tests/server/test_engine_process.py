@@ -221,7 +221,6 @@ def test_serve_exits_one_within_seconds_when_its_core_is_killed():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--enable-lora"], "LoRA adapters"),
     (["--enable-fine-tuning"], "fine-tuning jobs"),
 ])
 def test_engine_process_refuses_what_it_does_not_serve_at_start(flags, message):

@@ -24,6 +24,7 @@ class EngineClient(Protocol):
 
     `engine` is the engine's fixed parts (config, model_config, max_model_len, tokenizer,
     grammar_compiler, lora, fine_tuning, list_loras): the Engine itself in-thread, a view in a process.
+    Fine-tuning's routes need AsyncEngine.run_in_engine (the engine in this process).
     """
 
     engine: object
@@ -58,5 +59,3 @@ class EngineClient(Protocol):
     async def add_lora(self, lora_request: LoRARequest, adapter: object) -> None: ...
 
     async def remove_lora(self, lora_int_id: int) -> bool: ...
-
-    async def run_in_engine(self, fn: Callable) -> object: ...

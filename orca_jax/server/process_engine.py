@@ -242,9 +242,6 @@ class ProcessEngine:
             raise error
         return result
 
-    async def run_in_engine(self, fn: Callable[[Engine], object]):
-        raise EngineUnavailableError("this call needs the engine in the server's process (--no-engine-process)")
-
     def _abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is not None and self.error is None:
             self._send(AbortRequest(request_id))

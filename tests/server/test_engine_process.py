@@ -289,3 +289,63 @@ def test_a_model_the_core_cannot_read_ends_the_start_with_one_line(tmp_path):
     assert output.strip().splitlines()[-1] == (f"python -m orca_jax.serve: error: {tmp_path}/config.json: architecture "
                                                "model_type None is not supported (supported: GPT2LMHeadModel, "
                                                "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"), output
+
+
+class SlowToBuild(FakeEngine):
+    """A fake that takes a minute to build, as a big model takes to load."""
+
+    def __init__(self, **kwargs):
+        time.sleep(60)
+        super().__init__(**kwargs)
+
+
+def test_a_core_still_loading_exits_when_its_server_is_killed():
+    """While it loads or compiles the core reads no pipe: it watches its parent instead."""
+    script = ("from tests.server.test_engine_process import SlowToBuild\n"
+              "from orca_jax.server.process_engine import ProcessEngine\n"
+              "if __name__ == '__main__':\n"
+              "    ProcessEngine(SlowToBuild)\n")
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=checkout_env())
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                core = _core_pid(process.pid)
+                break
+            except AssertionError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.1)
+        time.sleep(2)  # the core is in its build now
+        process.kill()
+        process.wait(10)
+        deadline = time.monotonic() + 5
+        while _state(core) not in ("Z", "gone"):
+            assert time.monotonic() < deadline, "the engine core outlived its server"
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_a_core_whose_server_is_killed_exits_with_it():
+    process, url = _serve("--engine-process")
+    try:
+        wait_healthy(url, process, timeout=180)
+        core = _core_pid(process.pid)
+        process.kill()
+        process.communicate(timeout=30)
+        deadline = time.monotonic() + 5
+        while _state(core) not in ("Z", "gone"):
+            assert time.monotonic() < deadline, "the engine core outlived its server"
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import resource
@@ -22,6 +21,8 @@ import sys
 from types import FrameType
 
 import uvicorn
+
+from orca_jax.server.engine_factory import startup_report
 
 __all__ = ["main"]  # and, lazily, the flag helpers below
 log = logging.getLogger("orca_jax.serve")
@@ -91,7 +92,6 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
     from orca_jax.server.cli_args import (allowed_hosts_from_args, engine_config_from_args,
                                           http_limits_from_args, parse_args, read_chat_template,
                                           tool_call_settings_from_args)
-    from orca_jax.server.lora import parse_lora_modules, register_lora_modules
     from orca_jax.server.preprocess import frontend_limits_from_args
 
     args = parse_args(argv)
@@ -104,43 +104,7 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
     limits = http_limits_from_args(args)
     raise_open_file_limit(limits.max_connections + SPARE_FILE_DESCRIPTORS)
 
-    # Imported here so `--help` and flag errors come back without loading jax.
-    from orca_jax.worker import multihost
-    from orca_jax.worker.compilation import configure_compilation_cache
-    multihost.initialize(config.parallel)  # before anything else touches jax
-    # Before the model loads: jax fixes its cache's directory at its first compile.
-    configure_compilation_cache(config.compilation_cache_dir)
-    from orca_jax.engine import Engine
-    from orca_jax.engine.defaults import UsageContext, batch_defaults
-    from orca_jax.models.loader import load_model
-    from orca_jax.models.weights import WeightsError
     from orca_jax.server import gc_and_gil
-    from orca_jax.server.app import CORSPolicy, create_app
-    from orca_jax.server.async_engine import AsyncEngine
-
-    log.info("loading %s", args.model)
-    # The engine thread compiles every program once the server is up, so /health can say how far
-    # it got; it reports ready only after that, and nothing compiles while serving. Other processes
-    # compile as process 0's runner tells them (multihost.Mirror).
-    try:
-        loaded = load_model(config.model, dtype=config.dtype)
-        # The device's and the model's batch (engine/defaults.py) where the flags leave it open.
-        config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER, loaded.config.num_params))
-        engine = Engine(dataclasses.replace(config, precompile=False), loaded)
-    except WeightsError as error:  # a model that cannot be read: one line, not a traceback
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
-    try:
-        register_lora_modules(engine, parse_lora_modules(args.lora_modules))
-    except ValueError as error:  # a LoRAError names the adapter and the problem
-        log.error("%s", error)
-        return 2
-    if not multihost.is_leader():
-        log.info("process %d: running process 0's steps", args.process_id)
-        multihost.run_worker(engine.runner)
-        return 0
-    for line in startup_report(engine):
-        log.info("%s", line)
     url = f"{'https' if args.ssl_certfile else 'http'}://{_url_host(args.host)}:{args.port}"
     server: _Server | None = None
 
@@ -149,14 +113,22 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
         app.state.preprocess.start()  # the grammar workers, so the first constrained request finds them up
         log.info("ready at %s", url)
 
-    def on_failure(error: BaseException) -> None:  # on the engine thread, after every request got the error
+    def on_failure(error: BaseException) -> None:  # after every request in flight got the error
         log.critical("the engine loop failed (%r); the server exits", error)
         if server is not None:
             server.exit_soon()
 
-    gc_and_gil.shorten_gil_switch_interval()
-    async_engine = AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True,
-                               on_ready=on_ready, on_failure=on_failure)
+    if args.engine_process:
+        async_engine = _engine_process(argv, args, config, on_ready, on_failure)
+        if isinstance(async_engine, int):
+            return async_engine
+        stop_workers = None
+    else:
+        async_engine = _engine_thread(args, config, on_ready, on_failure)
+        if isinstance(async_engine, int):
+            return async_engine
+        stop_workers = async_engine.engine.runner.stop_workers
+    from orca_jax.server.app import CORSPolicy, create_app
     cors = None if args.allowed_origins is None else CORSPolicy(
         args.allowed_origins, args.allowed_methods, args.allowed_headers)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
@@ -181,11 +153,70 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
         signal.signal(sig, _already_handled)
     server = _Server(uvicorn_config, on_exit=async_engine.begin_shutdown)
     server.run(sockets=None if listener is None else [listener])
-    engine.runner.stop_workers()
+    if stop_workers is not None:
+        stop_workers()
     if async_engine.error is not None:
         log.error("exiting with status %d: the engine loop failed", EXIT_ENGINE_FAILED)
         return EXIT_ENGINE_FAILED
     return 0
+
+
+def _engine_thread(args, config, on_ready, on_failure):
+    """The engine on a thread of this process (AsyncEngine); an exit status where the start ends here."""
+    # Imported here so `--help` and flag errors come back without loading jax.
+    from orca_jax.worker import multihost
+    from orca_jax.worker.compilation import configure_compilation_cache
+    multihost.initialize(config.parallel)  # before anything else touches jax
+    # Before the model loads: jax fixes its cache's directory at its first compile.
+    configure_compilation_cache(config.compilation_cache_dir)
+    from orca_jax.models.weights import WeightsError
+    from orca_jax.server import gc_and_gil
+    from orca_jax.server.async_engine import AsyncEngine
+    from orca_jax.server.engine_factory import build_engine
+    from orca_jax.server.lora import parse_lora_modules, register_lora_modules
+
+    log.info("loading %s", args.model)
+    # The engine thread compiles every program once the server is up, so /health can say how far
+    # it got; it reports ready only after that, and nothing compiles while serving. Other processes
+    # compile as process 0's runner tells them (multihost.Mirror).
+    try:
+        engine = build_engine(args)
+    except WeightsError as error:  # a model that cannot be read: one line, not a traceback
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        register_lora_modules(engine, parse_lora_modules(args.lora_modules))
+    except ValueError as error:  # a LoRAError names the adapter and the problem
+        log.error("%s", error)
+        return 2
+    if not multihost.is_leader():
+        log.info("process %d: running process 0's steps", args.process_id)
+        multihost.run_worker(engine.runner)
+        return 0
+    for line in startup_report(engine):
+        log.info("%s", line)
+    gc_and_gil.shorten_gil_switch_interval()
+    return AsyncEngine(engine, shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True,
+                       on_ready=on_ready, on_failure=on_failure)
+
+
+def _engine_process(argv, args, config, on_ready, on_failure):
+    """The engine core in a spawned child process (ProcessEngine), built there from the same flags;
+    an exit status where the start ends here. This process never starts jax."""
+    from orca_jax.server.engine_factory import ServedEngineFactory, engine_process_refusal
+    from orca_jax.server.process_engine import EngineStartError, ProcessEngine
+
+    refusal = engine_process_refusal(config)
+    if refusal is not None:
+        print(f"{PROG}: error: {refusal}", file=sys.stderr)
+        return 2
+    log.info("loading %s in the engine core process", args.model)
+    try:
+        return ProcessEngine(ServedEngineFactory(tuple(argv)), shutdown_grace_seconds=args.shutdown_grace_seconds,
+                             precompile=True, on_ready=on_ready, on_failure=on_failure, log_level=args.log_level)
+    except EngineStartError as error:  # a model that cannot be read, say: one line
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
 
 
 def listen_address(argv: list[str]) -> tuple[str, int, int]:
@@ -264,32 +295,6 @@ def raise_open_file_limit(wanted: int) -> None:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def startup_report(engine) -> list[str]:
-    """What the engine runs on and how big its KV pool is, for the start-up log.
-
-    A GPU machine that silently serves on the CPU (a CPU-only jax) shows up here at once.
-    """
-    import jax
-
-    devices = [d for stage in engine.runner.stages for d in stage.mesh.devices.flat]
-    first = engine.runner.local_device  # only this process's devices answer memory_stats
-    line = f"devices: {len(devices)} x {first.device_kind} ({first.platform})"
-    stats = first.memory_stats() or {}
-    if "bytes_limit" in stats:
-        line += (f", {stats['bytes_limit'] / 2**30:.1f} GiB each, "
-                 f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB in use after loading")
-    if len(jax.devices()) > len(devices):
-        line += f" (of {len(jax.devices())} visible)"
-    # Counted as /metrics counts it: the pages requests can hold (page 0 is the scratch page).
-    pages, page_size = engine.stats().kv_pages_total, engine.runner.page_size
-    kv_bytes = engine.runner.kv_bytes
-    size = f"{kv_bytes / 2**30:.2f} GiB" if kv_bytes >= 2**30 else f"{kv_bytes / 2**20:.1f} MiB"
-    return [line, f"model: {engine.config.model} in {engine.model_config.dtype}, context {engine.max_model_len} "
-                  "tokens",
-            f"KV pool: {pages} pages x {page_size} tokens = {pages * page_size} tokens for requests "
-            f"(+1 scratch page), {size}"]
 
 
 def _already_handled(sig: int, frame: FrameType | None) -> None:

@@ -17,8 +17,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from orca_jax.json_limits import DEFAULT_MAX_DEPTH
-from orca_jax.server.async_engine import AsyncEngine
-from orca_jax.server.errors import install_error_handlers
+from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
+from orca_jax.server.engine_client import EngineClient
+from orca_jax.server.errors import APIError, install_error_handlers
 from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, FineTuningJobsCollector,
                                          FineTuningRoutes, install_fine_tuning_routes)
 from orca_jax.server.lora import ServedModels, install_lora_routes
@@ -103,7 +104,7 @@ class HealthStatus(BaseModel):
     total: int | None = None
 
 
-def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
+def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                metrics_require_auth: bool = False, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                allow_special_tokens_in_text: bool = False,
@@ -114,7 +115,8 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
                frontend: FrontendLimits = FrontendLimits(), max_json_depth: int = DEFAULT_MAX_DEPTH) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
-    A bare Engine is wrapped in an AsyncEngine. Only one app at a time may drive one engine.
+    A bare Engine is wrapped in an AsyncEngine; an EngineClient (AsyncEngine, or ProcessEngine with the
+    engine core in its own process) is driven as it is. Only one app at a time may drive one engine.
     `default_max_tokens` caps chats that name no max_tokens (None: the rest of the context);
     `allowed_hosts` (None: any) are the Host header values answered, e.g. LOCAL_HOSTS;
     `chat_template` replaces the model's own; `log_requests` logs one line per generation request;
@@ -125,7 +127,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     request, or at its start()). `max_json_depth`: how deeply a body may nest JSON arrays and objects
     (deeper: 400).
     """
-    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
     served_model_name = served_model_name or async_engine.engine.config.model
     metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: async_engine.num_in_flight,
                             model_name=served_model_name)
@@ -211,7 +213,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
         if async_engine.error is None and async_engine.is_running and not readiness.ready:
             return JSONResponse({"status": "starting", "waiting_for": readiness.describe(),
                                  "compiled": readiness.compiled, "total": readiness.total}, status_code=503)
-        reason = ("engine loop failed" if async_engine.error is not None
+        reason = (f"engine loop failed: {async_engine.error}" if async_engine.error is not None
                   else "shutting down or not started")
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
 
@@ -230,7 +232,10 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
         """Forget every cached prefix (vLLM's route); running requests keep their pages."""
-        forgotten = await async_engine.run_in_engine(lambda engine: engine.reset_prefix_cache())
+        try:
+            forgotten = await async_engine.reset_prefix_cache()
+        except EngineUnavailableError as error:  # dead, stopping or not started: no 500
+            raise APIError(503, str(error), code="engine_unavailable") from None
         return JSONResponse({"status": "ok", "pages_forgotten": forgotten})
 
     # Added last = outermost: the Host and the key are checked before the body is even read. CORS

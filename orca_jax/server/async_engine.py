@@ -212,6 +212,17 @@ class AsyncEngine:
             self._commands.append(_Abort(request_id))
             self._cond.notify()
 
+    async def add_lora(self, lora_request: LoRARequest, adapter) -> None:
+        """Register an adapter (a lora.adapter.LoRAAdapter already read) between iterations."""
+        await self.run_in_engine(lambda engine: engine.add_lora(lora_request, adapter))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self.run_in_engine(lambda engine: engine.remove_lora(lora_int_id))
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (between iterations); the number of pages forgotten."""
+        return await self.run_in_engine(lambda engine: engine.reset_prefix_cache())
+
     async def run_in_engine(self, fn: Callable[[Engine], object]):
         """fn(engine) on the engine thread, between iterations (the engine is not thread-safe);
         returns its result or raises what it raised."""

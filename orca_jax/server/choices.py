@@ -17,7 +17,8 @@ from fastapi import Request
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
 from orca_jax.sampling_params import SamplingParams
-from orca_jax.server.async_engine import AsyncEngine, RequestStream
+from orca_jax.server.async_engine import RequestStream
+from orca_jax.server.engine_client import EngineClient
 from orca_jax.server.formatting import Final
 from orca_jax.server.metrics import RequestTimer
 from orca_jax.server.responses import Usage
@@ -60,7 +61,7 @@ def usage_of(choices: list[Choice], finals: list[RequestOutput | None]) -> Usage
     return Usage.of(sum(prompt_tokens.values()), completion_tokens, sum(cached.values()))
 
 
-async def submit_all(async_engine: AsyncEngine, choices: list[Choice], *, request_id: str, priority: int,
+async def submit_all(async_engine: EngineClient, choices: list[Choice], *, request_id: str, priority: int,
                      deadline: float | None, lora_request: LoRARequest | None = None,
                      grammar: CompiledGrammar | None = None) -> list[RequestStream]:
     """Submit every choice; all or nothing (the first error is raised after the others are aborted).

@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "tokens; only for trusted callers, who can then forge conversation turns")
     api.add_argument("--shutdown-grace-seconds", type=float, default=0.0,
                      help="on SIGTERM, let in-flight requests run this long before aborting them")
+    api.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                     help="run the engine core in its own process, fed over a pipe, so the HTTP event loop and "
+                     "the engine loop do not share one GIL (not yet with fine-tuning jobs or several processes)")
 
     tools = p.add_argument_group("tool calls")
     tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from orca_jax.config import LoRAConfig
 from orca_jax.lora.adapter import LoRAError, load_adapter
 from orca_jax.lora.request import LoRARequest
-from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
+from orca_jax.server.async_engine import EngineUnavailableError
+from orca_jax.server.engine_client import EngineClient
 from orca_jax.server.errors import APIError
 from orca_jax.server.responses import ErrorResponse, ModelCard, unix_now
 
@@ -100,7 +101,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class ServedModels:
     """The base model and the adapters served under their names; changed only on the event loop."""
 
-    def __init__(self, async_engine: AsyncEngine, base_name: str, max_model_len: int):
+    def __init__(self, async_engine: EngineClient, base_name: str, max_model_len: int):
         self.async_engine = async_engine
         self.base_name = base_name
         self.max_model_len = max_model_len
@@ -147,7 +148,7 @@ class ServedModels:
         try:  # read and checked off the event loop and off the engine thread, which keeps serving
             adapter = await asyncio.to_thread(load_adapter, lora.lora_path, name, engine.model_config,
                                               engine.lora.config.max_lora_rank)
-            await self.async_engine.run_in_engine(lambda e: e.add_lora(lora, adapter))
+            await self.async_engine.add_lora(lora, adapter)
         except LoRAError as error:
             raise APIError(400, str(error), param="lora_path", code="invalid_lora_adapter") from None
         except EngineUnavailableError as error:
@@ -163,7 +164,7 @@ class ServedModels:
             raise APIError(404, f"the LoRA adapter {body.lora_name!r} cannot be found", param="lora_name",
                            code="lora_not_found")
         try:
-            await self.async_engine.run_in_engine(lambda e: e.remove_lora(lora.lora_int_id))
+            await self.async_engine.remove_lora(lora.lora_int_id)
         except EngineUnavailableError as error:
             raise APIError(503, str(error), code="engine_unavailable") from None
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

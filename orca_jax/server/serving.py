@@ -17,9 +17,10 @@ from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.async_engine import (
-    AsyncEngine, EngineOverloadedError, EngineUnavailableError, QueueFullError, RequestStream,
+    EngineOverloadedError, EngineUnavailableError, QueueFullError, RequestStream,
 )
 from orca_jax.server.choices import Choice, ChoiceStreams, derive_seed, submit_all, usage_of
+from orca_jax.server.engine_client import EngineClient
 from orca_jax.server.errors import APIError, error_body
 from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
 from orca_jax.server.lora import ServedModels
@@ -55,7 +56,7 @@ _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
 class OpenAIServing:
-    """The completions and chat endpoints over one AsyncEngine.
+    """The completions and chat endpoints over one EngineClient (the engine on a thread or in its own process).
 
     `default_max_tokens` caps chat completions that name no max_tokens (None: the rest of the
     context). `allow_special_tokens_in_text` lets control tokens typed in prompts and message
@@ -64,7 +65,7 @@ class OpenAIServing:
     and constraints run on `preprocess`'s threads and grammar workers, never on the event loop.
     """
 
-    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, preprocess: Preprocessor, *,
+    def __init__(self, async_engine: EngineClient, metrics: ServerMetrics, preprocess: Preprocessor, *,
                  served_model_name: str, default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
                  allow_special_tokens_in_text: bool = False, chat_template: str | None = None,
                  log_requests: bool = False, tool_calls: ToolCallSettings = ToolCallSettings(),

@@ -178,10 +178,11 @@ def test_report_reads_every_committed_results_dir(device, tmp_path):
 
 
 @pytest.mark.slow
-def test_serve_launches_our_server_and_compares_with_in_process(tmp_path):
+@pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process"])
+def test_serve_launches_our_server_and_compares_with_in_process(tmp_path, engine_flag):
     # In a child process: the engine's compilation cache is a process-wide jax setting.
     _bench_in_child(["serve", *ENGINE, "--dtype", "float32", *SHORT, "--num-prompts", "8", "--launch", "--port", "8791",
-                     "--compare-in-process", "--num-runs", "2", "--ignore-eos", "--disable-tqdm",
+                     "--compare-in-process", "--num-runs", "2", "--ignore-eos", "--disable-tqdm", engine_flag,
                      "--compilation-cache-dir", str(tmp_path / "cache"), "--result-dir", str(tmp_path)])
     result = _result(tmp_path, "tiny-llama_serve.json")
     generated = make_trace("uniform", 8, None, 0, SHORT_LENGTHS).num_generated_tokens

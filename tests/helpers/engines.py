@@ -23,6 +23,15 @@ def tiny_engine(model: str = "tiny-llama", *, loaded=None, max_num_seqs: int = 8
     return Engine(dataclasses.replace(config, **overrides), loaded, scheduler_factory=scheduler_factory)
 
 
+def engine_with_loras(config: EngineConfig, loras: tuple = ()) -> Engine:
+    """Engine(config) with `loras` (LoRARequests) registered, as --lora-modules does; picklable as a
+    functools.partial, so an engine core process can build it."""
+    engine = Engine(config)
+    for lora in loras:
+        engine.add_lora(lora)
+    return engine
+
+
 def drain(engine: Engine, max_iterations: int = 10_000) -> dict[str, list[int]]:
     """Step until idle; returns each finished request's output token ids."""
     done: dict[str, list[int]] = {}

@@ -5,6 +5,7 @@ keeps serving; `python -m orca_jax.serve --enable-lora --lora-modules ...` end t
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 import sys
 
@@ -17,7 +18,9 @@ from orca_jax.engine import Engine
 from orca_jax.lora import LoRARequest
 from orca_jax.models.loader import load_model
 from orca_jax.server.app import create_app
+from orca_jax.server.process_engine import ProcessEngine
 
+from tests.helpers.engines import engine_with_loras
 from tests.helpers.lora import MAX_RANK, write_adapters, write_base, write_llama_adapter
 from tests.helpers.models import hf_greedy, hf_offline
 from tests.helpers.process import ROOT, checkout_env, free_port, wait_healthy
@@ -49,13 +52,16 @@ def completion(model: str | None = None, **extra) -> dict:
             **({} if model is None else {"model": model}), **extra}
 
 
-def test_adapters_over_http(models):
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_adapters_over_http(models, mode):
     base_dir, paths, expected = models
-    engine = Engine(EngineConfig(model=base_dir, cache=CacheConfig(page_size=8, num_pages=64),
-                                 scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
-                                 attention=AttentionBackend.JNP, precompile=False,
-                                 lora=LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK)))
-    engine.add_lora(LoRARequest("all-r4", 1, paths["all-r4"]))  # as --lora-modules does
+    build = functools.partial(engine_with_loras, EngineConfig(
+        model=base_dir, cache=CacheConfig(page_size=8, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), attention=AttentionBackend.JNP,
+        precompile=False, lora=LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK)),
+        (LoRARequest("all-r4", 1, paths["all-r4"]),))  # as --lora-modules does
+    # In process mode the engine core (a child) serves the adapters; loads cross to it after their checks here.
+    engine = build() if mode == "thread" else ProcessEngine(build)
     app = create_app(engine, api_key="sekrit", served_model_name="tiny")
 
     async def scenario():
@@ -92,23 +98,25 @@ def test_adapters_over_http(models):
             unauthorized = await client.post("/v1/load_lora_adapter", headers={"Authorization": "Bearer no"},
                                              json={"lora_name": "x", "lora_path": paths["qv-r8"]})
             assert unauthorized.status_code == 401
-        assert engine.lora.num_loads >= 4  # two slots for four adapters over the test
+        if mode == "thread":
+            assert engine.lora.num_loads >= 4  # two slots for four adapters over the test
 
     asyncio.run(scenario())
 
 
-def test_bad_adapters_get_a_400_naming_them_and_serving_goes_on(models, tmp_path):
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_bad_adapters_get_a_400_naming_them_and_serving_goes_on(models, tmp_path, mode):
     base_dir, paths, expected = models
     write_llama_adapter(tmp_path / "rank16", r=16)
     write_llama_adapter(tmp_path / "embed", targets=("q_proj", "embed_tokens"))
     write_llama_adapter(tmp_path / "shape", tensors={
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((4, 32), np.float32),
         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((64, 4), np.float32)})
-    engine = Engine(EngineConfig(model=base_dir, cache=CacheConfig(page_size=8, num_pages=64),
-                                 scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
-                                 attention=AttentionBackend.JNP, precompile=False,
-                                 lora=LoRAConfig(max_loras=1, max_lora_rank=MAX_RANK)))
-    app = create_app(engine, served_model_name="tiny")
+    build = functools.partial(Engine, EngineConfig(
+        model=base_dir, cache=CacheConfig(page_size=8, num_pages=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16), attention=AttentionBackend.JNP,
+        precompile=False, lora=LoRAConfig(max_loras=1, max_lora_rank=MAX_RANK)))
+    app = create_app(build() if mode == "thread" else ProcessEngine(build), served_model_name="tiny")
     cases = [("gone", str(tmp_path / "nothing-here"), "no such directory"),
              ("rank16", str(tmp_path / "rank16"), "rank 16 is above the server's maximum (8"),
              ("embed", str(tmp_path / "embed"), "target_modules names a module this llama model cannot adapt"),
@@ -129,13 +137,14 @@ def test_bad_adapters_get_a_400_naming_them_and_serving_goes_on(models, tmp_path
 
 
 @pytest.mark.slow  # two server processes (~25 s on a busy 2-core machine)
-def test_serve_cli_with_lora_modules(models, tmp_path):
+@pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process"])
+def test_serve_cli_with_lora_modules(models, tmp_path, engine_flag):
     base_dir, paths, expected = models
     port = free_port()
     common = [sys.executable, "-m", "orca_jax.serve", "--model", base_dir, "--port", str(port), "--page-size", "128",
               "--num-kv-pages", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "8", "--attention-backend", "jnp",
               "--log-level", "warning", "--enable-lora", "--max-loras", "2", "--max-lora-rank", str(MAX_RANK),
-              "--max-cpu-loras", "2"]
+              "--max-cpu-loras", "2", engine_flag]
     env = checkout_env()
     write_llama_adapter(tmp_path / "rank16", r=16)
     bad = subprocess.run(common + ["--lora-modules", f"big={tmp_path / 'rank16'}"], cwd=ROOT, env=env,

@@ -1,6 +1,7 @@
 """The HTTP API over the fake engine: bodies, errors, auth, limits, health and metrics."""
 
 import asyncio
+import functools
 import json
 import threading
 
@@ -8,16 +9,28 @@ import pytest
 
 from orca_jax.server.app import create_app
 from orca_jax.server.async_engine import AsyncEngine
+from orca_jax.server.process_engine import ProcessEngine
 
 from tests.helpers.server import FakeEngine, asgi_client, expected_text, parse_sse, wait_until
 
 pytestmark = pytest.mark.anyio
 
 
-def _app(**kwargs):
+@pytest.fixture(params=["thread", "process"])
+def mode(request) -> str:
+    """Where the fake engine runs: on the server's engine thread, or as the engine core in a child process."""
+    return request.param
+
+
+def _app(mode: str = "thread", *, max_in_flight: int | None = None, **kwargs):
     engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in
-                     ("max_num_seqs", "max_waiting", "max_model_len", "step_seconds", "num_pages")}
-    return create_app(FakeEngine(**engine_kwargs), **kwargs)
+                     ("max_num_seqs", "max_waiting", "max_model_len", "step_seconds", "num_pages",
+                      "fail_at_iteration")}
+    if mode == "process":
+        engine = ProcessEngine(functools.partial(FakeEngine, **engine_kwargs), max_in_flight=max_in_flight)
+    else:
+        engine = AsyncEngine(FakeEngine(**engine_kwargs), max_in_flight=max_in_flight)
+    return create_app(engine, **kwargs)
 
 
 async def _post(client, path, body):
@@ -34,8 +47,8 @@ def _assert_openai_error(response, status, param=None):
         assert error["param"] == param, error
 
 
-async def test_completion_text_usage_and_finish_reason():
-    async with asgi_client(_app()) as client:
+async def test_completion_text_usage_and_finish_reason(mode):
+    async with asgi_client(_app(mode)) as client:
         response = await client.post("/v1/completions", json={"model": "fake", "prompt": "hello",
                                                               "max_tokens": 5, "temperature": 0})
     assert response.status_code == 200, response.text
@@ -46,15 +59,15 @@ async def test_completion_text_usage_and_finish_reason():
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
 
 
-async def test_completion_accepts_token_ids_and_a_one_prompt_list():
-    async with asgi_client(_app()) as client:
+async def test_completion_accepts_token_ids_and_a_one_prompt_list(mode):
+    async with asgi_client(_app(mode)) as client:
         by_ids = await client.post("/v1/completions", json={"prompt": list(b"abc"), "max_tokens": 3})
         by_list = await client.post("/v1/completions", json={"prompt": ["abc"], "max_tokens": 3})
     assert by_ids.json()["choices"][0]["text"] == by_list.json()["choices"][0]["text"] == "def"
 
 
-async def test_stop_string_finishes_with_stop():
-    async with asgi_client(_app()) as client:
+async def test_stop_string_finishes_with_stop(mode):
+    async with asgi_client(_app(mode)) as client:
         response = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 10, "stop": ["e"]})
     choice = response.json()["choices"][0]
     assert choice["text"] == "bcd" and choice["finish_reason"] == "stop"
@@ -76,15 +89,15 @@ async def test_chat_uses_the_chat_template_and_reports_usage():
     assert body["usage"]["completion_tokens"] == 4
 
 
-async def test_chat_default_max_tokens_fills_the_context():
-    async with asgi_client(_app(max_model_len=64)) as client:
+async def test_chat_default_max_tokens_fills_the_context(mode):
+    async with asgi_client(_app(mode, max_model_len=64)) as client:
         response = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
     usage = response.json()["usage"]
     assert usage["total_tokens"] == 64 and response.json()["choices"][0]["finish_reason"] == "length"
 
 
-async def test_streamed_completion_chunks_and_usage():
-    async with asgi_client(_app()) as client:
+async def test_streamed_completion_chunks_and_usage(mode):
+    async with asgi_client(_app(mode)) as client:
         response = await client.post("/v1/completions", json={
             "prompt": "hello", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}})
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -97,8 +110,8 @@ async def test_streamed_completion_chunks_and_usage():
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
 
 
-async def test_streamed_chat_follows_openai_chunk_format():
-    async with asgi_client(_app()) as client:
+async def test_streamed_chat_follows_openai_chunk_format(mode):
+    async with asgi_client(_app(mode)) as client:
         response = await client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
     events = parse_sse(response.text)
@@ -112,8 +125,8 @@ async def test_streamed_chat_follows_openai_chunk_format():
     assert len("".join(c["choices"][0]["delta"].get("content", "") for c in chunks)) == 3
 
 
-async def test_logprobs_in_both_endpoints():
-    async with asgi_client(_app()) as client:
+async def test_logprobs_in_both_endpoints(mode):
+    async with asgi_client(_app(mode)) as client:
         completion = (await client.post("/v1/completions", json={
             "prompt": "a", "max_tokens": 2, "logprobs": 2})).json()
         chat = (await client.post("/v1/chat/completions", json={
@@ -127,8 +140,8 @@ async def test_logprobs_in_both_endpoints():
     assert [t["logprob"] for t in content[0]["top_logprobs"]] == [-0.5, -1.5]
 
 
-async def test_models_endpoint_and_unknown_model():
-    async with asgi_client(_app(served_model_name="my-model")) as client:
+async def test_models_endpoint_and_unknown_model(mode):
+    async with asgi_client(_app(mode, served_model_name="my-model")) as client:
         models = (await client.get("/v1/models")).json()
         assert models["object"] == "list" and models["data"][0]["id"] == "my-model"
         assert (await client.get("/v1/models/my-model")).status_code == 200
@@ -239,8 +252,8 @@ async def test_malformed_json_and_wrong_shapes_are_400():
         _assert_openai_error(await client.get("/v1/completions"), 405)
 
 
-async def test_prompt_longer_than_the_model_allows_is_400():
-    async with asgi_client(_app(max_model_len=32)) as client:
+async def test_prompt_longer_than_the_model_allows_is_400(mode):
+    async with asgi_client(_app(mode, max_model_len=32)) as client:
         too_long = await client.post("/v1/completions", json={"prompt": "x" * 40})
         no_room = await client.post("/v1/completions", json={"prompt": "x" * 20, "max_tokens": 20})
         chat = await client.post("/v1/chat/completions",
@@ -267,8 +280,8 @@ async def test_body_limit_is_413_before_parsing():
         assert ok.status_code == 200
 
 
-async def test_api_key_guards_v1_but_not_health():
-    async with asgi_client(_app(api_key="s3cret")) as client:
+async def test_api_key_guards_v1_but_not_health(mode):
+    async with asgi_client(_app(mode, api_key="s3cret")) as client:
         body = {"prompt": "x", "max_tokens": 1}
         _assert_openai_error(await client.post("/v1/completions", json=body), 401)
         _assert_openai_error(await client.post("/v1/completions", json=body,
@@ -286,8 +299,8 @@ async def test_metrics_can_require_the_key():
         assert (await client.get("/metrics", headers={"Authorization": "Bearer k"})).status_code == 200
 
 
-async def test_metrics_report_engine_and_latencies():
-    async with asgi_client(_app(served_model_name="m")) as client:
+async def test_metrics_report_engine_and_latencies(mode):
+    async with asgi_client(_app(mode, served_model_name="m")) as client:
         await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         text = (await client.get("/metrics")).text
     # vLLM's names with our prefix, every series labelled with the model.
@@ -327,9 +340,9 @@ async def test_two_apps_keep_separate_metrics():
     assert 'orca_jax:generation_tokens_total{model_name="fake"} 0.0' in text
 
 
-async def test_queue_full_is_503_with_retry_after():
-    engine = FakeEngine(max_num_seqs=1, max_waiting=1, step_seconds=0.05)
-    app = create_app(AsyncEngine(engine, max_in_flight=100))  # the engine's own bound decides
+async def test_queue_full_is_503_with_retry_after(mode):
+    # The engine's own bound decides.
+    app = _app(mode, max_num_seqs=1, max_waiting=1, step_seconds=0.05, max_in_flight=100)
     async with asgi_client(app) as client:
         responses = await asyncio.gather(*(
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}) for _ in range(6)))
@@ -341,9 +354,8 @@ async def test_queue_full_is_503_with_retry_after():
             assert response.headers["retry-after"] == "1"
 
 
-async def test_own_in_flight_bound_is_503_with_retry_after():
-    engine = FakeEngine(step_seconds=0.05)
-    app = create_app(AsyncEngine(engine, max_in_flight=2))
+async def test_own_in_flight_bound_is_503_with_retry_after(mode):
+    app = _app(mode, step_seconds=0.05, max_in_flight=2)
     async with asgi_client(app) as client:
         responses = await asyncio.gather(*(
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}) for _ in range(5)))
@@ -351,9 +363,8 @@ async def test_own_in_flight_bound_is_503_with_retry_after():
     assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
 
 
-async def test_health_follows_the_engine_loop():
-    engine = FakeEngine(fail_at_iteration=0)
-    app = create_app(engine)
+async def test_health_follows_the_engine_loop(mode):
+    app = _app(mode, fail_at_iteration=0)
     assert app.state.async_engine.is_healthy is False  # lifespan not started yet
     async with asgi_client(app) as client:
         assert (await client.get("/health")).status_code == 200
@@ -364,8 +375,8 @@ async def test_health_follows_the_engine_loop():
         _assert_openai_error(await client.post("/v1/completions", json={"prompt": "x"}), 503)
 
 
-async def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event():
-    async with asgi_client(create_app(FakeEngine(fail_at_iteration=2))) as client:
+async def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(mode):
+    async with asgi_client(_app(mode, fail_at_iteration=2)) as client:
         response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "stream": True})
     events = parse_sse(response.text)
     assert [e["choices"][0]["text"] for e in events[:2]] == ["y", "z"]

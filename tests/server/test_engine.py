@@ -5,6 +5,7 @@ to a minimum: a token budget equal to the batch size means T is always 8, so onl
 """
 
 import asyncio
+import functools
 import random
 import time
 
@@ -17,6 +18,7 @@ from orca_jax.config import SchedulingPolicy
 from orca_jax.engine import Engine
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.app import create_app
+from orca_jax.server.process_engine import ProcessEngine
 
 from tests.helpers.engines import tiny_engine
 from tests.helpers.fuzz import any_request, check_answer, driven, post_json
@@ -46,18 +48,30 @@ def engine():
     return tiny_engine(**SERVED)
 
 
+@pytest.fixture(params=["thread", "process"])
+def mode(request) -> str:
+    """Where the served engine runs: on a thread of this process, or as an engine core in a child."""
+    return request.param
+
+
+def _served(engine: Engine, mode: str):
+    """What an app drives: the module's engine, or in process mode an engine core built alike (same
+    config and seed, so the same weights and answers) in a spawned process; each app gets its own."""
+    return engine if mode == "thread" else ProcessEngine(functools.partial(tiny_engine, **SERVED))
+
+
 def _messages(prompt: str) -> list[dict]:
     return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
 
 
-def test_openai_client_gets_what_the_engine_computes(engine):
+def test_openai_client_gets_what_the_engine_computes(engine, mode):
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     expected_completion = [_run_directly(engine, p, greedy) for p in PROMPTS]
     chat_prompts = [engine.tokenizer.apply_chat_template(_messages(p), add_generation_prompt=True)
                     for p in PROMPTS]
     expected_chat = [_run_directly(engine, p, greedy) for p in chat_prompts]
 
-    with live_server(create_app(engine, served_model_name="tiny")) as server:
+    with live_server(create_app(_served(engine, mode), served_model_name="tiny")) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         for prompt, expected in zip(PROMPTS, expected_completion):
             got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
@@ -84,8 +98,8 @@ def test_openai_client_gets_what_the_engine_computes(engine):
             assert streamed[-1].choices[0].finish_reason == expected.finish_reason
 
 
-def test_seeded_sampling_is_reproducible_over_http(engine):
-    with live_server(create_app(engine)) as server:
+def test_seeded_sampling_is_reproducible_over_http(engine, mode):
+    with live_server(create_app(_served(engine, mode))) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         texts = [client.completions.create(model="tiny-llama", prompt="seeded", max_tokens=8, temperature=1.0,
                                            top_p=0.9, extra_body={"top_k": 50}, seed=1234).choices[0].text
@@ -93,8 +107,8 @@ def test_seeded_sampling_is_reproducible_over_http(engine):
     assert texts[0] == texts[1]
 
 
-def test_openai_client_gets_n_distinct_seeded_choices_streamed_and_not(engine):
-    with live_server(create_app(engine)) as server:
+def test_openai_client_gets_n_distinct_seeded_choices_streamed_and_not(engine, mode):
+    with live_server(create_app(_served(engine, mode))) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         kwargs = dict(model="tiny-llama", messages=_messages("Tell me a story"), max_tokens=8,
                       temperature=1.0, seed=1234, n=3)
@@ -126,8 +140,8 @@ def test_the_start_up_log_and_metrics_agree_on_the_kv_pool(engine):
     assert f'orca_jax:kv_cache_total_pages{{model_name="m"}} {float(usable)}' in text
 
 
-def test_length_limits_come_from_the_engine(engine):
-    with live_server(create_app(engine)) as server:
+def test_length_limits_come_from_the_engine(engine, mode):
+    with live_server(create_app(_served(engine, mode))) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         with pytest.raises(openai.BadRequestError) as raised:
             client.completions.create(model="tiny-llama", prompt="x" * (engine.max_model_len + 1))
@@ -136,7 +150,7 @@ def test_length_limits_come_from_the_engine(engine):
             client.completions.create(model="tiny-llama", prompt="x" * 10, max_tokens=engine.max_model_len)
 
 
-def test_many_concurrent_streams_with_random_disconnects(engine):
+def test_many_concurrent_streams_with_random_disconnects(engine, mode):
     """200+ streams at once; about a third hang up early. Everyone else gets every token, the KV
     pool drains to empty, and /health stays 200 throughout."""
     num_requests, max_tokens = 220, 8
@@ -188,16 +202,18 @@ def test_many_concurrent_streams_with_random_disconnects(engine):
             assert [c["choices"][0]["finish_reason"] for c in events[:-2]][-1] == "length"
         assert set(health_codes) == {200}
 
-    app = create_app(engine)
+    app = create_app(_served(engine, mode))
     with live_server(app) as server:
         asyncio.run(scenario(server.url, app))
+    # In process mode the scenario read the core's own counts: every page freed there.
     stats = engine.stats()
     assert stats.kv_pages_used == stats.kv_pages_reserved == 0 and not engine.has_unfinished()
 
 
-def test_fuzzed_requests_never_5xx_on_the_real_engine(engine):
+def test_fuzzed_requests_never_5xx_on_the_real_engine(engine, mode):
     """The fake cannot show what the real engine refuses or trips over (seeds, top_k, logprobs)."""
-    app = create_app(engine, served_model_name="fake", max_body_bytes=8192)
+    app = create_app(_served(engine, mode), served_model_name="fake", max_body_bytes=8192)
+    async_engine = app.state.async_engine
     with driven(app) as call:
         @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
         @given(any_request())
@@ -209,7 +225,8 @@ def test_fuzzed_requests_never_5xx_on_the_real_engine(engine):
         # A request refused or abandoned after it reached the engine is aborted on the engine
         # thread's next step: on a busy machine that may come after the last response.
         deadline = time.monotonic() + 10
-        while engine.has_unfinished():
+        while (async_engine.latest_stats.num_running or async_engine.latest_stats.num_waiting
+               or async_engine.latest_stats.kv_pages_used or engine.has_unfinished()):
             assert time.monotonic() < deadline, "requests left in the engine"
             call("GET", "/health")  # lets the loop run
             time.sleep(0.05)

@@ -1,12 +1,16 @@
 """Prefix caching through the server: usage.prompt_tokens_details.cached_tokens (streamed too), the
 prefix-cache counters in /metrics, and POST /reset_prefix_cache behind the API key."""
 
+import functools
+
 import httpx
 import openai
+import pytest
 
 from orca_jax.config import CacheConfig, EngineConfig, SchedulerConfig
 from orca_jax.engine import Engine
 from orca_jax.server.app import create_app
+from orca_jax.server.process_engine import ProcessEngine
 
 from tests.helpers.server import live_server, parse_sse
 
@@ -14,9 +18,11 @@ KEY = "secret"
 SYSTEM = "You are a terse assistant who answers in one short sentence. " * 3  # several pages of bytes
 
 
-def test_a_resent_history_is_served_from_the_cache_and_usage_says_so():
-    engine = Engine(EngineConfig(model="tiny-llama", cache=CacheConfig(page_size=16, num_pages=256),
-                                 scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)))
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_resent_history_is_served_from_the_cache_and_usage_says_so(mode):
+    build = functools.partial(Engine, EngineConfig(model="tiny-llama", cache=CacheConfig(page_size=16, num_pages=256),
+                                                   scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)))
+    engine = build() if mode == "thread" else ProcessEngine(build)  # in a child process: the core's cache
     with live_server(create_app(engine, served_model_name="tiny", api_key=KEY)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]

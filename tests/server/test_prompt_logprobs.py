@@ -3,11 +3,14 @@ checked against numpy on the serving forward's logits; refusals on a server with
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from orca_jax.config import SamplingConfig
 from orca_jax.server.app import create_app
+from orca_jax.server.process_engine import ProcessEngine
 
 from tests.helpers.engines import tiny_engine
 from tests.helpers.models import prompt_logits
@@ -15,13 +18,14 @@ from tests.helpers.server import FakeEngine, asgi_client, parse_sse
 
 PROMPT = [(5 * i + 7) % 120 + 32 for i in range(21)]  # printable bytes: the byte tokenizer's text
 BOUND = 1e-5  # fp32 on CPU: the prompt forward and the paged forward differ by reassociation only
+ENGINE = dict(max_model_len=128, sampling=SamplingConfig(max_logprobs=5, enable_prompt_logprobs=True))
 
 
 @pytest.fixture(scope="module")
 def served():
     """(engine, f64[n - 1, V] reference log_softmax at each prompt position); the reference is computed
     before any app drives the engine (each test serves it with an app of its own)."""
-    engine = tiny_engine(max_model_len=128, sampling=SamplingConfig(max_logprobs=5, enable_prompt_logprobs=True))
+    engine = tiny_engine(**ENGINE)
     logits = prompt_logits(engine.runner, PROMPT).astype(np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     reference = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
@@ -44,9 +48,12 @@ def check_positions(positions: list, reference: np.ndarray, k: int, decode) -> N
 
 
 @pytest.mark.anyio
-async def test_completions_and_chat_return_vllm_prompt_logprobs(served):
+@pytest.mark.parametrize("mode", ["thread", "process"])
+async def test_completions_and_chat_return_vllm_prompt_logprobs(served, mode):
     engine, reference = served
-    async with asgi_client(create_app(engine, served_model_name="tiny")) as client:
+    # In process mode an engine core built alike (same seed: same weights) computes them in a child.
+    driven = engine if mode == "thread" else ProcessEngine(functools.partial(tiny_engine, **ENGINE))
+    async with asgi_client(create_app(driven, served_model_name="tiny")) as client:
         completion = (await client.post("/v1/completions", json={
             "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})).json()
         plain = (await client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})).json()

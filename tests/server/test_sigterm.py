@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.helpers.process import ROOT, checkout_env, free_port, wait_healthy
 
@@ -30,12 +31,13 @@ def _answer(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def test_sigterm_mid_stream_ends_the_stream_and_exits_zero():
+@pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process"])
+def test_sigterm_mid_stream_ends_the_stream_and_exits_zero(engine_flag):
     port = free_port()
     # page size 128 keeps every sequence in one page-table bucket: no compile mid-stream.
     command = [sys.executable, "-m", "orca_jax.serve", "--model", "tiny-llama", "--port", str(port),
                "--page-size", "128", "--num-kv-pages", "8", "--max-num-seqs", "4",
-               "--max-num-batched-tokens", "8", "--log-level", "warning"]
+               "--max-num-batched-tokens", "8", "--log-level", "warning", engine_flag]
     env = checkout_env()
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)

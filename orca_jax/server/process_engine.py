@@ -1,0 +1,355 @@
+"""The engine core in a child process (engine/core_process.py), seen from the event loop as an AsyncEngine.
+
+`ProcessEngine` is the server's other EngineClient (server/engine_client.py): the same submit,
+readiness, stats and lifecycle, but the engine runs in a spawned process that has its own GIL, so
+the event loop's work (HTTP, JSON, SSE) and the engine's iteration loop no longer take turns. One
+thread here reads the pipe and hands each message's outputs to the event loop in one callback.
+
+A core that dies (killed, crashed, out of memory) closes the pipe: the reader sees it at once, every
+request in flight and every later one gets EngineDeadError (503), /health fails, and `on_failure`
+runs, as with the in-thread engine. Fine-tuning jobs do not run across the boundary yet (refused
+at start-up); tokenizing, templates and grammar checks stay in the front end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
+
+from orca_jax.core.sched.interface import QueueFullError
+from orca_jax.engine.core_process import (AbortRequest, AddRequest, CoreCall, CoreCallKind, CoreFailed, CoreInfo,
+                                          CoreIteration, CoreProgress, CoreReady, CoreStopped, Shutdown,
+                                          run_engine_core)
+from orca_jax.config import LoRAConfig
+from orca_jax.lora.adapter import LoRAAdapter
+from orca_jax.lora.request import LoRARequest
+from orca_jax.outputs import RequestOutput
+from orca_jax.sampling_params import SamplingParams
+from orca_jax.server.async_engine import (EngineDeadError, EngineOverloadedError, EngineUnavailableError,
+                                          Readiness)
+from orca_jax.server.request_stream import RequestStream
+from orca_jax.structured.matcher import GrammarCompiler
+
+if TYPE_CHECKING:
+    from orca_jax.engine import Engine, EngineStats
+    from orca_jax.structured.matcher import CompiledGrammar
+
+logger = logging.getLogger(__name__)
+STARTUP_TIMEOUT_SECONDS = 3600.0  # loading the weights of a big model from a slow disk
+STOP_JOIN_SECONDS = 10.0  # after the core said it stopped, or after the grace period
+
+
+class EngineStartError(RuntimeError):
+    """The core process could not build its engine (its cause is the message)."""
+
+
+class LoRAIds:
+    """The front end's side of the core's LoRAManager: its config, and new lora_int_ids. Only the front
+    end names adapters once the core runs (no fine-tuning here), so a count past those registered at
+    start never repeats one, a removed one included."""
+
+    def __init__(self, config: LoRAConfig, registered: list[LoRARequest]):
+        self.config = config
+        self._ids = itertools.count(max((lora.lora_int_id for lora in registered), default=0) + 1)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineView:
+    """The engine's fixed parts the front end reads (AsyncEngine.engine's, for the server's modules)."""
+
+    config: object  # EngineConfig
+    model_config: object  # ModelConfig
+    max_model_len: int
+    tokenizer: object  # BaseTokenizer
+    grammar_compiler: GrammarCompiler | None  # the front end's own, to check constraints before sending
+    lora: LoRAIds | None
+    loras: tuple[LoRARequest, ...]  # registered at start
+    fine_tuning = None  # fine-tuning jobs are not run across the process boundary (refused at start)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.loras)
+
+
+@dataclasses.dataclass(slots=True)
+class _Live:
+    stream: RequestStream
+    accepted: asyncio.Future  # on the event loop: None, or why the core refused the request
+
+
+class ProcessEngine:
+    """Spawns the engine core (`build()` runs in the child: a picklable callable returning an Engine)
+    and waits until its engine is built; then behaves as AsyncEngine (see server/engine_client.py).
+
+    With precompile=True the core compiles every program before serving (readiness says how far it
+    got); `on_ready` runs on the reader thread once it has, `on_failure(error)` once the core died
+    and every request in flight got the error.
+    """
+
+    def __init__(self, build: Callable[[], Engine], *, max_in_flight: int | None = None,
+                 shutdown_grace_seconds: float = 0.0, precompile: bool = False,
+                 on_ready: Callable[[], None] | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None, log_level: str = "warning"):
+        self.on_ready = on_ready
+        self.on_failure = on_failure
+        self.shutdown_grace_seconds = shutdown_grace_seconds
+        self.readiness = Readiness(ready=not precompile)
+        self.error: BaseException | None = None
+        self._iteration_listeners: list[Callable[[EngineStats], None]] = []
+        self._live: dict[str, _Live] = {}  # event loop only
+        self._calls: dict[int, asyncio.Future] = {}  # event loop only
+        self._call_ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._stop_requested = False
+        self._stopped = False  # the core said it stopped (a clean end, not a death)
+        context = multiprocessing.get_context("spawn")  # never fork a process that has started jax
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(target=run_engine_core, args=(child_conn, build, precompile, log_level),
+                                       name="orca-engine-core", daemon=True)
+        self.process.start()
+        child_conn.close()  # ours closed, so the core's death reads as the pipe's end
+        info = self._first_message()
+        grammar_compiler = None if info.grammar_vocab_size is None else GrammarCompiler(
+            info.tokenizer, info.grammar_vocab_size, limits=info.config.grammar_limits)
+        self.engine = EngineView(info.config, info.model_config, info.max_model_len, info.tokenizer,
+                                 grammar_compiler, None if info.config.lora is None else LoRAIds(info.config.lora, info.loras),
+                                 tuple(info.loras))
+        self.latest_stats: EngineStats = info.stats
+        scheduler = info.config.scheduler
+        self.max_in_flight = max_in_flight or scheduler.max_waiting + scheduler.max_num_seqs
+
+    def _first_message(self) -> CoreInfo:
+        ready = wait([self._conn, self.process.sentinel], STARTUP_TIMEOUT_SECONDS)
+        message = None
+        if self._conn in ready or self._conn.poll(0):
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                message = None
+        if isinstance(message, CoreInfo):
+            return message
+        self.process.join(STOP_JOIN_SECONDS)
+        if isinstance(message, CoreFailed):
+            raise EngineStartError(message.message or message.cause)
+        raise EngineStartError(f"the engine core process ended before its engine was built "
+                               f"(exit code {self.process.exitcode})")
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start reading the core's messages; call on the event loop that serves the requests."""
+        if self._reader is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read, name="orca-core-reader", daemon=True)
+        self._reader.start()
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests; the core ends in-flight ones within the grace period, then as 'abort'."""
+        if self._stop_requested:
+            return
+        self._stop_requested = True
+        self._send(Shutdown(self.shutdown_grace_seconds))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """begin_shutdown() and wait for the core to stop (killed if it does not within `timeout`)."""
+        self.begin_shutdown()
+        if self._reader is not None:
+            self._reader.join(None if timeout is None else timeout + self.shutdown_grace_seconds)
+        self.process.join(STOP_JOIN_SECONDS if self._stopped else 0.1)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(STOP_JOIN_SECONDS)
+        self._conn.close()
+
+    def add_iteration_listener(self, listener: Callable[[EngineStats], None]) -> None:
+        """Call `listener(stats)` on the reader thread after every iteration the core reports."""
+        self._iteration_listeners.append(listener)
+
+    @property
+    def is_running(self) -> bool:
+        return (self._reader is not None and self.process.is_alive() and not self._stop_requested
+                and self.error is None)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.is_running and self.readiness.ready
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._live)
+
+    # ---- requests (event loop) ------------------------------------------------------------------
+
+    async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *,
+                     request_id: str, priority: int = 0, deadline: float | None = None,
+                     lora_request: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> RequestStream:
+        """AsyncEngine.submit's contract. `grammar` only proved the constraint compiles: the core
+        compiles sampling.structured_outputs again in its own compiler, off its loop (cached after the first)."""
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        if not self.is_running:
+            raise EngineUnavailableError("engine is not running")
+        if len(self._live) >= self.max_in_flight:
+            raise EngineOverloadedError(f"{len(self._live)} requests in flight; retry later")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, len(prompt_token_ids), loop, self._abort)
+        accepted = loop.create_future()
+        self._live[request_id] = _Live(stream, accepted)
+        self._send(AddRequest(request_id, list(prompt_token_ids), sampling, priority, deadline, lora_request))
+        try:
+            error = await accepted
+        except asyncio.CancelledError:
+            stream.abort()  # the abort follows the add down the pipe and undoes it
+            raise
+        if error is not None:
+            raise error
+        return stream
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix in the core; the number of pages forgotten."""
+        return await self._call(CoreCallKind.RESET_PREFIX_CACHE)
+
+    async def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Register an adapter (read and checked here, off the event loop) in the core; LoRAError if it
+        cannot be served there."""
+        await self._call(CoreCallKind.ADD_LORA, lora_request, adapter)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call(CoreCallKind.REMOVE_LORA, lora_int_id)
+
+    async def _call(self, kind: CoreCallKind, *args):
+        if self.error is not None:
+            raise EngineDeadError(str(self.error))
+        if not self.is_running:
+            raise EngineUnavailableError("engine is not running")
+        call_id = next(self._call_ids)
+        done = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(CoreCall(call_id, kind, args))
+        result, error = await done
+        if error is not None:
+            raise error
+        return result
+
+    def _abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is not None and self.error is None:
+            self._send(AbortRequest(request_id))
+
+    def _send(self, message) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError):  # the core is gone; the reader reports why
+            pass
+
+    # ---- the reader thread ----------------------------------------------------------------------
+
+    def _read(self) -> None:
+        failed: CoreFailed | None = None
+        try:
+            while True:
+                ready = wait([self._conn, self.process.sentinel])
+                if self._conn not in ready and not self._conn.poll(0):
+                    break  # the process ended and left nothing more to read
+                message = self._conn.recv()
+                if isinstance(message, CoreIteration):
+                    self._latest(message.stats, message.ran)
+                    self._call_soon(self._deliver, message)
+                elif isinstance(message, CoreProgress):
+                    self.readiness = Readiness(False, message.compiled, message.total)
+                elif isinstance(message, CoreReady):
+                    self.latest_stats = message.stats
+                    if self.on_ready is not None:
+                        self.on_ready()
+                    self.readiness = Readiness(True, message.num_programs, message.num_programs)
+                    logger.info("engine core ready: %d programs compiled", message.num_programs)
+                elif isinstance(message, CoreStopped):
+                    self.latest_stats = message.stats
+                    self._stopped = True
+                    self._call_soon(self._end, message.outputs)
+                    return
+                elif isinstance(message, CoreFailed):
+                    failed = message
+                    logger.error("the engine core failed:\n%s", message.traceback)
+                    break
+        except (EOFError, OSError):
+            pass
+        if self._stop_requested and self.process.exitcode == 0:
+            return
+        self.process.join(1.0)
+        cause = (f"engine loop failed: {failed.cause}" if failed is not None
+                 else f"the engine core process died (exit code {self.process.exitcode})")
+        logger.critical("%s; failing every request in flight", cause)
+        error = EngineDeadError(cause)
+        self.error = error
+        self._call_soon(self._fail_everything, error)
+        if self.on_failure is not None:
+            self.on_failure(error)
+
+    def _latest(self, stats: EngineStats, ran: bool) -> None:
+        self.latest_stats = stats
+        if ran:
+            for listener in self._iteration_listeners:
+                listener(stats)
+
+    def _call_soon(self, callback: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # ---- on the event loop ----------------------------------------------------------------------
+
+    def _deliver(self, message: CoreIteration) -> None:
+        for request_id, error in message.accepted:
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            if error is not None:
+                del self._live[request_id]
+                if not isinstance(error, (ValueError, QueueFullError)):
+                    error = EngineUnavailableError(str(error))
+            if not live.accepted.done():
+                live.accepted.set_result(error)
+        for output in message.outputs:
+            self._put(output)
+        for call_id, result, error in message.call_results:
+            done = self._calls.pop(call_id, None)
+            if done is not None and not done.done():
+                done.set_result((result, error))
+
+    def _put(self, output: RequestOutput) -> None:
+        live = self._live.get(output.request_id)
+        if live is None:  # aborted by its client; the core may still report it once
+            return
+        if output.finished:
+            del self._live[output.request_id]
+        live.stream.put(output)
+
+    def _end(self, finals: list[RequestOutput]) -> None:
+        for output in finals:
+            self._put(output)
+        self._fail_everything(EngineUnavailableError("server is shutting down"))
+
+    def _fail_everything(self, error: EngineUnavailableError) -> None:
+        for live in self._live.values():
+            if not live.accepted.done():
+                live.accepted.set_result(error)
+            else:
+                live.stream.put(error)
+        self._live.clear()
+        for done in self._calls.values():
+            if not done.done():
+                done.set_result((None, error))
+        self._calls.clear()

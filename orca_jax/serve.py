@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import resource
@@ -118,7 +119,10 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
         if server is not None:
             server.exit_soon()
 
-    if args.engine_process:
+    if args.data_parallel_size < 1:
+        print(f"{PROG}: error: --data-parallel-size must be at least 1", file=sys.stderr)
+        return 2
+    if args.engine_process or args.data_parallel_size > 1:
         async_engine = _engine_process(argv, args, config, on_ready, on_failure)
         if isinstance(async_engine, int):
             return async_engine
@@ -210,11 +214,26 @@ def _engine_process(argv, args, config, on_ready, on_failure):
     if refusal is not None:
         print(f"{PROG}: error: {refusal}", file=sys.stderr)
         return 2
-    log.info("loading %s in the engine core process", args.model)
+    replicas = args.data_parallel_size
+    log.info("loading %s in %s", args.model, "the engine core process" if replicas == 1
+             else f"{replicas} engine core processes (data parallel)")
+
+    def replica(visible_devices: str | None) -> ProcessEngine:
+        return ProcessEngine(ServedEngineFactory(tuple(argv), visible_devices),
+                             shutdown_grace_seconds=args.shutdown_grace_seconds, precompile=True,
+                             on_ready=on_ready, on_failure=on_failure, log_level=args.log_level)
+
     try:
-        return ProcessEngine(ServedEngineFactory(tuple(argv)), shutdown_grace_seconds=args.shutdown_grace_seconds,
-                             precompile=True, on_ready=on_ready, on_failure=on_failure, log_level=args.log_level)
-    except EngineStartError as error:  # a model that cannot be read, say: one line
+        if replicas == 1:
+            return replica(None)
+        from orca_jax.server.data_parallel import DataParallelEngine, replica_devices, start_replicas
+
+        per_replica = config.parallel.tensor_parallel * config.parallel.num_stages
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        slices = [replica_devices(visible, r, per_replica) for r in range(replicas)]
+        return DataParallelEngine(start_replicas([functools.partial(replica, s) for s in slices]),
+                                  on_ready=on_ready, on_failure=on_failure)
+    except (EngineStartError, ValueError) as error:  # a model that cannot be read, too few GPUs: one line
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
 

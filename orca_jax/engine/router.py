@@ -29,7 +29,7 @@ def prefix_keys(token_ids: Sequence[int], page_size: int, salt: Hashable = ()) -
 
 
 class ReplicaRouter:
-    """Picks a replica per request and counts what each has in flight."""
+    """Picks a replica per request from its prompt and the replicas' current loads."""
 
     def __init__(self, num_replicas: int, page_size: int, imbalance: int = 8, max_keys: int = 1 << 16):
         if num_replicas < 1:
@@ -38,35 +38,33 @@ class ReplicaRouter:
         self.page_size = page_size
         self.imbalance = imbalance
         self.max_keys = max_keys
-        self.in_flight = [0] * num_replicas
-        self.affinity_hits = 0  # requests sent where their prefix was (for /metrics)
+        self.affinity_hits = 0  # requests sent where their prefix was
         self._owner: collections.OrderedDict[int, int] = collections.OrderedDict()  # key -> replica, LRU
+        self._next = 0  # where the search for the least loaded starts: ties go round, not to replica 0
 
-    def route(self, token_ids: Sequence[int], salt: Hashable = ()) -> int:
-        """The replica for a request with these prompt tokens; counted in flight until `finished`."""
+    def route(self, token_ids: Sequence[int], loads: Sequence[int], salt: Hashable = ()) -> int:
+        """The replica for a request with these prompt tokens; loads[r] is what replica r has in flight."""
         keys = prefix_keys(token_ids, self.page_size, salt)
-        least = min(range(self.num_replicas), key=self.in_flight.__getitem__)
+        order = [(self._next + i) % self.num_replicas for i in range(self.num_replicas)]
+        least = min(order, key=loads.__getitem__)
         replica = least
         for key in reversed(keys):  # the longest prefix a replica holds
             owner = self._owner.get(key)
             if owner is not None:
-                if self.in_flight[owner] <= self.in_flight[least] + self.imbalance:
+                if loads[owner] <= loads[least] + self.imbalance:
                     replica = owner
                     self.affinity_hits += 1
                 break
+        if replica == least:
+            self._next = (least + 1) % self.num_replicas
         for key in keys:
             self._owner[key] = replica
             self._owner.move_to_end(key)
         while len(self._owner) > self.max_keys:
             self._owner.popitem(last=False)
-        self.in_flight[replica] += 1
         return replica
 
     @property
     def num_keys(self) -> int:
         """Prefix keys remembered (at most max_keys)."""
         return len(self._owner)
-
-    def finished(self, replica: int) -> None:
-        """A request routed to `replica` ended (finished, aborted or failed)."""
-        self.in_flight[replica] = max(0, self.in_flight[replica] - 1)

@@ -202,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                      help="run the engine core in its own process, fed over a pipe, so the HTTP event loop and "
                      "the engine loop do not share one GIL (not yet with fine-tuning jobs or several processes)")
+    api.add_argument("--data-parallel-size", type=int, default=1,
+                     help="N whole replicas of the engine, each an engine core process on its own "
+                     "tensor x pipeline GPUs (replica r gets CUDA_VISIBLE_DEVICES' slice r), behind this one "
+                     "front end; a request goes to the replica holding its prompt's prefix, else the least "
+                     "loaded (implies --engine-process)")
 
     tools = p.add_argument_group("tool calls")
     tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,

@@ -35,8 +35,14 @@ class ServedEngineFactory:
     """Picklable: the engine core process calls it to build the engine from serve's command line."""
 
     argv: tuple[str, ...]
+    # A data-parallel replica's CUDA_VISIBLE_DEVICES, set in the core before jax starts its backend.
+    visible_devices: str | None = None
 
     def __call__(self) -> Engine:
+        if self.visible_devices is not None:
+            import os
+
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.visible_devices
         from orca_jax.server.cli_args import engine_config_from_args, parse_args
         from orca_jax.worker.compilation import configure_compilation_cache
 

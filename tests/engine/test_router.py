@@ -22,36 +22,38 @@ def test_a_conversation_s_turns_go_to_the_replica_holding_its_prefix():
     router = ReplicaRouter(num_replicas=2, page_size=4)
     rng = random.Random(0)
     chats = {c: [rng.randrange(1000) for _ in range(12)] for c in range(6)}
-    first = {c: router.route(history) for c, history in chats.items()}
-    assert sorted(router.in_flight) == [3, 3]  # new prefixes spread by load
+    loads = [0, 0]
+    first = {}
+    for c, history in chats.items():  # all in flight at once
+        first[c] = router.route(history, loads)
+        loads[first[c]] += 1
+    assert loads == [3, 3]  # new prefixes spread by load
     for turn in range(3):
         for c, history in chats.items():
-            router.finished(first[c])
             history += [rng.randrange(1000) for _ in range(9)]  # the reply and the next question
-            assert router.route(history) == first[c]
+            assert router.route(history, [0, 0]) == first[c]
     assert router.affinity_hits == 18
+
+
+def test_ties_go_round_the_replicas():
+    router = ReplicaRouter(num_replicas=3, page_size=4)
+    assert [router.route([i] * 8, [0, 0, 0]) for i in range(6)] == [0, 1, 2, 0, 1, 2]
 
 
 def test_affinity_yields_to_a_replica_too_busy():
     router = ReplicaRouter(num_replicas=2, page_size=4, imbalance=2)
     hot = list(range(8))
-    assert router.route(hot) == 0
-    for _ in range(2):
-        assert router.route(hot + [7]) == 0  # within the imbalance: stays with its prefix
-    assert router.in_flight == [3, 0]
-    assert router.route(hot + [8]) == 1  # 3 > 0 + 2: goes to the idle replica, which now owns the prefix
-    assert router.route(hot + [9]) == 1
+    assert router.route(hot, [0, 0]) == 0
+    assert router.route(hot + [7], [2, 0]) == 0  # within the imbalance: stays with its prefix
+    assert router.route(hot + [8], [3, 0]) == 1  # 3 > 0 + 2: the idle replica, which now owns the prefix
+    assert router.route(hot + [9], [3, 1]) == 1
 
 
-def test_the_map_is_bounded_and_counts_never_go_negative():
+def test_the_map_is_bounded():
     router = ReplicaRouter(num_replicas=3, page_size=2, max_keys=10)
     for i in range(50):
-        router.route([i, i + 1, i + 2, i + 3])
+        router.route([i, i + 1, i + 2, i + 3], [0, 0, 0])
     assert router.num_keys == 10
-    router.finished(0)
-    for _ in range(100):
-        router.finished(2)
-    assert min(router.in_flight) >= 0
 
 
 def test_one_replica_is_refused_below_one():

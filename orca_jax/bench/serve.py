@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8765, help="of the launched server")
     parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                         help="launch the server with its engine core in its own process (serve --engine-process)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="launch the server with this many engine replicas (serve --data-parallel-size)")
     parser.add_argument("--endpoint", choices=[e.value for e in Endpoint], default=Endpoint.COMPLETIONS.value)
     parser.add_argument("--prompt-format", choices=[p.value for p in PromptFormat], default=None,
                         help="dataset prompts as token ids (completions' default) or words (chat's)")
@@ -112,7 +114,8 @@ def run(args: argparse.Namespace) -> Results:
     results = Results("serve", args, args.model, device={"device": None, "platform": "client"})
     if args.launch:
         log = os.path.join(args.result_dir, f"{args.model}_server.log") if args.result_dir else None
-        flags = serve_flags(args, args.port) + (["--engine-process"] if args.engine_process else [])
+        flags = (serve_flags(args, args.port) + (["--engine-process"] if args.engine_process else [])
+                 + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else []))
         with launched_server(flags, args.port, log, args.timeout_s) as server:
             config = config_from_args(args, server["base_url"])
             server["programs_at_ready"] = compiled_programs(server["base_url"])

@@ -28,13 +28,14 @@ verbatim.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import secrets
 import string
 import types
 import uuid
 from typing import Callable
+
+from orca_jax.structured.tool_json import (CALL_HEAD, CALL_NAME, JSON_CALL_HEAD, ValueEnd, as_call, call_of,
+                                          loads_or_none, partial_suffix)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ class StreamingToolParser:
         self._num_calls = 0
         self._held_space = ""  # whitespace-only content kept back until we know what follows it
         self._after_call = False  # the content since the last call is all whitespace so far
-        self._value_end = _ValueEnd()  # scans the JSON at the start of the undecided text
+        self._value_end = ValueEnd()  # scans the JSON at the start of the undecided text
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
@@ -151,7 +152,7 @@ class StreamingToolParser:
             self._emit_content(self._take(at))
             self._take(len(marker))
             return True
-        keep = 0 if final else _partial_suffix(self._buf, marker)
+        keep = 0 if final else partial_suffix(self._buf, marker)
         self._emit_content(self._take(len(self._buf) - keep))
         return False
 
@@ -192,19 +193,19 @@ class HermesParser(StreamingToolParser):
     def _start_streaming(self, final: bool) -> bool:
         """Read the call's head `{"name": "N", "arguments": ` when its arguments are an object; True
         once the call is streaming. False: not yet known (more text may tell), or written otherwise."""
-        head = _CALL_HEAD.match(self._buf)
+        head = CALL_HEAD.match(self._buf)
         end = self._buf.find(self.END)
         if head is not None and self._buf.startswith("{", head.end()) and (end < 0 or end > head.end()):
-            name = _loads(f'"{head.group(1)}"')
+            name = loads_or_none(f'"{head.group(1)}"')
             if isinstance(name, str) and name:
                 self._take(head.end())
                 self._emit_call_head(name)
                 self._streaming = "arguments"
                 return True
         if final and end < 0:  # cut short after the name: a call whose arguments never began
-            named = _CALL_NAME.match(self._buf)
-            name = _loads(f'"{named.group(1)}"') if named is not None else None
-            if isinstance(name, str) and name and _as_call(self._buf, "arguments") is None:
+            named = CALL_NAME.match(self._buf)
+            name = loads_or_none(f'"{named.group(1)}"') if named is not None else None
+            if isinstance(name, str) and name and as_call(self._buf, "arguments") is None:
                 self._take(len(self._buf))
                 self._emit_call_head(name)
                 self._in_call = False
@@ -218,7 +219,7 @@ class HermesParser(StreamingToolParser):
             return False
         body = self._take(at if at >= 0 else len(self._buf))
         closing = self._take(len(self.END)) if at >= 0 else ""
-        call = _as_call(body, "arguments")
+        call = as_call(body, "arguments")
         if call is None:
             self._emit_content(self.START + body + closing)
         else:
@@ -239,7 +240,7 @@ class HermesParser(StreamingToolParser):
             self._take(len(self.END))
             self._in_call, self._streaming = False, None
             return True
-        keep = 0 if final else _partial_suffix(self._buf, self.END)
+        keep = 0 if final else partial_suffix(self._buf, self.END)
         self._emit_arguments(self._take_scanned(len(self._buf) - keep))
         if final:
             self._in_call, self._streaming = False, None
@@ -253,12 +254,6 @@ class HermesParser(StreamingToolParser):
         self._take(at + len(self.END) if at >= 0 else len(self._buf))
         self._in_call, self._streaming = False, None
         return True
-
-
-# A hermes call's head, up to where its arguments' value begins; its name alone; a llama3_json call's head.
-_CALL_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_CALL_HEAD = re.compile(_CALL_NAME.pattern + r'\s*,\s*"arguments"\s*:\s*')
-_JSON_CALL_HEAD = re.compile(_CALL_NAME.pattern + r'\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
 
 class Llama3JsonParser(StreamingToolParser):
@@ -292,8 +287,8 @@ class Llama3JsonParser(StreamingToolParser):
                 return
             if self._state == "calls":
                 stripped = self._buf.lstrip()
-                head = _JSON_CALL_HEAD.match(stripped)
-                name = _loads(f'"{head.group(1)}"') if head and stripped.startswith("{", head.end()) else None
+                head = JSON_CALL_HEAD.match(stripped)
+                name = loads_or_none(f'"{head.group(1)}"') if head and stripped.startswith("{", head.end()) else None
                 if isinstance(name, str) and name:  # its arguments stream from here
                     self._take(len(self._buf) - len(stripped) + head.end())
                     self._emit_call_head(name)
@@ -303,7 +298,7 @@ class Llama3JsonParser(StreamingToolParser):
                 if end is None and not final and (not stripped or stripped.startswith("{")):
                     return
                 skip = len(self._buf) - len(stripped)
-                call = None if end is None else _as_call(stripped[:end], "parameters", "arguments")
+                call = None if end is None else as_call(stripped[:end], "parameters", "arguments")
                 if call is None:
                     self._emit_content(self._raw_tag + self._take(len(self._buf)))
                     self._state = "failed"
@@ -364,9 +359,9 @@ class MistralParser(StreamingToolParser):
                 return
             calls = None
             if end is not None:
-                value = _loads(stripped[:end])
+                value = loads_or_none(stripped[:end])
                 items = value if isinstance(value, list) else [value]
-                calls = [_call_of(item, "arguments") for item in items] if items else None
+                calls = [call_of(item, "arguments") for item in items] if items else None
             if calls is None or None in calls:
                 self._emit_content(self.MARKER)
                 self._failed = True
@@ -418,79 +413,3 @@ def assemble(deltas) -> tuple[str | None, list[ToolCall]]:
                 calls[piece.index] = [piece.id, piece.name, ""]
             calls[piece.index][2] += piece.arguments
     return content or None, [ToolCall(*calls[index]) for index in sorted(calls)]
-
-
-def _as_call(text: str, *argument_keys: str) -> tuple[str, str] | None:
-    return _call_of(_loads(text.strip()), *argument_keys)
-
-
-def _call_of(value, *argument_keys: str) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a parsed call object, or None when it is not one."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return None
-    # The arguments key is required (as vLLM's parsers do): `{"name": "Ada", "age": 36}` is an answer.
-    key = next((key for key in argument_keys if key in value), None)
-    if key is None:
-        return None
-    arguments = value[key]
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        arguments = _loads(arguments)
-    if not isinstance(arguments, dict):
-        return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def _loads(text: str):
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return None
-
-
-class _ValueEnd:
-    """Where the object or array at the start of a growing text ends; each call scans only the
-    text added since the last (arguments can be long: a file's content), until reset()."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self, depth: int = 0) -> None:
-        """Scan anew, from `depth` brackets deep (1: inside an object whose end is wanted)."""
-        self._scanned, self._depth, self._in_string, self._escaped = 0, depth, False, False
-
-    def drop(self, count: int) -> None:
-        """The first `count` characters, all scanned, were removed from the text."""
-        self._scanned -= count
-
-    def __call__(self, text: str) -> int | None:
-        """Index after the closing bracket, or None when the text ends first. Brackets inside
-        strings do not count. `text` must extend the text of the previous call."""
-        depth, in_string, escaped = self._depth, self._in_string, self._escaped
-        for index in range(self._scanned, len(text)):
-            char = text[index]
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif char == "\\":
-                    escaped = True
-                elif char == '"':
-                    in_string = False
-            elif char == '"':
-                in_string = True
-            elif char in "{[":
-                depth += 1
-            elif char in "}]":
-                depth -= 1
-                if depth == 0:
-                    self.reset()
-                    return index + 1
-        self._scanned, self._depth, self._in_string, self._escaped = len(text), depth, in_string, escaped
-        return None
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `marker`."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0

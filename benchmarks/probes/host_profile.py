@@ -14,7 +14,7 @@ RequestOutputs of a batch (output_processor.request_output per row). `--cprofile
 top N functions by own time (cProfile inflates Python time: read it for shares, not totals).
 
     PYTHONPATH=. python benchmarks/probes/host_profile.py --model tiny-llama --no-async \\
-        --json benchmarks/results/cpu/host_profile.json
+        --json benchmarks/results/cpu/probes/host_profile.json
     PYTHONPATH=. python benchmarks/probes/host_profile.py --model llama-1b --precompile --json host_profile_llama1b.json
 
 On a CPU the device is the same two cores: run with --no-async there, so the device computes only while

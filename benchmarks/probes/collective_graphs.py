@@ -3,7 +3,7 @@
 A tensor-parallel (Megatron) stand-in for a llama decode forward, without attention: per layer a
 norm, the QKV and output projections (one all-reduce), the gated MLP (a second all-reduce), on
 random bf16 weights drawn on the devices. For each option set in --variants (a JSON list of
-{"name", "xla_flags"}) a fresh process compiles it, dumps the optimized HLO, and times:
+{"name", "xla_flags", optional "env"}) a fresh process compiles it, dumps the optimized HLO, and times:
 - `stable`: the same input buffer every call (the recorded graph can be launched unchanged);
 - `chained`: each call's output is the next call's input (new buffer addresses every call, as an
   engine's iterations have);
@@ -48,10 +48,14 @@ def run_variant(args) -> dict:
     row = NamedSharding(mesh, P("tensor", None))
     rep = NamedSharding(mesh, P())
 
-    def draw(shape, sharding, seed):
-        fn = jax.jit(lambda: (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 0.02).astype(jnp.bfloat16),
-                     out_shardings=sharding)
-        return fn()
+    drawers = {}
+
+    def draw(shape, sharding, seed):  # one program per shape, drawn on the devices
+        if (shape, sharding) not in drawers:
+            drawers[(shape, sharding)] = jax.jit(
+                lambda key: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16),
+                out_shardings=sharding)
+        return drawers[(shape, sharding)](jax.random.key(seed))
 
     layers = [dict(qkv=draw((H, QKV), col, 4 * i), o=draw((H, H), row, 4 * i + 1),
                    up=draw((H, 2 * F), col, 4 * i + 2), down=draw((F, H), row, 4 * i + 3)) for i in range(L)]
@@ -113,23 +117,26 @@ def run_variant(args) -> dict:
 
 
 def dump_summary(dump_dir: str) -> dict:
-    """Command-buffer computations in the optimized HLO, and where the all-reduces are."""
-    files = sorted(glob.glob(os.path.join(dump_dir, "*forward*after_optimizations.txt")))
-    if not files:
-        return {"dump": "none"}
-    text = open(max(files, key=os.path.getsize)).read()
-    computations = re.split(r"\n(?=\S[^\n]*\{\n)", text)
-    in_cb = total = n_cb = 0
-    for comp in computations:
-        head = comp.split("\n", 1)[0]
-        reduces = len(re.findall(r"= [^=]*\ball-reduce(-start)?\(", comp))
-        if "command_buffer" in head:
-            n_cb += 1
-            in_cb += reduces
-        total += reduces
-    calls = len(re.findall(r"(?:to_apply|calls)=%?command_buffer", text))
-    return {"command_buffer_computations": n_cb, "command_buffer_calls": calls,
-            "all_reduces": total, "all_reduces_in_command_buffers": in_cb}
+    """What XLA made of the forward: all-reduces in the optimized HLO, and the thunk kinds of the
+    executable after its thunk passes (a kCommandBuffer holds the thunks recorded into one CUDA graph;
+    thunks nested under it are indented)."""
+    out = {}
+    hlo = [f for f in glob.glob(os.path.join(dump_dir, "*forward*after_optimizations.txt"))
+           if "buffer-assignment" not in f and "memory-usage" not in f]
+    if hlo:
+        text = open(max(hlo, key=os.path.getsize)).read()
+        out["hlo_all_reduces"] = len(re.findall(r"\ball-reduce(?:-start)?\(", text))
+        out["hlo_one_shot_fusions"] = len(re.findall(r"fused_all-reduce", text))
+    thunks = glob.glob(os.path.join(dump_dir, "*forward*thunk_sequence*"))
+    if thunks:
+        text = open(max(thunks, key=os.path.getsize)).read()
+        kinds = re.findall(r"^(\s*)(k[A-Z][A-Za-z]+)", text, re.M)
+        top = [k for indent, k in kinds if not indent]
+        out["thunk_file"] = os.path.basename(max(thunks, key=os.path.getsize))
+        out["top_level_thunks"] = {k: top.count(k) for k in sorted(set(top))}
+        out["nested_thunks"] = {k: n for k in sorted({k for i, k in kinds if i})
+                                if (n := sum(1 for i, kk in kinds if i and kk == k))}
+    return out or {"dump": "none"}
 
 
 def main() -> None:
@@ -152,12 +159,13 @@ def main() -> None:
     results = []
     for variant in variants:
         dump = os.path.join(args.out, "dump_" + variant["name"])
-        env = dict(os.environ)
+        env = dict(os.environ, **variant.get("env", {}))
         env["XLA_FLAGS"] = (f"{variant['xla_flags']} --xla_dump_to={dump} --xla_dump_hlo_as_text"
                             " --xla_dump_hlo_module_re=.*forward.*").strip()
         argv = [sys.executable, __file__, "--child", variant["name"]] + [a for a in sys.argv[1:]]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args_timeout())
-        row = {"name": variant["name"], "xla_flags": variant["xla_flags"], "tp": args.tp}
+        row = {"name": variant["name"], "xla_flags": variant["xla_flags"], "env": variant.get("env", {}),
+               "tp": args.tp}
         if proc.returncode == 0:
             row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
         else:
@@ -169,9 +177,9 @@ def main() -> None:
         for path in glob.glob(os.path.join(dump, "*")):
             if os.path.isdir(path):
                 shutil.rmtree(path)
-            elif not path.endswith("after_optimizations.txt"):
+            elif not (path.endswith("after_optimizations.txt") or "thunk_sequence" in path):
                 os.remove(path)
-    with open(os.path.join(args.out, f"collective_graphs_tp{args.tp}.json"), "w") as f:
+    with open(os.path.join(args.out, f"collective_graphs_tp{args.tp}_{args.layers}x{args.hidden}.json"), "w") as f:
         json.dump({"shapes": {k: getattr(args, k) for k in ("layers", "hidden", "qkv", "ffn", "batch")},
                    "results": results}, f, indent=1)
 

@@ -6,7 +6,12 @@ SEARCH_TOP_K) with processing, which always returns the top K (a processed batch
 fewer halves its programs): 8 programs per S (6 when K is 0). One more program fills penalty slots
 of the token-count tables. The state kept here between iterations: the count tables (donated to the
 programs that update them), the previous batch's samples (which a conditional logit-table entry
-reads), and an all-allowed bitmask per S for processed batches without one.
+reads, and the next forward takes its tokens from), and an all-allowed bitmask per S for processed
+batches without one.
+
+The programs read the forward's logits buffer f32[max_num_seqs, V] (its first S rows) and write the
+samples into the previous samples' buffer (donated): both stay at one device address from step to
+step, which keeps the forward's CUDA graph as recorded (worker/stage.py).
 """
 
 from __future__ import annotations
@@ -61,12 +66,14 @@ class Sampler:
         # One penalty slot per batch row: a batch's rows never run out of slots.
         self.num_penalty_slots = max_num_seqs
         self.tables = jax.jit(lambda: empty_tables(self.num_penalty_slots, vocab_size), out_shardings=replicated)()
-        self.last_samples = self._constant(np.zeros(max_num_seqs, np.int32))  # i32[max_num_seqs]
+        self.last_samples = self.constant(np.zeros(max_num_seqs, np.int32))  # i32[max_num_seqs]
         self._all_allowed: dict[int, jax.Array] = {}  # S -> i32[S, ceil(V / 32)] of -1
         # The searches' passes unrolled on GPU (no loop to run there), a loop elsewhere (quicker to compile).
         self._unroll = replicated.mesh.devices.flat[0].platform == "gpu"
-        self._plain_fn = jax.jit(sample_plain, static_argnums=(2, 3, 4, 5), out_shardings=replicated)
-        self._processed_fn = jax.jit(sample_processed, static_argnums=(5, 6, 7, 8), donate_argnums=(3,),
+        # keep_unused: the plain programs only write the samples' buffer (a pruned argument is not donated).
+        self._plain_fn = jax.jit(sample_plain, static_argnums=(3, 4, 5, 6), donate_argnums=(2,), keep_unused=True,
+                                 out_shardings=replicated)
+        self._processed_fn = jax.jit(sample_processed, static_argnums=(5, 6, 7, 8), donate_argnums=(3, 4),
                                      out_shardings=replicated)
         self._fill_fn = jax.jit(fill_tables, donate_argnums=(0,), out_shardings=replicated)
 
@@ -87,24 +94,25 @@ class Sampler:
         s, w = key.seqs, self.config.logit_table_width
         params = SamplingArrays(spec(jnp.float32, s), spec(jnp.int32, s), spec(jnp.float32, s),
                                 spec(jnp.float32, s), spec(jnp.uint32, s), spec(jnp.int32, s))
-        logits = spec(jnp.float32, s, self.vocab_size)
+        logits = spec(jnp.float32, self.max_num_seqs, self.vocab_size)  # the forward's buffer; S rows read
+        samples = spec(jnp.int32, self.max_num_seqs)
         if not key.logits_processed:
-            return self._plain_fn.lower(logits, params, key.mode, key.num_top_logprobs, self.max_num_seqs,
+            return self._plain_fn.lower(logits, params, samples, key.mode, key.num_top_logprobs, self.max_num_seqs,
                                         self._unroll)
         arrays = LogitsArrays(spec(jnp.float32, s), spec(jnp.float32, s), spec(jnp.float32, s),
                               spec(jnp.int32, s), spec(jnp.int32, s), spec(jnp.int32, s, w),
                               spec(jnp.float32, s, w), spec(jnp.int32, s, w), spec(jnp.int32, s, self.mask_words))
-        return self._processed_fn.lower(logits, params, arrays, tables, spec(jnp.int32, self.max_num_seqs),
-                                        key.mode, key.num_top_logprobs, self.max_num_seqs, self._unroll)
+        return self._processed_fn.lower(logits, params, arrays, tables, samples, key.mode, key.num_top_logprobs, self.max_num_seqs, self._unroll)
 
     def run(self, logits: jax.Array, inputs: SamplingInputs, executable) -> tuple[jax.Array, jax.Array]:
-        """Dispatch a batch's fills and sampling (`executable(key)` gives each compiled program);
-        returns (packed i32[S, 2 + 2K], sampled ids padded to i32[max_num_seqs])."""
+        """Dispatch a batch's fills and sampling of `logits` (f32[max_num_seqs, V], the batch's in its
+        first S rows; `executable(key)` gives each compiled program); returns (packed i32[S, 2 + 2K],
+        sampled ids padded to i32[max_num_seqs], in last_samples' buffer)."""
         params = SamplingArrays(inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seed,
                                 inputs.step)
-        key = SampleKey(logits.shape[0], inputs.num_top_logprobs, inputs.sample_mode, inputs.logits_processed)
+        key = SampleKey(inputs.temperature.shape[0], inputs.num_top_logprobs, inputs.sample_mode, inputs.logits_processed)
         if not inputs.logits_processed:
-            packed, next_tokens = executable(key)(logits, params)
+            packed, next_tokens = executable(key)(logits, params, self.last_samples)
         else:
             if inputs.penalty_fill is not None:  # before the sampling that reads the slots
                 fill = executable(PenaltyFillKey())
@@ -121,10 +129,10 @@ class Sampler:
 
     def _all_allowed_mask(self, seqs: int) -> jax.Array:
         if seqs not in self._all_allowed:
-            self._all_allowed[seqs] = self._constant(np.full((seqs, self.mask_words), -1, np.int32))
+            self._all_allowed[seqs] = self.constant(np.full((seqs, self.mask_words), -1, np.int32))
         return self._all_allowed[seqs]
 
-    def _constant(self, value: np.ndarray) -> jax.Array:
+    def constant(self, value: np.ndarray) -> jax.Array:
         """`value` on every device of the mesh, placed shard by shard: a device_put of one host array
         onto devices of several processes checks that each passed the same (a collective)."""
         here = [d for d in self.replicated.mesh.devices.flat if d.process_index == jax.process_index()]
@@ -132,9 +140,12 @@ class Sampler:
                                                         [jax.device_put(value, d) for d in here], dtype=value.dtype)
 
 
-def sample_plain(logits, params: SamplingArrays, mode: SampleMode, num_top_logprobs: int, max_num_seqs: int,
+def sample_plain(logits, params: SamplingArrays, samples, mode: SampleMode, num_top_logprobs: int, max_num_seqs: int,
                  unroll: bool):
-    """(packed i32[S, 2 + 2K] for the host, the sampled ids padded to i32[max_num_seqs] for the device)."""
+    """(packed i32[S, 2 + 2K] for the host, the sampled ids padded to i32[max_num_seqs] for the device,
+    written over `samples`). `logits`: f32[M >= S, V], the batch's in the first S rows."""
+    del samples  # donated: only its buffer is wanted
+    logits = logits[:params.temperature.shape[0]]
     result = sample(logits, params, mode, num_top_logprobs, unroll=unroll)
     return pack(result), jnp.pad(result.token_ids, (0, max_num_seqs - logits.shape[0]))
 
@@ -142,6 +153,7 @@ def sample_plain(logits, params: SamplingArrays, mode: SampleMode, num_top_logpr
 def sample_processed(logits, params: SamplingArrays, arrays: LogitsArrays, tables: PenaltyTables, last_samples,
                      mode: SampleMode, num_top_logprobs: int, max_num_seqs: int, unroll: bool):
     """sample_plain after logits processing; each row's token then counts in its penalty slot."""
+    logits = logits[:params.temperature.shape[0]]
     processed = process_logits(logits, arrays, tables, last_samples)
     result = sample(logits, params, mode, num_top_logprobs, processed, unroll)
     tables = count_sampled(tables, arrays.penalty_slot, result.token_ids)

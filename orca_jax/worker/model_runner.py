@@ -113,8 +113,10 @@ class ModelRunner:
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
         # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
         # The last stage also holds the sampler's token-count tables (a penalty slot per batch row).
+        # and its logits buffer (f32[max_num_seqs, V], replicated).
         per_device = max(stage.params_bytes // stage.mesh.size
-                         + (tables_bytes(max_num_seqs, config.vocab_size) if stage.last else 0)
+                         + (tables_bytes(max_num_seqs, config.vocab_size) + 4 * max_num_seqs * config.vocab_size
+                            if stage.last else 0)
                          for stage in self.stages)
         self.num_pages = num_pages_for(config, cache_config, per_device, self.local_device,
                                        sum(stage.mesh.size for stage in self.stages),
@@ -144,17 +146,24 @@ class ModelRunner:
         # SamplingConfig.enable_prompt_logprobs: a forward over whole prompts (None: off, no programs).
         self._prompt_logprobs = PromptLogprobsProgram(first, sampling.max_logprobs, config.max_seq_len) \
             if sampling.enable_prompt_logprobs else None
-        # The last sampled token of every row, on the first stage, for a batch dispatched before they
-        # reach the host (see RaggedBatch.token_sources). Nothing sampled yet: zeros.
-        self._next_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), first.replicated)
-        # A batch without token sources reads no samples: giving it this constant instead keeps stage
-        # 0 of batch k+1 from waiting for batch k's sampling, i.e. for the whole pipeline to drain.
-        self._no_tokens = self._next_tokens
         # Activations [T, H] from each stage to the next; sampled tokens back to the first stage,
         # and the packed result too where process 0 (which fetches it) has no device of the last.
         self._to_next = [Handoff(a.mesh, b.mesh) for a, b in zip(self.stages, self.stages[1:])]
         self._to_first = Handoff(last.mesh, first.mesh)
         self._result_to_first = all(d.process_index != 0 for d in last.mesh.devices.flat)
+        # The last sampled token of every row, on the first stage, for a batch dispatched before they
+        # reach the host (see RaggedBatch.token_sources). Nothing sampled yet: zeros.
+        # With one stage this is the sampler's own buffer (sampler.py), rewritten in place each step.
+        self._next_tokens = self.sampler.last_samples if len(self.stages) == 1 else \
+            jax.device_put(np.zeros(max_num_seqs, np.int32), first.replicated)
+        # A batch without token sources reads no samples: giving it this constant instead keeps stage
+        # 0 of batch k+1 from waiting for batch k's sampling, i.e. for the whole pipeline to drain.
+        # Its own buffer: the samples' is donated to every sampling.
+        self._no_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), first.replicated)
+        # The last stage's logits buffers f32[max_num_seqs, V] not in use: each forward takes one and
+        # gives it back once its sampling is dispatched, so in steady state every forward writes the
+        # same buffer (stage.py says why the address matters). One is made here, ahead of serving.
+        self._free_logits: list[jax.Array] = [self._new_logits_buffer()]
         # Several controller processes: process 0 sends each call to the others (see multihost.py),
         # and an executable of several processes is theirs together (not cached on disk).
         self.mirror = multihost.Mirror(parallel) if jax.process_count() > 1 else None
@@ -302,11 +311,20 @@ class ModelRunner:
         return self.mirror is None
 
     def forward(self, batch: RaggedBatch) -> jax.Array:
-        """Dispatch the forward pass through every stage (asynchronous); returns f32[S, V] logits on
-        the last stage's devices. Single process only (execute is what other processes mirror)."""
+        """Dispatch the forward pass through every stage (asynchronous); returns a logits buffer
+        f32[max_num_seqs, V] on the last stage's devices whose first S rows are the batch's (the
+        caller owns it until it passes it to sample()). Single process only (execute is what other
+        processes mirror)."""
         if self.mirror is not None:
             raise RuntimeError("with several processes call execute, which the others mirror")
         return self._forward(batch)
+
+    def _to_first_stage(self, x: jax.Array) -> jax.Array:
+        """`x` (on the last stage) on the first stage: itself with one stage (same buffer, same address)."""
+        return x if len(self.stages) == 1 else self._to_first(x)
+
+    def _new_logits_buffer(self) -> jax.Array:
+        return self.sampler.constant(np.zeros((self.max_num_seqs, self.config.vocab_size), np.float32))
 
     def _forward(self, batch: RaggedBatch) -> jax.Array:
         bucket = batch.bucket
@@ -318,9 +336,11 @@ class ModelRunner:
         for stage in self.stages:  # activations [T, H] from stage to stage; logits f32[S, V] last
             if stage.index > 0:
                 inputs = self._to_next[stage.index - 1](inputs)
+            logits = (self._free_logits.pop() if self._free_logits else self._new_logits_buffer()) \
+                if stage.last and bucket.seqs <= self.max_num_seqs else None
             inputs = stage.run(bucket, executable(StageInKey(bucket, stage.index)),
                                executable(ForwardKey(bucket, stage.index, batch.has_lora, self.pool_lent)), packed, inputs,
-                               batch.has_lora)
+                               batch.has_lora, logits)
         return inputs
 
     def load_lora(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -332,10 +352,15 @@ class ModelRunner:
             stage.lora.load(self.compilation.executable(LoRAUpdateKey(stage.index)), slot - 1, adapter)
 
     def sample(self, logits: jax.Array, batch: RaggedBatch) -> jax.Array:
-        """Dispatch sampling of a forward's logits; returns the packed i32[S, 2 + 2K] device array."""
+        """Dispatch sampling of a forward's logits (its buffer f32[max_num_seqs, V], which goes back
+        to the runner: the caller must not read it afterwards); returns the packed i32[S, 2 + 2K]
+        device array."""
         packed, next_tokens = self.sampler.run(logits, batch.sampling, self.compilation.executable)
+        # The next forward may write it: the device runs that after this sampling has read it.
+        if len(self._free_logits) < 2 and not any(logits is free for free in self._free_logits):
+            self._free_logits.append(logits)
         # Sampled on the last stage; a later batch's token sources are read on the first.
-        self._next_tokens = self._to_first(next_tokens)
+        self._next_tokens = self._to_first_stage(next_tokens)
         return self._to_first(packed) if self._result_to_first else packed
 
     def execute(self, batch: RaggedBatch) -> jax.Array:

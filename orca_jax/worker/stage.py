@@ -16,6 +16,11 @@ H100 (llama-8b, 32 layers, T = 160) staging took host dispatch from 4.33 ms per 
 (1.14 ms with the same inputs every call). The previous iteration's samples stay the forward's own
 argument: staged into the same buffer they measured worse (5.2 ms). Every bucket stages its inputs:
 at T = 8 and 32 (llama-1b, llama-8b) staged and direct decode iterations measured the same.
+
+For the same reason the last stage writes its logits into a buffer it is given (donated, so it stays
+at one address; the runner keeps it, model_runner.py) instead of a fresh output. With tensor
+parallelism and the all-reduces recorded in the graph (worker/xla_setup.py), an address that moves
+also re-records every collective, with a rendezvous of the devices.
 """
 
 from __future__ import annotations
@@ -175,6 +180,12 @@ class Stage:
         table = describe_arrays(self.lora.specs) if lora else None
         return describe_arrays(self.param_specs), describe_arrays(self.kv_specs(num_pages)), table
 
+    def logits_spec(self, max_num_seqs: int) -> jax.ShapeDtypeStruct | None:
+        """The last stage's logits buffer f32[max_num_seqs, V] (None on other stages)."""
+        if not self.last:
+            return None
+        return jax.ShapeDtypeStruct((max_num_seqs, self.config.vocab_size), jnp.float32, sharding=self.replicated)
+
     def lower(self, bucket: Bucket, max_num_seqs: int, lora: bool = False,
               num_pages: int | None = None) -> jax.stages.Lowered:
         """The forward program of `bucket` (with the LoRA adapter term or not) over a pool of num_pages
@@ -187,7 +198,8 @@ class Stage:
                                           sharding=self.replicated)
         return self._forward_fn.lower(self.model, self.first, self.last, bucket, self.lora_small if lora else None,
                                       self.param_specs, self.kv_specs(num_pages),
-                                      self.lora.specs if lora else None, i32(forward_inputs_size(*bucket)), inputs)
+                                      self.lora.specs if lora else None, i32(forward_inputs_size(*bucket)), inputs,
+                                      self.logits_spec(max_num_seqs) if bucket.seqs <= max_num_seqs else None)
 
     def lower_stage_in(self, bucket: Bucket) -> jax.stages.Lowered:
         """The stage-in program of `bucket`: the packed inputs into the bucket's staged buffer."""
@@ -199,8 +211,9 @@ class Stage:
         return self._staged.get(bucket)
 
     def run(self, bucket: Bucket, stage_in: jax.stages.Compiled, forward: jax.stages.Compiled,
-            packed: np.ndarray, inputs, lora: bool = False) -> jax.Array:
-        """Dispatch this stage (asynchronous): [T, H] activations out, or f32[S, V] logits if last.
+            packed: np.ndarray, inputs, lora: bool = False, logits: jax.Array | None = None) -> jax.Array:
+        """Dispatch this stage (asynchronous): [T, H] activations out, or if last the logits buffer
+        f32[max_num_seqs, V] (`logits`, donated: its first S rows now hold the batch's logits).
 
         `packed`: the batch's forward inputs in one i32 vector (`batch.pack_forward_inputs`), staged by
         `stage_in` into the bucket's buffer, which `forward` reads. `inputs`: the previous iteration's
@@ -212,7 +225,7 @@ class Stage:
         if staged is None:
             staged = self._zeros(packed.shape[0])
         self._staged[bucket] = staged = stage_in(staged, packed)  # the old buffer is donated: same address
-        out, self.kv = forward(self.params, self.kv, self.lora.table if lora else None, staged, inputs)
+        out, self.kv = forward(self.params, self.kv, self.lora.table if lora else None, staged, inputs, logits)
         return out
 
     def _zeros(self, size: int) -> jax.Array:
@@ -232,11 +245,12 @@ def _resize_pages(x: jax.Array, num_pages: int) -> jax.Array:
 
 def forward_program(out_shardings=None):
     """The jitted stage forward: (model, first, last, (T, S, P), lora form or None) static, the KV pages
-    donated; call or lower it as (model, first, last, bucket, lora, params, kv, LoRA table or None,
-    packed inputs, samples or activations)."""
+    and the logits buffer donated; call or lower it as (model, first, last, bucket, lora, params, kv,
+    LoRA table or None, packed inputs, samples or activations, logits buffer or None)."""
     if out_shardings is None:
-        return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,))
-    return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,), out_shardings=out_shardings)
+        return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 10))
+    return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 10),
+                   out_shardings=out_shardings)
 
 
 def stage_in_program(out_shardings=None):
@@ -250,8 +264,9 @@ def _stage_in(staged, packed):
 
 
 def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Bucket, lora: SmallBatchForm | None,
-                   params, kv, lora_table, packed, inputs):
-    """One stage's forward: (activations [T, H], or logits f32[S, V] on the last stage; kv).
+                   params, kv, lora_table, packed, inputs, logits_buffer):
+    """One stage's forward: (activations [T, H], or on the last stage `logits_buffer` f32[M, V] with
+    the batch's logits in its first S rows; kv).
     `lora` (how small buckets compute it): add each token's adapter term (its slot in the packed
     lora_slots, 0: none) from `lora_table` (lora/layout.py); None: the table is None and nothing reads
     the slots."""
@@ -275,7 +290,10 @@ def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Buck
     x, kv = model.layers(params["layers"], kv, x, positions, meta, lora_table if lora is not None else None,
                          lora_tokens)
     if last:
-        return model.logits(params, x[fields["logits_indices"]]), kv  # f32[S, V]
+        logits = model.logits(params, x[fields["logits_indices"]])  # f32[S, V]
+        if logits_buffer is None:  # more rows than a batch samples (a test's whole-prompt forward)
+            return logits, kv
+        return jax.lax.dynamic_update_slice(logits_buffer, logits, (0, 0)), kv
     return x, kv
 
 

@@ -305,15 +305,40 @@ def test_injected_scheduler_and_observer_seams():
 
 def test_the_forward_updates_every_layers_kv_in_place():
     """Per-layer K/V donated as a whole: XLA aliases every layer's pages to the program's outputs and
-    keeps no second copy of the cache (temporaries far below the pool's size)."""
+    keeps no second copy of the cache (temporaries far below the pool's size). The logits buffer
+    f32[max_num_seqs, V] is aliased too."""
     engine = tiny_engine(num_pages=2048, page_size=4)
-    kv_bytes = engine.runner.kv_bytes
+    runner = engine.runner
+    kv_bytes = runner.kv_bytes + 4 * runner.max_num_seqs * runner.config.vocab_size
     buckets = engine.buckets.all_buckets()
     for bucket in (buckets[0], buckets[-1]):
         key = ForwardKey(bucket, stage=0)  # the only stage
         stats = engine.runner.compilation.executable(key).memory_analysis()
         assert stats.alias_size_in_bytes == kv_bytes
         assert stats.temp_size_in_bytes < kv_bytes / 4, (stats.temp_size_in_bytes, kv_bytes)
+
+
+def test_logits_and_samples_stay_in_one_buffer_each_from_step_to_step():
+    """The forward writes its logits into the runner's buffer and sampling writes the samples over the
+    previous ones (both donated), so on GPU the forward's CUDA graph finds every argument where it was
+    recorded; the tokens are those of a fresh engine that ran the prompt alone."""
+    prompt, params = list(range(5, 25)), SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = tiny_engine()
+    runner = engine.runner
+    engine.add_request(prompt, params, request_id="r")
+    # After the first step: on the CPU the buffers made from numpy can alias host memory, which XLA
+    # copies rather than donates once.
+    first = [t for out in engine.step() for t in out.new_token_ids]
+    logits, samples = runner._free_logits[-1], runner.sampler.last_samples
+    addresses = logits.unsafe_buffer_pointer(), samples.unsafe_buffer_pointer()
+    tokens = first + drain(engine)["r"][len(first):]
+    assert logits.is_deleted() and samples.is_deleted()  # donated to the later steps
+    assert len(runner._free_logits) == 1
+    assert (runner._free_logits[-1].unsafe_buffer_pointer(), runner.sampler.last_samples.unsafe_buffer_pointer()) \
+        == addresses
+    fresh = tiny_engine(async_scheduling=False)
+    fresh.add_request(prompt, params, request_id="r")
+    assert len(tokens) == 6 and tokens == drain(fresh)["r"]
 
 
 def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():

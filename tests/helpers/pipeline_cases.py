@@ -108,7 +108,8 @@ def devices_of(tree) -> list[list[int]]:
 
 def program_facts(engine: Engine) -> dict:
     """For each stage's forward program of the first bucket: collectives and per-device argument bytes,
-    next to the bytes of the stage's own weight and KV shards (one device's)."""
+    next to the bytes of the stage's own weight and KV shards (one device's) and, on the last, its
+    logits buffer."""
     runner = engine.runner
     facts = {}
     bucket = min(k.bucket for k in runner.compilation.compiled_keys if isinstance(k, ForwardKey))
@@ -117,6 +118,8 @@ def program_facts(engine: Engine) -> dict:
         text = compiled.as_text()
         own = sum(s.data.nbytes for x in jax.tree_util.tree_leaves((stage.params, stage.kv))
                   for s in x.addressable_shards if s.device == stage.mesh.devices.flat[0])
+        if stage.last:  # the logits buffer it writes in place, f32[max_num_seqs, V] on each device
+            own += 4 * runner.max_num_seqs * stage.config.vocab_size
         facts[stage.index] = {
             # Result shapes, e.g. "f32[2,256]{1,0}": only logits may be gathered, never weights or KV.
             "all_gathers": re.findall(r"= (\S+) all-gather(?:-start)?\(", text),

@@ -1,0 +1,92 @@
+"""XLA options a tensor-parallel engine sets before jax starts its GPU backend.
+
+XLA runs a forward as a CUDA graph (a command buffer), but in jax 0.11.2 it leaves collectives out of
+it by default, and its one-shot all-reduce kernel (on by default) has no command form at all: a
+tensor-parallel llama-8b forward then becomes 64 graphs and 64 collective launches per device, about
+4.7 ms of host launching for 3.5 ms of device work on two H200s (benchmarks/results/h200x2/notes.md).
+These options record the all-reduces into the forward's one graph as NCCL calls:
+- `--xla_gpu_enable_command_buffer=+COLLECTIVES` and the one-shot kernel off (the kernel would end
+  the graph at every all-reduce);
+- `--xla_gpu_command_buffer_update_mode=SKIP_TEMP`: temporaries at fixed addresses (VMM allocator);
+  a recorded NCCL call whose buffer moved is re-recorded with a rendezvous of the devices;
+- NCCL symmetric buffers (`--xla_gpu_experimental_enable_nccl_symmetric_buffers`, with a collective
+  memory space of XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB): NCCL's low-latency kernels for the small
+  all-reduces of decode.
+Measured (benchmarks/probes/tp_flags.sh, llama-8b batch-1 decode, 2 H200s): 7.24 ms per step with
+XLA's defaults, 4.12 ms with these. The engine's own arguments stay put too (stage.py, sampler.py).
+
+Every option is read when the backend starts, from the environment: `prepare` adds them to XLA_FLAGS
+(never overriding one already there) if jax has not started yet, else it can only warn. One device
+needs none of them (SKIP_TEMP alone measured slower there), and several controller processes keep
+XLA's defaults: collectives recorded into graphs have hung multi-process jobs elsewhere.
+$ORCA_JAX_XLA_DEFAULTS=0 turns all of this off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from orca_jax.config import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+TENSOR_PARALLEL_FLAGS = (
+    "--xla_gpu_enable_command_buffer=+COLLECTIVES",
+    "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false",
+    "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
+    "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true",
+)
+COLLECTIVE_MEMORY_MB = "64"  # the symmetric buffers' space per device; decode's all-reduces are KBs
+
+
+def gpu_expected() -> bool:
+    """Whether jax will start on NVIDIA GPUs: a CUDA plugin is installed and JAX_PLATFORMS allows it."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return False
+    import importlib.util
+
+    def installed(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # its parent package is not there
+            return False
+    return any(installed(name) for name in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+                                            "jax_plugins.xla_cuda12"))
+
+
+def flags_for(parallel: ParallelConfig) -> tuple[str, ...]:
+    """The XLA flags an engine of this layout wants (none for one device, several processes or off GPU)."""
+    if parallel.tensor_parallel == 1 or parallel.num_processes > 1 or os.environ.get("ORCA_JAX_XLA_DEFAULTS") == "0" \
+            or not gpu_expected():
+        return ()
+    return TENSOR_PARALLEL_FLAGS
+
+
+def merged(xla_flags: str, wanted: tuple[str, ...]) -> str:
+    """`xla_flags` with each of `wanted` whose name it does not set already."""
+    present = {flag.split("=", 1)[0] for flag in xla_flags.split()}
+    return " ".join([xla_flags.strip()] + [f for f in wanted if f.split("=", 1)[0] not in present]).strip()
+
+
+def backend_started() -> bool:
+    from jax._src import xla_bridge
+    return bool(getattr(xla_bridge, "_backends", {}))
+
+
+def prepare(parallel: ParallelConfig) -> bool:
+    """Set this layout's XLA options in the environment; True if they were added before jax started
+    (they then hold for every program of this process)."""
+    wanted = flags_for(parallel)
+    current = os.environ.get("XLA_FLAGS", "")
+    if not wanted or merged(current, wanted) == current.strip():
+        return bool(wanted)
+    if backend_started():
+        log.warning("jax started before the engine: tensor parallelism runs without the XLA options that "
+                    "record its all-reduces into CUDA graphs (set XLA_FLAGS=%r before jax starts)",
+                    " ".join(wanted))
+        return False
+    os.environ["XLA_FLAGS"] = merged(current, wanted)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB)
+    return True

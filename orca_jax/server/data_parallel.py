@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 
@@ -20,18 +19,6 @@ from orca_jax.engine import EngineStats
 from orca_jax.engine.router import ReplicaRouter
 from orca_jax.server.async_engine import Readiness
 from orca_jax.server.process_engine import ProcessEngine
-
-# EngineStats fields that are one iteration's or a peak: the largest replica's, not the sum.
-_LARGEST = frozenset({"last_iteration_seconds", "peak_in_flight"})
-
-
-def summed_stats(each: Sequence[EngineStats]) -> EngineStats:
-    """One EngineStats for all replicas: counters and gauges summed, per-iteration figures the largest."""
-    values = {}
-    for field in dataclasses.fields(EngineStats):
-        column = [getattr(stats, field.name) for stats in each]
-        values[field.name] = max(column) if field.name in _LARGEST else sum(column)
-    return EngineStats(**values)
 
 
 def replica_devices(visible: str | None, replica: int, devices_per_replica: int) -> str:
@@ -106,7 +93,7 @@ class DataParallelEngine:
 
     @property
     def latest_stats(self) -> EngineStats:
-        return summed_stats([r.latest_stats for r in self.replicas])
+        return EngineStats.summed(self.replica_stats)
 
     @property
     def replica_stats(self) -> list[EngineStats]:

@@ -227,7 +227,8 @@ def _engine_process(argv, args, config, on_ready, on_failure):
     try:
         if replicas == 1:
             return replica(None)
-        from orca_jax.server.data_parallel import DataParallelEngine, replica_devices, start_replicas
+        from orca_jax.engine.replicas import replica_devices
+        from orca_jax.server.data_parallel import DataParallelEngine, start_replicas
 
         per_replica = config.parallel.tensor_parallel * config.parallel.num_stages
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

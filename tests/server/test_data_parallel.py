@@ -13,9 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_jax.engine import EngineStats
+from orca_jax.engine.replicas import replica_devices
 from orca_jax.server.app import create_app
 from orca_jax.server.metrics import PREFIX
-from orca_jax.server.data_parallel import DataParallelEngine, replica_devices, start_replicas
+from orca_jax.server.data_parallel import DataParallelEngine, start_replicas
 from orca_jax.server.process_engine import ProcessEngine
 
 from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy

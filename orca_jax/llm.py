@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+import weakref
 from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -12,10 +14,11 @@ from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTu
                              LoRAConfig, ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
 from orca_jax.engine.defaults import UsageContext, batch_defaults
+from orca_jax.engine.replicas import EngineBuild, EngineReplicas, replica_devices
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
-from orca_jax.models.loader import LoadedModel, load_model
+from orca_jax.models.loader import LoadedModel, load_model, read_model_config
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
 from orca_jax.sampling_params import SamplingParams
 
@@ -68,6 +71,13 @@ class LLM:
     max_num_seqs and max_num_batched_tokens default to the device's and the model's (engine/defaults.py).
     precompile compiles every program a batch can need before the first generate (False: each on its
     first use, which a notebook exploring one prompt may prefer; generate then pauses to compile).
+    data_parallel_size runs that many whole engines, each in a process of its own on its own
+    tensor x pipeline devices (replica r gets slice r of CUDA_VISIBLE_DEVICES), a prompt going to the
+    replica holding its prefix, else the least loaded (engine/replicas.py); generate, chat, stream and
+    stats work as with one engine (the same outputs for the same seeds), while what needs the engine
+    in this process (`engine`, fine-tuning, `loaded=`) is refused. shutdown() stops the replicas. The
+    replicas are spawned processes, which import the caller's main module: a script builds its LLM under
+    `if __name__ == "__main__":`.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int | None = None,
@@ -79,11 +89,19 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: int | None = None, enable_fine_tuning: bool = False,
                  fine_tuning_dir: str | None = None, enable_prompt_logprobs: bool = False,
-                 max_logprobs: int | None = None, precompile: bool = True, engine_config: EngineConfig | None = None,
-                 loaded: LoadedModel | None = None):
+                 max_logprobs: int | None = None, precompile: bool = True, data_parallel_size: int = 1,
+                 engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+        if data_parallel_size > 1 and loaded is not None:
+            raise ValueError(f"LLM(loaded=...) hands this process's weights to its engine; with data_parallel_size="
+                             f"{data_parallel_size} each replica loads the model in its own process: pass its name or path")
         if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
-            loaded = loaded or load_model(model, dtype=dtype)  # the defaults depend on its size
-            defaults = batch_defaults(UsageContext.OFFLINE, loaded.config.num_params)  # engine/defaults.py
+            # The defaults depend on the model's size; replicas load the weights in their own processes.
+            if data_parallel_size == 1:
+                loaded = loaded or load_model(model, dtype=dtype)
+            num_params = read_model_config(model).num_params if loaded is None else loaded.config.num_params
+            defaults = batch_defaults(UsageContext.OFFLINE, num_params)  # engine/defaults.py
             max_num_seqs = max_num_seqs or defaults.max_num_seqs
             max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
         config = engine_config or EngineConfig(
@@ -101,8 +119,26 @@ class LLM:
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or enable_fine_tuning else None,
             fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None,
             precompile=precompile)
-        self.engine = Engine(config, loaded)
-        self.tokenizer = self.engine.tokenizer
+        self.data_parallel_size = data_parallel_size
+        if data_parallel_size == 1:
+            self._engine: Engine | EngineReplicas = Engine(config, loaded)
+        else:
+            self._engine = EngineReplicas(_replica_builds(config, data_parallel_size))
+            self._stop_replicas = weakref.finalize(self, self._engine.shutdown)  # once: here, at exit or when collected
+        self.tokenizer = self._engine.tokenizer
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, in this process; ValueError with data_parallel_size > 1 (each replica's is in its own)."""
+        if self.data_parallel_size > 1:
+            raise ValueError(f"LLM.engine is the engine in this process; with data_parallel_size="
+                             f"{self.data_parallel_size} each replica's engine runs in its own process")
+        return self._engine
+
+    def shutdown(self) -> None:
+        """Stop the replicas' processes (data_parallel_size > 1; one engine in this process needs nothing)."""
+        if self.data_parallel_size > 1:
+            self._stop_replicas()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -121,13 +157,13 @@ class LLM:
         ids = []
         try:
             for p, sp, lora in zip(prompts, params, loras):
-                ids.append(self.engine.add_request(p, sp, priority=priority, deadline=deadline, lora_request=lora))
+                ids.append(self._engine.add_request(p, sp, priority=priority, deadline=deadline, lora_request=lora))
         except BaseException:  # e.g. a bad adapter for a later prompt: none of them runs
             for request_id in ids:
-                self.engine.abort(request_id)
+                self._engine.abort(request_id)
             raise
         finished = self._run_to_completion(set(ids), use_tqdm)
-        return [_to_generation_output(*finished[i], p, self.engine) for i, p in zip(ids, prompts)]
+        return [_to_generation_output(*finished[i], p, self._engine) for i, p in zip(ids, prompts)]
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -140,16 +176,16 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield the request's output after each iteration that produced tokens."""
-        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        request_id = self._engine.add_request(prompt, sampling_params or SamplingParams())
         try:
             while True:
-                for out in self.engine.step():
+                for out in self._engine.step():
                     if out.request_id == request_id:
                         yield out
                         if out.finished:
                             return
         finally:
-            self.engine.abort(request_id)  # a consumer that stops early frees the KV
+            self._engine.abort(request_id)  # a consumer that stops early frees the KV
 
     def fine_tune(self, dataset, *, lora_request: LoRARequest | None = None, n_epochs: int = 3,
                   batch_size: int = 8, learning_rate_multiplier: float = 1.0, lora_rank: int | None = None,
@@ -165,7 +201,10 @@ class LLM:
         hyperparameters overrides n_epochs, batch_size and learning_rate_multiplier when given.
         DatasetError (a ValueError) names the first bad line; RuntimeError if the job fails.
         """
-        return run_fine_tune(self.engine, dataset, lora_request=lora_request, suffix=suffix, use_tqdm=use_tqdm,
+        if self.data_parallel_size > 1:
+            raise ValueError(f"LLM.fine_tune trains in the engine's process: not with data_parallel_size="
+                             f"{self.data_parallel_size}")
+        return run_fine_tune(self._engine, dataset, lora_request=lora_request, suffix=suffix, use_tqdm=use_tqdm,
                              hyperparameters=hyperparameters or TrainingHyperparameters(
                                  n_epochs=n_epochs, batch_size=batch_size,
                                  learning_rate_multiplier=learning_rate_multiplier),
@@ -173,7 +212,7 @@ class LLM:
                              target_modules=None if target_modules is None else tuple(target_modules))
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return self._engine.stats()
 
     def _run_to_completion(self, pending: set[str], use_tqdm: bool) -> dict[str, tuple[RequestOutput, _Collected]]:
         """Each request's final output, with what its earlier outputs carried."""
@@ -182,7 +221,7 @@ class LLM:
         bar = tqdm(total=len(pending), desc="generating", unit="req", disable=not use_tqdm)
         try:
             while len(finished) < len(pending):
-                for out in self.engine.step():
+                for out in self._engine.step():
                     if out.request_id not in pending:
                         continue
                     collected[out.request_id].add(out)
@@ -191,7 +230,7 @@ class LLM:
                         bar.update(1)
         except BaseException:
             for request_id in pending - finished.keys():
-                self.engine.abort(request_id)
+                self._engine.abort(request_id)
             raise
         finally:
             bar.close()
@@ -211,6 +250,20 @@ class _Collected:
             self.logprobs = (self.logprobs or []) + out.new_logprobs
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+
+
+def _replica_builds(config: EngineConfig, data_parallel_size: int) -> list[EngineBuild]:
+    """Each replica's engine: `config` on its slice of this process's GPUs; ValueError for what cannot
+    run across the process boundary."""
+    if config.fine_tuning is not None:
+        raise ValueError(f"fine-tuning (enable_fine_tuning) trains in the engine's own process: not with "
+                         f"data_parallel_size={data_parallel_size}")
+    if config.parallel.num_processes != 1:
+        raise ValueError(f"an engine over several controller processes (ParallelConfig.num_processes) cannot be "
+                         f"a replica: not with data_parallel_size={data_parallel_size}")
+    per_replica = config.parallel.tensor_parallel * config.parallel.num_stages
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [EngineBuild(config, replica_devices(visible, r, per_replica)) for r in range(data_parallel_size)]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
@@ -240,7 +293,7 @@ def _per_prompt_lora(lora_request, n: int) -> list[LoRARequest | None]:
 
 
 def _to_generation_output(out: RequestOutput, collected: _Collected, prompt: Prompt,
-                          engine: Engine) -> GenerationOutput:
+                          engine: Engine | EngineReplicas) -> GenerationOutput:
     prompt_ids = engine.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
     completion = CompletionOutput(index=0, text=out.text, token_ids=out.output_token_ids,
                                   finish_reason=out.finish_reason, logprobs=collected.logprobs)

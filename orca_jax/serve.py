@@ -208,7 +208,8 @@ def _engine_process(argv, args, config, on_ready, on_failure):
     """The engine core in a spawned child process (ProcessEngine), built there from the same flags;
     an exit status where the start ends here. This process never starts jax."""
     from orca_jax.server.engine_factory import ServedEngineFactory, engine_process_refusal
-    from orca_jax.server.process_engine import EngineStartError, ProcessEngine
+    from orca_jax.engine.core_client import EngineStartError
+    from orca_jax.server.process_engine import ProcessEngine
 
     refusal = engine_process_refusal(config)
     if refusal is not None:
@@ -226,7 +227,8 @@ def _engine_process(argv, args, config, on_ready, on_failure):
     try:
         if replicas == 1:
             return replica(None)
-        from orca_jax.server.data_parallel import DataParallelEngine, replica_devices, start_replicas
+        from orca_jax.engine.replicas import replica_devices
+        from orca_jax.server.data_parallel import DataParallelEngine, start_replicas
 
         per_replica = config.parallel.tensor_parallel * config.parallel.num_stages
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -14,7 +14,10 @@ Host only, no jax: the front end routes before any engine sees the request.
 from __future__ import annotations
 
 import collections
-from typing import Hashable, Sequence
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+if TYPE_CHECKING:
+    from orca_jax.lora.request import LoRARequest
 
 ROOT_KEY = 0  # the "previous key" of a prompt's first page
 
@@ -26,6 +29,11 @@ def prefix_keys(token_ids: Sequence[int], page_size: int, salt: Hashable = ()) -
         parent = hash((parent, tuple(token_ids[start:start + page_size]), salt))
         keys.append(parent)
     return keys
+
+
+def adapter_salt(lora_request: LoRARequest | None) -> tuple:
+    """route()'s salt for a request: its adapter's name (an adapter's KV differs from the base model's)."""
+    return () if lora_request is None else (lora_request.lora_name,)
 
 
 class ReplicaRouter:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+# EngineStats fields that are one iteration's or a peak: summed() takes the largest engine's, not the sum.
+_LARGEST = frozenset({"last_iteration_seconds", "peak_in_flight"})
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,6 +59,16 @@ class EngineStats:
     kv_pages_lent: int = 0
     kv_loans_total: int = 0
     kv_loan_seconds_total: float = 0.0
+
+    @classmethod
+    def summed(cls, each: Sequence[EngineStats]) -> EngineStats:
+        """One EngineStats for several engines (data-parallel replicas): counters and gauges summed,
+        per-iteration figures and peaks (_LARGEST) the largest."""
+        values = {}
+        for field in dataclasses.fields(cls):
+            column = [getattr(stats, field.name) for stats in each]
+            values[field.name] = max(column, default=0) if field.name in _LARGEST else sum(column)
+        return cls(**values)
 
     @property
     def mean_batch_size(self) -> float:

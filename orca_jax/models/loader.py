@@ -73,6 +73,25 @@ def load_model(name_or_path: str, dtype: str | None = None) -> LoadedModel:
     return loaded
 
 
+def read_model_config(name_or_path: str) -> ModelConfig:
+    """The config load_model would give (its dtype the checkpoint's), read without the weights: for
+    a process that sizes an engine other processes load."""
+    if name_or_path in presets.PRESETS:
+        return presets.PRESETS[name_or_path]
+    if os.path.isfile(name_or_path):
+        return weights.config_from_gguf(weights.open_gguf(name_or_path), name_or_path)
+    marker = os.path.join(name_or_path, CHECKPOINT_CONFIG)
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as f:
+            return weights.config_from_json(f.read(), marker)
+    hf_config = os.path.join(name_or_path, "config.json")
+    if os.path.isfile(hf_config):
+        if hf_checkpoint.read_hf_config(hf_config)["model_type"] == "gpt2":
+            return hf_checkpoint.config_from_gpt2_json(hf_config)
+        return hf_checkpoint.config_from_llama_json(hf_config)
+    return load_model(name_or_path).config  # the error load_model gives for what it cannot read
+
+
 def load_gguf(path: str) -> LoadedModel:
     """A Llama GGUF: weights dequantized to fp32, the tokenizer from its metadata.
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from orca_jax.json_limits import DEFAULT_MAX_DEPTH
 from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
-from orca_jax.server.engine_client import EngineClient
+from orca_jax.server.engine_client import EngineClient, ReplicatedEngineClient
 from orca_jax.server.errors import APIError, install_error_handlers
 from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, FineTuningJobsCollector,
                                          FineTuningRoutes, install_fine_tuning_routes)
@@ -129,8 +129,10 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
     """
     async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
     served_model_name = served_model_name or async_engine.engine.config.model
+    replicated = isinstance(async_engine, ReplicatedEngineClient)
     metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: async_engine.num_in_flight,
-                            model_name=served_model_name)
+                            model_name=served_model_name,
+                            replica_stats=(lambda: async_engine.replica_stats) if replicated else None)
     async_engine.add_iteration_listener(metrics.observe_iteration)
     # The base and its LoRA adapters (those the engine holds now, and later loads over HTTP).
     models = ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)

@@ -1,5 +1,5 @@
 """Data-parallel replicas behind one front end (`--data-parallel-size N`): an EngineClient over N engine
-cores, each a ProcessEngine on its own devices.
+cores, each a ProcessEngine on its own devices (engine/replicas.py: replica_devices).
 
 A request goes to the replica the router picks (engine/router.py: the replica holding the longest
 prefix of its prompt, unless it is busier than the least loaded by more than the router's imbalance;
@@ -12,39 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 
 from orca_jax.engine import EngineStats
-from orca_jax.engine.router import ReplicaRouter
+from orca_jax.engine.router import ReplicaRouter, adapter_salt
 from orca_jax.server.async_engine import Readiness
 from orca_jax.server.process_engine import ProcessEngine
-
-# EngineStats fields that are one iteration's or a peak: the largest replica's, not the sum.
-_LARGEST = frozenset({"last_iteration_seconds", "peak_in_flight"})
-
-
-def summed_stats(each: Sequence[EngineStats]) -> EngineStats:
-    """One EngineStats for all replicas: counters and gauges summed, per-iteration figures the largest."""
-    values = {}
-    for field in dataclasses.fields(EngineStats):
-        column = [getattr(stats, field.name) for stats in each]
-        values[field.name] = max(column) if field.name in _LARGEST else sum(column)
-    return EngineStats(**values)
-
-
-def replica_devices(visible: str | None, replica: int, devices_per_replica: int) -> str:
-    """CUDA_VISIBLE_DEVICES for one replica: its contiguous slice of the devices this process sees
-    (`visible`: this process's CUDA_VISIBLE_DEVICES, or None for every GPU by index)."""
-    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
-    start = replica * devices_per_replica
-    if ids is None:
-        return ",".join(str(i) for i in range(start, start + devices_per_replica))
-    if start + devices_per_replica > len(ids):
-        raise ValueError(f"replica {replica} needs devices {start}..{start + devices_per_replica - 1} of "
-                         f"CUDA_VISIBLE_DEVICES={visible}: too few for the replicas' devices")
-    return ",".join(ids[start:start + devices_per_replica])
 
 
 def start_replicas(builders: Sequence[Callable[[], ProcessEngine]]) -> list[ProcessEngine]:
@@ -106,7 +80,7 @@ class DataParallelEngine:
 
     @property
     def latest_stats(self) -> EngineStats:
-        return summed_stats([r.latest_stats for r in self.replicas])
+        return EngineStats.summed(self.replica_stats)
 
     @property
     def replica_stats(self) -> list[EngineStats]:
@@ -147,8 +121,8 @@ class DataParallelEngine:
 
     def route(self, prompt_token_ids: Sequence[int], lora_request=None) -> int:
         """The replica a request with this prompt goes to now (its adapter salts the prefix)."""
-        salt = () if lora_request is None else (lora_request.lora_name,)
-        return self.router.route(prompt_token_ids, [r.num_in_flight for r in self.replicas], salt)
+        return self.router.route(prompt_token_ids, [r.num_in_flight for r in self.replicas],
+                                 adapter_salt(lora_request))
 
     async def submit(self, prompt_token_ids, sampling, *, request_id, priority=0, deadline=None,
                      lora_request=None, grammar=None):

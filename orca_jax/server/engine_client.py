@@ -1,7 +1,8 @@
 """What the server's modules need of an engine: the seam between HTTP and where the engine runs.
 
 Two implementations: AsyncEngine (server/async_engine.py: the engine on a thread of this process) and
-ProcessEngine (server/process_engine.py: the engine core in a child process, `--engine-process`).
+ProcessEngine (server/process_engine.py: the engine core in a child process, `--engine-process`); and
+one over several engines, DataParallelEngine (server/data_parallel.py), a ReplicatedEngineClient.
 """
 
 from __future__ import annotations
@@ -59,3 +60,13 @@ class EngineClient(Protocol):
     async def add_lora(self, lora_request: LoRARequest, adapter: object) -> None: ...
 
     async def remove_lora(self, lora_int_id: int) -> bool: ...
+
+
+@runtime_checkable
+class ReplicatedEngineClient(EngineClient, Protocol):
+    """An EngineClient over several engines (data-parallel replicas): latest_stats is all of them as
+    one (EngineStats.summed), and /metrics shows each one's too."""
+
+    @property
+    def replica_stats(self) -> list[EngineStats]:
+        """Each replica's latest stats, in replica order."""

@@ -14,18 +14,14 @@ import bisect
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
-
+from collections.abc import Callable, Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from orca_jax.engine import EngineStats
 from orca_jax.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from orca_jax.engine import EngineStats
 
 PREFIX = "orca_jax:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -45,67 +41,88 @@ def kv_cache_usage(stats: EngineStats) -> float:
 
 
 class _EngineStatsCollector(Collector):
-    """Exports the engine's own counters as of its latest iteration."""
+    """Exports the engine's own counters as of its latest iteration; for data-parallel replicas, each
+    replica's too.
+
+    With replicas every series of an engine metric carries a `replica` label: "0", "1", ... for each,
+    and "all" for the server as one (counts summed; kv_cache_usage_perc is the pooled fraction, not a
+    sum). Not an unlabelled total beside labelled series: Prometheus' client libraries require one set
+    of label names per metric, and a selector must be able to pick the total (`replica="all"`) or the
+    replicas (`replica!="all"`); a bare `sum()` over the metric would count everything twice either
+    way. A single engine has no replica label at all, so its series are what they always were.
+    """
 
     def __init__(self, latest_stats: Callable[[], EngineStats], num_in_flight: Callable[[], int],
-                 model_name: str):
+                 model_name: str, replica_stats: Callable[[], Sequence[EngineStats]] | None = None):
         self._latest_stats = latest_stats
         self._num_in_flight = num_in_flight
         self._model_name = model_name
+        self._replica_stats = replica_stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._latest_stats()
-        gauges = (
-            ("num_requests_running", "Requests in the running batch", stats.num_running),
-            ("num_requests_waiting", "Requests waiting in the engine's pool", stats.num_waiting),
-            ("num_requests_in_flight", "Requests accepted by the server and not yet finished",
-             self._num_in_flight()),
-            ("kv_cache_usage_perc", "KV cache usage: 1 means the whole pool is used or reserved (ORCA "
-             "reserves a request's max_tokens up front)", kv_cache_usage(stats)),
-            ("kv_cache_used_pages", "KV cache pages holding tokens", stats.kv_pages_used),
-            ("kv_cache_reserved_pages", "KV cache pages reserved for tokens still to come",
-             stats.kv_pages_reserved),
-            ("kv_cache_total_pages", "KV cache pages requests can use (the scratch page excluded)",
-             stats.kv_pages_total),
-            ("kv_cache_lent_pages", "KV cache pages lent to a fine-tuning job now (their memory is the "
-             "job's)", stats.kv_pages_lent),
-            ("num_compiled_programs", "Programs compiled (or loaded) so far", stats.num_compiled_programs),
-        )
-        for name, documentation, value in gauges:
-            family = GaugeMetricFamily(PREFIX + name, documentation, labels=("model_name",))
-            family.add_metric((self._model_name,), value)
+        # Each replica read once, and the total made from those reads: in every scrape it is their sum.
+        each = list(self._replica_stats()) if self._replica_stats is not None else []
+        series = ([((self._model_name, "all"), EngineStats.summed(each))]
+                  + [((self._model_name, str(r)), stats) for r, stats in enumerate(each)]
+                  if each else [((self._model_name,), self._latest_stats())])
+        labels = ("model_name", "replica") if each else ("model_name",)
+        for kind, name, documentation, value in _ENGINE_SERIES:
+            if value is None:  # the front end's count, no engine's: one series, whatever the replicas
+                family = kind(PREFIX + name, documentation, labels=("model_name",))
+                family.add_metric((self._model_name,), self._num_in_flight())
+            else:
+                family = kind(PREFIX + name, documentation, labels=labels)
+                for label_values, stats in series:
+                    family.add_metric(label_values, value(stats))
             yield family
-        counters = (
-            ("num_preemptions", "Requests preempted (KV freed, recomputed later) to make room",
-             stats.num_preemptions),
-            ("deadline_hits", "Requests with a deadline that finished by it", stats.deadline_hits),
-            ("deadline_misses", "Requests with a deadline that finished after it or were dropped",
-             stats.deadline_misses),
-            ("prompt_tokens", "Prompt tokens processed", stats.prompt_tokens_total),
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
-             stats.prefix_cache_hits),
-            ("generation_tokens", "Tokens generated", stats.generated_tokens_total),
-            ("iterations", "Engine iterations run", stats.iterations),
-            ("fine_tuning_iterations", "Fine-tuning iterations run (one micro-batch's forward and backward)",
-             stats.fine_tuning_iterations),
-            ("fine_tuning_tokens", "Tokens fine-tuning iterations ran over (their rate: fine-tuning tokens/s)",
-             stats.fine_tuning_tokens_total),
-            ("fine_tuning_seconds", "Seconds fine-tuning iterations took", stats.fine_tuning_seconds_total),
-            ("inference_deferrals", "Fine-tuning iterations run while inference requests waited (deferred)",
-             stats.inference_deferrals_total),
-            ("inference_deferral_seconds", "Seconds of those iterations: what waiting requests were "
-             "deferred for", stats.inference_deferral_seconds_total),
-            ("kv_loans", "Times the KV pool lent its top pages to a fine-tuning job", stats.kv_loans_total),
-            ("kv_loan_seconds", "Seconds spent resizing the KV pool for loans and their return",
-             stats.kv_loan_seconds_total),
-            ("fine_tuning_parks", "Times a fine-tuning job gave its borrowed KV pages back to waiting "
-             "requests", stats.fine_tuning_parks_total),
-        )
-        for name, documentation, value in counters:
-            family = CounterMetricFamily(PREFIX + name, documentation, labels=("model_name",))
-            family.add_metric((self._model_name,), value)
-            yield family
+
+
+# (family, name, documentation, its value in one EngineStats): what /metrics reads of an engine.
+# None: the server's requests in flight (the front end's count).
+_ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[EngineStats], float] | None], ...] = (
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running batch", lambda s: s.num_running),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting in the engine's pool", lambda s: s.num_waiting),
+    (GaugeMetricFamily, "num_requests_in_flight", "Requests accepted by the server and not yet finished", None),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "KV cache usage: 1 means the whole pool is used or reserved "
+     "(ORCA reserves a request's max_tokens up front)", kv_cache_usage),
+    (GaugeMetricFamily, "kv_cache_used_pages", "KV cache pages holding tokens", lambda s: s.kv_pages_used),
+    (GaugeMetricFamily, "kv_cache_reserved_pages", "KV cache pages reserved for tokens still to come",
+     lambda s: s.kv_pages_reserved),
+    (GaugeMetricFamily, "kv_cache_total_pages", "KV cache pages requests can use (the scratch page excluded)",
+     lambda s: s.kv_pages_total),
+    (GaugeMetricFamily, "kv_cache_lent_pages", "KV cache pages lent to a fine-tuning job now (their memory is "
+     "the job's)", lambda s: s.kv_pages_lent),
+    (GaugeMetricFamily, "num_compiled_programs", "Programs compiled (or loaded) so far",
+     lambda s: s.num_compiled_programs),
+    (CounterMetricFamily, "num_preemptions", "Requests preempted (KV freed, recomputed later) to make room",
+     lambda s: s.num_preemptions),
+    (CounterMetricFamily, "deadline_hits", "Requests with a deadline that finished by it", lambda s: s.deadline_hits),
+    (CounterMetricFamily, "deadline_misses", "Requests with a deadline that finished after it or were dropped",
+     lambda s: s.deadline_misses),
+    (CounterMetricFamily, "prompt_tokens", "Prompt tokens processed", lambda s: s.prompt_tokens_total),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     lambda s: s.prefix_cache_queries),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
+     lambda s: s.prefix_cache_hits),
+    (CounterMetricFamily, "generation_tokens", "Tokens generated", lambda s: s.generated_tokens_total),
+    (CounterMetricFamily, "iterations", "Engine iterations run", lambda s: s.iterations),
+    (CounterMetricFamily, "fine_tuning_iterations", "Fine-tuning iterations run (one micro-batch's forward and "
+     "backward)", lambda s: s.fine_tuning_iterations),
+    (CounterMetricFamily, "fine_tuning_tokens", "Tokens fine-tuning iterations ran over (their rate: fine-tuning "
+     "tokens/s)", lambda s: s.fine_tuning_tokens_total),
+    (CounterMetricFamily, "fine_tuning_seconds", "Seconds fine-tuning iterations took",
+     lambda s: s.fine_tuning_seconds_total),
+    (CounterMetricFamily, "inference_deferrals", "Fine-tuning iterations run while inference requests waited "
+     "(deferred)", lambda s: s.inference_deferrals_total),
+    (CounterMetricFamily, "inference_deferral_seconds", "Seconds of those iterations: what waiting requests "
+     "were deferred for", lambda s: s.inference_deferral_seconds_total),
+    (CounterMetricFamily, "kv_loans", "Times the KV pool lent its top pages to a fine-tuning job",
+     lambda s: s.kv_loans_total),
+    (CounterMetricFamily, "kv_loan_seconds", "Seconds spent resizing the KV pool for loans and their return",
+     lambda s: s.kv_loan_seconds_total),
+    (CounterMetricFamily, "fine_tuning_parks", "Times a fine-tuning job gave its borrowed KV pages back to "
+     "waiting requests", lambda s: s.fine_tuning_parks_total),
+)
 
 
 class _TokenGapHistogram(Collector):
@@ -138,10 +155,11 @@ class _TokenGapHistogram(Collector):
 
 
 class ServerMetrics:
-    """All metrics of one app; `render()` gives the Prometheus text format."""
+    """All metrics of one app; `render()` gives the Prometheus text format. `replica_stats`: each
+    data-parallel replica's latest stats (None: one engine), exported per replica too."""
 
     def __init__(self, latest_stats: Callable[[], EngineStats], num_in_flight: Callable[[], int], *,
-                 model_name: str):
+                 model_name: str, replica_stats: Callable[[], Sequence[EngineStats]] | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.labels = {"model_name": model_name}
 
@@ -187,7 +205,7 @@ class ServerMetrics:
         self.requests_rejected = Counter(
             PREFIX + "requests_rejected", "Requests the engine refused (pool full, not running, too big), "
             "by HTTP status", labelnames=("status", "model_name"), registry=self.registry)
-        self.registry.register(_EngineStatsCollector(latest_stats, num_in_flight, model_name))
+        self.registry.register(_EngineStatsCollector(latest_stats, num_in_flight, model_name, replica_stats))
 
     def observe_iteration(self, stats: EngineStats) -> None:
         """Called on the engine thread after every iteration."""

@@ -17,16 +17,15 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import multiprocessing
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from orca_jax.core.sched.interface import QueueFullError
-from orca_jax.engine.core_process import (AbortRequest, AddRequest, CoreCall, CoreCallKind, CoreFailed, CoreInfo,
-                                          CoreIteration, CoreProgress, CoreReady, CoreStopped, Shutdown,
-                                          run_engine_core)
+from orca_jax.engine.core_client import STOP_JOIN_SECONDS, CoreProcess
+from orca_jax.engine.core_process import (AbortRequest, AddRequest, CoreCall, CoreCallKind, CoreFailed,
+                                          CoreIteration, CoreProgress, CoreReady, CoreStopped, Shutdown)
 from orca_jax.config import LoRAConfig
 from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.lora.request import LoRARequest
@@ -42,12 +41,6 @@ if TYPE_CHECKING:
     from orca_jax.structured.matcher import CompiledGrammar
 
 logger = logging.getLogger(__name__)
-STARTUP_TIMEOUT_SECONDS = 3600.0  # loading the weights of a big model from a slow disk
-STOP_JOIN_SECONDS = 10.0  # after the core said it stopped, or after the grace period
-
-
-class EngineStartError(RuntimeError):
-    """The core process could not build its engine (its cause is the message)."""
 
 
 class LoRAIds:
@@ -108,18 +101,13 @@ class ProcessEngine:
         self._live: dict[str, _Live] = {}  # event loop only
         self._calls: dict[int, asyncio.Future] = {}  # event loop only
         self._call_ids = itertools.count()
-        self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stop_requested = False
         self._stopped = False  # the core said it stopped (a clean end, not a death)
-        context = multiprocessing.get_context("spawn")  # never fork a process that has started jax
-        self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=run_engine_core, args=(child_conn, build, precompile, log_level),
-                                       name="orca-engine-core", daemon=True)
-        self.process.start()
-        child_conn.close()  # ours closed, so the core's death reads as the pipe's end
-        info = self._first_message()
+        self.core = CoreProcess(build, precompile=precompile, log_level=log_level)
+        self.process = self.core.process  # the core's process (callers read its pid and exit code)
+        info = self.core.wait_built()
         grammar_compiler = None if info.grammar_vocab_size is None else GrammarCompiler(
             info.tokenizer, info.grammar_vocab_size, limits=info.config.grammar_limits)
         self.engine = EngineView(info.config, info.model_config, info.max_model_len, info.tokenizer,
@@ -128,22 +116,6 @@ class ProcessEngine:
         self.latest_stats: EngineStats = info.stats
         scheduler = info.config.scheduler
         self.max_in_flight = max_in_flight or scheduler.max_waiting + scheduler.max_num_seqs
-
-    def _first_message(self) -> CoreInfo:
-        ready = wait([self._conn, self.process.sentinel], STARTUP_TIMEOUT_SECONDS)
-        message = None
-        if self._conn in ready or self._conn.poll(0):
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                message = None
-        if isinstance(message, CoreInfo):
-            return message
-        self.process.join(STOP_JOIN_SECONDS)
-        if isinstance(message, CoreFailed):
-            raise EngineStartError(message.message or message.cause)
-        raise EngineStartError(f"the engine core process ended before its engine was built "
-                               f"(exit code {self.process.exitcode})")
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -167,11 +139,7 @@ class ProcessEngine:
         self.begin_shutdown()
         if self._reader is not None:
             self._reader.join(None if timeout is None else timeout + self.shutdown_grace_seconds)
-        self.process.join(STOP_JOIN_SECONDS if self._stopped else 0.1)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(STOP_JOIN_SECONDS)
-        self._conn.close()
+        self.core.close(STOP_JOIN_SECONDS if self._stopped else 0.1)
 
     def add_iteration_listener(self, listener: Callable[[EngineStats], None]) -> None:
         """Call `listener(stats)` on the reader thread after every iteration the core reports."""
@@ -247,11 +215,7 @@ class ProcessEngine:
             self._send(AbortRequest(request_id))
 
     def _send(self, message) -> None:
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (OSError, ValueError):  # the core is gone; the reader reports why
-            pass
+        self.core.send(message)
 
     # ---- the reader thread ----------------------------------------------------------------------
 
@@ -259,10 +223,10 @@ class ProcessEngine:
         failed: CoreFailed | None = None
         try:
             while True:
-                ready = wait([self._conn, self.process.sentinel])
-                if self._conn not in ready and not self._conn.poll(0):
+                ready = wait([self.core.conn, self.process.sentinel])
+                if self.core.conn not in ready and not self.core.conn.poll(0):
                     break  # the process ended and left nothing more to read
-                message = self._conn.recv()
+                message = self.core.conn.recv()
                 if isinstance(message, CoreIteration):
                     self._latest(message.stats, message.ran)
                     self._call_soon(self._deliver, message)

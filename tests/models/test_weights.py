@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from orca_jax.models import presets, weights
-from orca_jax.models.loader import load_model, save_model, smollm2_gguf_path
+from orca_jax.models.loader import load_model, read_model_config, save_model, smollm2_gguf_path
 from orca_jax.models.weights import WeightsError
 
 
@@ -131,6 +131,15 @@ def test_gpt2_config_that_contradicts_safetensors(gpt2_dir):
     with pytest.raises(WeightsError, match=r"model.safetensors: tensor transformer.wte.weight has shape "
                                            r"\(256, 32\), config.json implies \(256, 64\)"):
         load_model(str(gpt2_dir))
+
+
+def test_the_config_is_read_without_the_weights_as_loading_gives_it(gpt2_dir, tmp_path):
+    """What LLM(data_parallel_size=N) sizes its replicas by, in a process that loads no weights."""
+    save_model(str(tmp_path / "model"), presets.PRESETS["tiny-llama"], _random_params("tiny-llama"))
+    for source in ("tiny-llama", str(gpt2_dir), str(tmp_path / "model")):
+        assert read_model_config(source) == load_model(source).config, source
+    with pytest.raises(WeightsError, match="no-such-model"):
+        read_model_config("no-such-model")
 
 
 def test_truncated_safetensors(gpt2_dir):

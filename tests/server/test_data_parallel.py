@@ -1,6 +1,6 @@
 """Data-parallel replicas behind one front end (`--data-parallel-size`): a conversation's turns go to the
-replica holding its prefix, new conversations spread, the server reads all replicas as one, and one
-replica's death fails the server as one engine's would."""
+replica holding its prefix, new conversations spread, the server reads all replicas as one (and /metrics
+each one too), and one replica's death fails the server as one engine's would."""
 
 import functools
 import os
@@ -10,11 +10,13 @@ import sys
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from orca_jax.engine import EngineStats
+from orca_jax.engine.replicas import replica_devices
 from orca_jax.server.app import create_app
 from orca_jax.server.metrics import PREFIX
-from orca_jax.server.data_parallel import DataParallelEngine, replica_devices, start_replicas, summed_stats
+from orca_jax.server.data_parallel import DataParallelEngine, start_replicas
 from orca_jax.server.process_engine import ProcessEngine
 
 from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
@@ -28,7 +30,7 @@ def _fake_core() -> ProcessEngine:
 def test_stats_are_summed_and_per_iteration_figures_the_largest():
     a = EngineStats(iterations=3, num_running=2, kv_pages_total=10, last_iteration_seconds=0.5, peak_in_flight=2)
     b = EngineStats(iterations=5, num_running=1, kv_pages_total=10, last_iteration_seconds=0.2, peak_in_flight=1)
-    total = summed_stats([a, b])
+    total = EngineStats.summed([a, b])
     assert (total.iterations, total.num_running, total.kv_pages_total) == (8, 3, 20)
     assert (total.last_iteration_seconds, total.peak_in_flight) == (0.5, 2)
 
@@ -67,6 +69,46 @@ async def test_a_conversation_s_turns_go_to_one_replica_and_another_s_to_the_oth
         line = next(m for m in metrics.splitlines() if m.startswith(PREFIX + "prompt_tokens_total{"))
         assert float(line.split()[-1]) == sum(served_prompt_tokens()) == 2 * 12 + 2 * 18 + 2 * 24
     engine.shutdown(timeout=5)
+
+
+def _samples(metrics_text: str, name: str) -> dict[str | None, float]:
+    """One metric's values by their replica label (None: a series without one)."""
+    [family] = [f for f in text_string_to_metric_families(metrics_text) if f.name == PREFIX + name]
+    return {s.labels.get("replica"): s.value for s in family.samples if s.name in (family.name, family.name + "_total")}
+
+
+@pytest.mark.anyio
+async def test_metrics_show_each_replica_and_all_of_them():
+    engine = DataParallelEngine(start_replicas([_fake_core, _fake_core]))
+    async with asgi_client(create_app(engine, served_model_name="fake")) as client:
+        for prompt in (list(range(10, 22)), list(range(40, 52)), list(range(70, 78))):  # two replicas' worth
+            answer = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+            assert answer.status_code == 200, answer.text
+        await wait_until(lambda: sum(s.generated_tokens_total for s in engine.replica_stats) == 9)
+        text = (await client.get("/metrics")).text
+        each = engine.replica_stats
+        assert all(stats.generated_tokens_total for stats in each)  # both replicas served
+        for name, field in (("prompt_tokens", "prompt_tokens_total"), ("generation_tokens", "generated_tokens_total"),
+                            ("iterations", "iterations"), ("prefix_cache_queries", "prefix_cache_queries"),
+                            ("prefix_cache_hits", "prefix_cache_hits"), ("num_requests_running", "num_running"),
+                            ("num_requests_waiting", "num_waiting"), ("kv_cache_total_pages", "kv_pages_total"),
+                            ("kv_cache_used_pages", "kv_pages_used")):
+            values = _samples(text, name)
+            assert set(values) == {"all", "0", "1"}, (name, values)
+            assert [values["0"], values["1"]] == [getattr(stats, field) for stats in each], name
+            assert values["all"] == values["0"] + values["1"], name
+        assert _samples(text, "prompt_tokens")["all"] == 12 + 12 + 8
+        usage = _samples(text, "kv_cache_usage_perc")  # the pooled fraction, not a sum
+        assert usage["all"] == sum(s.kv_pages_reserved for s in each) / sum(s.kv_pages_total for s in each)
+        assert set(_samples(text, "num_requests_in_flight")) == {None}  # the front end's count: one series
+    engine.shutdown(timeout=5)
+
+
+@pytest.mark.anyio
+async def test_one_engine_s_metrics_have_no_replica_label():
+    async with asgi_client(create_app(FakeEngine(), served_model_name="fake")) as client:
+        text = (await client.get("/metrics")).text
+    assert "replica=" not in text and set(_samples(text, "iterations")) == {None}
 
 
 @pytest.mark.anyio

@@ -19,6 +19,7 @@ from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model, read_model_config
+from orca_jax.worker import xla_setup
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
 from orca_jax.sampling_params import SamplingParams
 
@@ -96,6 +97,9 @@ class LLM:
         if data_parallel_size > 1 and loaded is not None:
             raise ValueError(f"LLM(loaded=...) hands this process's weights to its engine; with data_parallel_size="
                              f"{data_parallel_size} each replica loads the model in its own process: pass its name or path")
+        if data_parallel_size == 1:  # before anything starts jax (each replica's engine does it in its process)
+            xla_setup.prepare(engine_config.parallel if engine_config is not None else
+                              ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size))
         if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
             # The defaults depend on the model's size; replicas load the weights in their own processes.
             if data_parallel_size == 1:

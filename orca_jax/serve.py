@@ -170,6 +170,8 @@ def _engine_thread(args, config, on_ready, on_failure):
     # Imported here so `--help` and flag errors come back without loading jax.
     from orca_jax.worker import multihost
     from orca_jax.worker.compilation import configure_compilation_cache
+    from orca_jax.worker import xla_setup
+    xla_setup.prepare(config.parallel)  # XLA reads its options when jax starts
     multihost.initialize(config.parallel)  # before anything else touches jax
     # Before the model loads: jax fixes its cache's directory at its first compile.
     configure_compilation_cache(config.compilation_cache_dir)

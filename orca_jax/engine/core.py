@@ -38,7 +38,7 @@ from orca_jax.sample.batcher import SamplingBatcher, TokenMaskSource
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.structured.manager import StructuredOutputManager
 from orca_jax.structured.matcher import CompiledGrammar, GrammarCompiler
-from orca_jax.worker import multihost
+from orca_jax.worker import multihost, xla_setup
 from orca_jax.worker.compilation import PrecompileReport, ProgramKey, ProgressFn, executable_cache_for
 from orca_jax.worker.input_batch import BucketPolicy, RaggedBatch, build_batch
 from orca_jax.worker.model_runner import ModelRunner, StepResult
@@ -98,6 +98,7 @@ class Engine:
                  scheduler_factory: SchedulerFactory | None = None,
                  precompile_progress: ProgressFn | None = None, token_masks: TokenMaskSource | None = None):
         self.config = config
+        xla_setup.prepare(config.parallel)  # where jax has not started yet (entry points call it earlier)
         executable_cache = executable_cache_for(config.compilation_cache_dir)  # before anything compiles
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.tokenizer = loaded.tokenizer

@@ -24,7 +24,10 @@ def build_engine(args: argparse.Namespace) -> Engine:
     from orca_jax.models.loader import load_model
     from orca_jax.server.cli_args import engine_config_from_args
 
+    from orca_jax.worker import xla_setup
+
     config = engine_config_from_args(args)
+    xla_setup.prepare(config.parallel)  # XLA reads its options when jax starts
     loaded = load_model(config.model, dtype=config.dtype)
     config = engine_config_from_args(args, batch_defaults(UsageContext.SERVER, loaded.config.num_params))
     return Engine(dataclasses.replace(config, precompile=False), loaded)

@@ -1,0 +1,56 @@
+"""worker/xla_setup.py: which XLA options a layout adds, and that a user's own settings win."""
+
+from __future__ import annotations
+
+import logging
+
+from orca_jax.config import ParallelConfig
+from orca_jax.worker import xla_setup
+
+TP2 = ParallelConfig(tensor_parallel=2)
+
+
+def test_only_tensor_parallelism_on_gpus_in_one_process_gets_options(monkeypatch):
+    monkeypatch.setattr(xla_setup, "gpu_expected", lambda: True)
+    monkeypatch.delenv("ORCA_JAX_XLA_DEFAULTS", raising=False)
+    assert xla_setup.flags_for(TP2) == xla_setup.TENSOR_PARALLEL_FLAGS
+    assert xla_setup.flags_for(ParallelConfig()) == ()  # one device
+    assert xla_setup.flags_for(ParallelConfig(num_stages=2)) == ()
+    several = ParallelConfig(tensor_parallel=2, num_processes=2, coordinator_address="127.0.0.1:1")
+    assert xla_setup.flags_for(several) == ()
+    monkeypatch.setenv("ORCA_JAX_XLA_DEFAULTS", "0")
+    assert xla_setup.flags_for(TP2) == ()
+    monkeypatch.setattr(xla_setup, "gpu_expected", lambda: False)
+    monkeypatch.delenv("ORCA_JAX_XLA_DEFAULTS")
+    assert xla_setup.flags_for(TP2) == ()
+
+
+def test_jax_platforms_without_cuda_expects_no_gpu(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not xla_setup.gpu_expected()
+
+
+def test_merged_keeps_every_flag_already_set():
+    user = "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE --xla_dump_to=/tmp/d"
+    out = xla_setup.merged(user, xla_setup.TENSOR_PARALLEL_FLAGS)
+    assert out.startswith(user) and out.count("xla_gpu_command_buffer_update_mode") == 1
+    assert "--xla_gpu_enable_command_buffer=+COLLECTIVES" in out.split()
+    assert xla_setup.merged(out, xla_setup.TENSOR_PARALLEL_FLAGS) == out
+
+
+def test_prepare_sets_the_environment_before_jax_starts_and_warns_after(monkeypatch, caplog):
+    monkeypatch.setattr(xla_setup, "gpu_expected", lambda: True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", raising=False)
+    monkeypatch.setattr(xla_setup, "backend_started", lambda: False)
+    assert xla_setup.prepare(TP2)
+    import os
+    assert os.environ["XLA_FLAGS"].split()[0] == "--xla_dump_to=/tmp/d"
+    assert set(xla_setup.TENSOR_PARALLEL_FLAGS) <= set(os.environ["XLA_FLAGS"].split())
+    assert os.environ["XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB"] == xla_setup.COLLECTIVE_MEMORY_MB
+    assert xla_setup.prepare(TP2)  # already there: nothing to add
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(xla_setup, "backend_started", lambda: True)
+    with caplog.at_level(logging.WARNING, logger=xla_setup.__name__):
+        assert not xla_setup.prepare(TP2)
+    assert "all-reduces" in caplog.text and os.environ["XLA_FLAGS"] == ""

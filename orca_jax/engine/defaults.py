@@ -71,5 +71,6 @@ def batch_defaults(usage: UsageContext, num_params: float, device=None) -> Batch
         import jax
 
         device = jax.local_devices()[0]
-    stats = device.memory_stats() or {}
+    from orca_jax.worker.device_memory import memory_stats
+    stats = memory_stats(device)
     return batch_defaults_for(device.platform, stats.get("bytes_limit", 0) / 2**30, usage, num_params)

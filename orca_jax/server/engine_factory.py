@@ -78,10 +78,12 @@ def startup_report(engine) -> list[str]:
     """
     import jax
 
+    from orca_jax.worker.device_memory import memory_stats
+
     devices = [d for stage in engine.runner.stages for d in stage.mesh.devices.flat]
     first = engine.runner.local_device  # only this process's devices answer memory_stats
     line = f"devices: {len(devices)} x {first.device_kind} ({first.platform})"
-    stats = first.memory_stats() or {}
+    stats = memory_stats(first)
     if "bytes_limit" in stats:
         line += (f", {stats['bytes_limit'] / 2**30:.1f} GiB each, "
                  f"{stats.get('bytes_in_use', 0) / 2**30:.2f} GiB in use after loading")

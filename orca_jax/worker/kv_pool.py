@@ -20,13 +20,12 @@ import os
 import jax
 
 from orca_jax.config import CacheConfig, ModelConfig
+from orca_jax.worker.device_memory import XLA_MEM_FRACTION_ENV, memory_stats, xla_mem_fraction
 
 log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_GIB = 0.5
 GPU_KV_FRACTION = 0.85  # of the budget left after the weights; the rest is workspace
 POOL_PAGES_MULTIPLE = 256  # a pool computed from free memory is a multiple of this many pages
-XLA_MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-XLA_DEFAULT_MEM_FRACTION = 0.75  # jax's own default for that variable
 
 
 def pages_for_budget(kv_bytes_per_token: int, page_size: int, budget_bytes: float) -> int:
@@ -40,11 +39,6 @@ def pages_for_budget(kv_bytes_per_token: int, page_size: int, budget_bytes: floa
 def max_useful_pages(page_size: int, max_num_seqs: int, max_model_len: int) -> int:
     """Pages that max_num_seqs sequences of max_model_len tokens fill, plus the scratch page."""
     return max_num_seqs * -(-max_model_len // page_size) + 1
-
-
-def xla_mem_fraction() -> float:
-    """The share of each GPU that XLA allocates from (its environment variable, else jax's default)."""
-    return float(os.environ.get(XLA_MEM_FRACTION_ENV, XLA_DEFAULT_MEM_FRACTION))
 
 
 def gpu_budget_bytes(bytes_limit: int, utilization: float | None) -> float:
@@ -74,7 +68,7 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
         # An engine dropped but not yet collected (its runner sits in reference cycles) still holds
         # its weights and pool: a second engine in one process would size its pool from what is left.
         gc.collect()
-        stats = device.memory_stats() or {}
+        stats = memory_stats(device)
         budget = gpu_budget_bytes(stats.get("bytes_limit", 0), cache.gpu_memory_utilization)
         free = budget - stats.get("bytes_in_use", 0) - params_bytes - reserve_bytes
         pages = pages_for_budget(config.kv_bytes_per_token, cache.page_size,

@@ -54,3 +54,26 @@ def test_prepare_sets_the_environment_before_jax_starts_and_warns_after(monkeypa
     with caplog.at_level(logging.WARNING, logger=xla_setup.__name__):
         assert not xla_setup.prepare(TP2)
     assert "all-reduces" in caplog.text and os.environ["XLA_FLAGS"] == ""
+
+
+class _Device:
+    def __init__(self, stats, platform="gpu"):
+        self._stats, self.platform, self.local_hardware_id = stats, platform, 1
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_a_gpu_without_memory_statistics_is_sized_from_nvidia_smi(monkeypatch):
+    """XLA's VMM allocator (taken with SKIP_TEMP) keeps no statistics: the pool and the batch
+    defaults then read the device's total from nvidia-smi, times XLA's share."""
+    from orca_jax.worker import device_memory
+
+    calls = []
+    monkeypatch.setattr(device_memory, "_nvidia_smi_total_bytes", lambda gpu: calls.append(gpu) or 80 * 2**30)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert device_memory.memory_stats(_Device(None)) == {"bytes_limit": 40 * 2**30, "bytes_in_use": 0}
+    assert calls == ["5"]  # CUDA ordinal 1 of the visible devices
+    assert device_memory.memory_stats(_Device({"bytes_limit": 7})) == {"bytes_limit": 7}
+    assert device_memory.memory_stats(_Device(None, "cpu")) == {}

@@ -9,9 +9,12 @@ programs that update them), the previous batch's samples (which a conditional lo
 reads, and the next forward takes its tokens from), and an all-allowed bitmask per S for processed
 batches without one.
 
-The programs read the forward's logits buffer f32[max_num_seqs, V] (its first S rows) and write the
-samples into the previous samples' buffer (donated): both stay at one device address from step to
-step, which keeps the forward's CUDA graph as recorded (worker/stage.py).
+With `stable_buffers` (one pipeline stage) the programs read the forward's logits buffer
+f32[max_num_seqs, V] (its first S rows) and write the samples into the previous samples' buffer
+(donated): both stay at one device address from step to step, which keeps the forward's CUDA graph
+as recorded (worker/stage.py). Pipelines keep fresh buffers: with two stages the donations measured
+slower (llama-8b at (1, 2) on 2 H200s, batch 1: 6.65 ms against 4.44 before; see
+benchmarks/results/h200x2/notes.md), so there the logits are the forward's own f32[S, V].
 """
 
 from __future__ import annotations
@@ -58,11 +61,12 @@ class Sampler:
     """Count tables, last samples and lowering of the sampling programs, on one (the last) mesh."""
 
     def __init__(self, replicated: NamedSharding, vocab_size: int, max_num_seqs: int,
-                 config: SamplingConfig = SamplingConfig()):
+                 config: SamplingConfig = SamplingConfig(), stable_buffers: bool = True):
         self.replicated = replicated
         self.vocab_size = vocab_size  # the logits' width
         self.max_num_seqs = max_num_seqs
         self.config = config
+        self.stable_buffers = stable_buffers
         # One penalty slot per batch row: a batch's rows never run out of slots.
         self.num_penalty_slots = max_num_seqs
         self.tables = jax.jit(lambda: empty_tables(self.num_penalty_slots, vocab_size), out_shardings=replicated)()
@@ -71,10 +75,11 @@ class Sampler:
         # The searches' passes unrolled on GPU (no loop to run there), a loop elsewhere (quicker to compile).
         self._unroll = replicated.mesh.devices.flat[0].platform == "gpu"
         # keep_unused: the plain programs only write the samples' buffer (a pruned argument is not donated).
-        self._plain_fn = jax.jit(sample_plain, static_argnums=(3, 4, 5, 6), donate_argnums=(2,), keep_unused=True,
+        samples = (2,) if stable_buffers else ()
+        self._plain_fn = jax.jit(sample_plain, static_argnums=(3, 4, 5, 6), donate_argnums=samples, keep_unused=True,
                                  out_shardings=replicated)
-        self._processed_fn = jax.jit(sample_processed, static_argnums=(5, 6, 7, 8), donate_argnums=(3, 4),
-                                     out_shardings=replicated)
+        self._processed_fn = jax.jit(sample_processed, static_argnums=(5, 6, 7, 8),
+                                     donate_argnums=(3, 4) if stable_buffers else (3,), out_shardings=replicated)
         self._fill_fn = jax.jit(fill_tables, donate_argnums=(0,), out_shardings=replicated)
 
     @property
@@ -94,7 +99,8 @@ class Sampler:
         s, w = key.seqs, self.config.logit_table_width
         params = SamplingArrays(spec(jnp.float32, s), spec(jnp.int32, s), spec(jnp.float32, s),
                                 spec(jnp.float32, s), spec(jnp.uint32, s), spec(jnp.int32, s))
-        logits = spec(jnp.float32, self.max_num_seqs, self.vocab_size)  # the forward's buffer; S rows read
+        # The forward's buffer (S rows read), or its own logits.
+        logits = spec(jnp.float32, self.max_num_seqs if self.stable_buffers else s, self.vocab_size)
         samples = spec(jnp.int32, self.max_num_seqs)
         if not key.logits_processed:
             return self._plain_fn.lower(logits, params, samples, key.mode, key.num_top_logprobs, self.max_num_seqs,
@@ -106,8 +112,9 @@ class Sampler:
 
     def run(self, logits: jax.Array, inputs: SamplingInputs, executable) -> tuple[jax.Array, jax.Array]:
         """Dispatch a batch's fills and sampling of `logits` (f32[max_num_seqs, V], the batch's in its
-        first S rows; `executable(key)` gives each compiled program); returns (packed i32[S, 2 + 2K],
-        sampled ids padded to i32[max_num_seqs], in last_samples' buffer)."""
+        first S rows, or f32[S, V] without stable buffers; `executable(key)` gives each compiled
+        program); returns (packed i32[S, 2 + 2K], sampled ids padded to i32[max_num_seqs], in
+        last_samples' buffer with stable buffers)."""
         params = SamplingArrays(inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seed,
                                 inputs.step)
         key = SampleKey(inputs.temperature.shape[0], inputs.num_top_logprobs, inputs.sample_mode, inputs.logits_processed)

@@ -113,9 +113,10 @@ class ModelRunner:
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
         # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
         # The last stage also holds the sampler's token-count tables (a penalty slot per batch row).
-        # and its logits buffer (f32[max_num_seqs, V], replicated).
+        # and (one stage) its logits buffer (f32[max_num_seqs, V], replicated).
         per_device = max(stage.params_bytes // stage.mesh.size
-                         + (tables_bytes(max_num_seqs, config.vocab_size) + 4 * max_num_seqs * config.vocab_size
+                         + (tables_bytes(max_num_seqs, config.vocab_size)
+                            + (4 * max_num_seqs * config.vocab_size if len(self.stages) == 1 else 0)
                             if stage.last else 0)
                          for stage in self.stages)
         self.num_pages = num_pages_for(config, cache_config, per_device, self.local_device,
@@ -142,7 +143,9 @@ class ModelRunner:
             stage.params_ready = self._params_ready
             stage.allocate_kv(self.num_pages, self.page_size)
         first, last = self.stages[0], self.stages[-1]
-        self.sampler = Sampler(last.replicated, config.vocab_size, max_num_seqs, sampling)
+        # Logits and samples written in place, at one address each step: one stage only (sampler.py).
+        self.stable_buffers = len(self.stages) == 1
+        self.sampler = Sampler(last.replicated, config.vocab_size, max_num_seqs, sampling, self.stable_buffers)
         # SamplingConfig.enable_prompt_logprobs: a forward over whole prompts (None: off, no programs).
         self._prompt_logprobs = PromptLogprobsProgram(first, sampling.max_logprobs, config.max_seq_len) \
             if sampling.enable_prompt_logprobs else None
@@ -163,7 +166,7 @@ class ModelRunner:
         # The last stage's logits buffers f32[max_num_seqs, V] not in use: each forward takes one and
         # gives it back once its sampling is dispatched, so in steady state every forward writes the
         # same buffer (stage.py says why the address matters). One is made here, ahead of serving.
-        self._free_logits: list[jax.Array] = [self._new_logits_buffer()]
+        self._free_logits: list[jax.Array] = [self._new_logits_buffer()] if self.stable_buffers else []
         # Several controller processes: process 0 sends each call to the others (see multihost.py),
         # and an executable of several processes is theirs together (not cached on disk).
         self.mirror = multihost.Mirror(parallel) if jax.process_count() > 1 else None
@@ -286,7 +289,8 @@ class ModelRunner:
         if isinstance(key, LoRAUpdateKey):  # its inputs are the table's shapes, in the identity
             return ProgramSource(stage.lora.lower_update, list(stage.mesh.devices.flat), ())
         num_pages = self.full_pages - self.lendable_pages if key.lent else self.full_pages
-        return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs, key.lora, num_pages),
+        return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs, key.lora, num_pages,
+                                               self.stable_buffers),
                              list(stage.mesh.devices.flat), stage.input_specs(key.lora, num_pages))
 
     def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
@@ -313,8 +317,8 @@ class ModelRunner:
     def forward(self, batch: RaggedBatch) -> jax.Array:
         """Dispatch the forward pass through every stage (asynchronous); returns a logits buffer
         f32[max_num_seqs, V] on the last stage's devices whose first S rows are the batch's (the
-        caller owns it until it passes it to sample()). Single process only (execute is what other
-        processes mirror)."""
+        caller owns it until it passes it to sample()); with several stages f32[S, V]. Single process
+        only (execute is what other processes mirror)."""
         if self.mirror is not None:
             raise RuntimeError("with several processes call execute, which the others mirror")
         return self._forward(batch)
@@ -337,7 +341,7 @@ class ModelRunner:
             if stage.index > 0:
                 inputs = self._to_next[stage.index - 1](inputs)
             logits = (self._free_logits.pop() if self._free_logits else self._new_logits_buffer()) \
-                if stage.last and bucket.seqs <= self.max_num_seqs else None
+                if self.stable_buffers and stage.last and bucket.seqs <= self.max_num_seqs else None
             inputs = stage.run(bucket, executable(StageInKey(bucket, stage.index)),
                                executable(ForwardKey(bucket, stage.index, batch.has_lora, self.pool_lent)), packed, inputs,
                                batch.has_lora, logits)
@@ -357,7 +361,7 @@ class ModelRunner:
         device array."""
         packed, next_tokens = self.sampler.run(logits, batch.sampling, self.compilation.executable)
         # The next forward may write it: the device runs that after this sampling has read it.
-        if len(self._free_logits) < 2 and not any(logits is free for free in self._free_logits):
+        if self.stable_buffers and len(self._free_logits) < 2 and not any(logits is free for free in self._free_logits):
             self._free_logits.append(logits)
         # Sampled on the last stage; a later batch's token sources are read on the first.
         self._next_tokens = self._to_first_stage(next_tokens)

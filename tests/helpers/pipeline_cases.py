@@ -118,7 +118,7 @@ def program_facts(engine: Engine) -> dict:
         text = compiled.as_text()
         own = sum(s.data.nbytes for x in jax.tree_util.tree_leaves((stage.params, stage.kv))
                   for s in x.addressable_shards if s.device == stage.mesh.devices.flat[0])
-        if stage.last:  # the logits buffer it writes in place, f32[max_num_seqs, V] on each device
+        if stage.last and runner.stable_buffers:  # the logits buffer it writes in place, f32[max_num_seqs, V]
             own += 4 * runner.max_num_seqs * stage.config.vocab_size
         facts[stage.index] = {
             # Result shapes, e.g. "f32[2,256]{1,0}": only logits may be gathered, never weights or KV.

@@ -3,8 +3,8 @@
 XLA's BFC allocator answers `memory_stats()` with its limit and what is in use. Its VMM allocator,
 which XLA takes when its command buffers keep temporaries at fixed addresses (worker/xla_setup.py
 sets that for tensor parallelism), answers None. Then the limit is the device's memory as
-nvidia-smi reports it times XLA's share (XLA_PYTHON_CLIENT_MEM_FRACTION), and nothing counts as in
-use yet: the figures are read at an engine's start, before its weights and pool are placed.
+nvidia-smi reports it times XLA's share (XLA_PYTHON_CLIENT_MEM_FRACTION), and in use is what jax's
+live arrays hold on the device (another engine in the process, a LoRA table made before the pool).
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def memory_stats(device) -> dict:
         return {}
     log.info("GPU %d keeps no memory statistics (XLA's VMM allocator): its limit taken as %.1f GiB, "
              "nvidia-smi's total times XLA's share", device.local_hardware_id, total * xla_mem_fraction() / 2**30)
-    return {"bytes_limit": int(total * xla_mem_fraction()), "bytes_in_use": 0}
+    import jax
+    in_use = sum(shard.data.nbytes for array in jax.live_arrays() for shard in array.addressable_shards
+                 if shard.device == device)
+    return {"bytes_limit": int(total * xla_mem_fraction()), "bytes_in_use": in_use}
 
 
 def _nvidia_smi_id(ordinal: int) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 
 import jax
 
@@ -69,6 +68,10 @@ def num_pages_for(config: ModelConfig, cache: CacheConfig, params_bytes: int, de
         # its weights and pool: a second engine in one process would size its pool from what is left.
         gc.collect()
         stats = memory_stats(device)
+        if "bytes_limit" not in stats:
+            raise RuntimeError(f"GPU {device} reports no memory limit (XLA's VMM allocator, and nvidia-smi did not "
+                               "answer): give the pool's size (--kv-cache-memory-gib / CacheConfig.kv_memory_gib, or "
+                               "--num-kv-pages)")
         budget = gpu_budget_bytes(stats.get("bytes_limit", 0), cache.gpu_memory_utilization)
         free = budget - stats.get("bytes_in_use", 0) - params_bytes - reserve_bytes
         pages = pages_for_budget(config.kv_bytes_per_token, cache.page_size,

@@ -304,7 +304,11 @@ class ModelRunner:
         if warm:  # dispatched back to back, waited for once: the device runs one while the host loads the next
             variants = sorted({(key.bucket, key.lora) for key in todo
                                if isinstance(key, ForwardKey) and key.lent == self.pool_lent})
-            jax.block_until_ready([self._forward(empty_batch(*bucket, lora=lora)) for bucket, lora in variants])
+            outs = []
+            for bucket, lora in variants:
+                outs.append(self._forward(empty_batch(*bucket, lora=lora)))
+                self._give_back(outs[-1])  # the next warm run writes the same buffer
+            jax.block_until_ready([out for out in outs if not out.is_deleted()] + [stage.kv for stage in self.stages])
         return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start, seconds_by_key)
 
     # ---- one iteration ----
@@ -326,6 +330,13 @@ class ModelRunner:
     def _to_first_stage(self, x: jax.Array) -> jax.Array:
         """`x` (on the last stage) on the first stage: itself with one stage (same buffer, same address)."""
         return x if len(self.stages) == 1 else self._to_first(x)
+
+    def _give_back(self, logits: jax.Array) -> None:
+        """A forward's logits buffer, read by everything dispatched so far, for the next forward (the
+        device runs that after those reads); at most two are kept (a deferred sampling holds one)."""
+        if self.stable_buffers and logits.shape[0] == self.max_num_seqs and len(self._free_logits) < 2 \
+                and not any(logits is free for free in self._free_logits):
+            self._free_logits.append(logits)
 
     def _new_logits_buffer(self) -> jax.Array:
         return self.sampler.constant(np.zeros((self.max_num_seqs, self.config.vocab_size), np.float32))
@@ -360,9 +371,7 @@ class ModelRunner:
         to the runner: the caller must not read it afterwards); returns the packed i32[S, 2 + 2K]
         device array."""
         packed, next_tokens = self.sampler.run(logits, batch.sampling, self.compilation.executable)
-        # The next forward may write it: the device runs that after this sampling has read it.
-        if self.stable_buffers and len(self._free_logits) < 2 and not any(logits is free for free in self._free_logits):
-            self._free_logits.append(logits)
+        self._give_back(logits)
         # Sampled on the last stage; a later batch's token sources are read on the first.
         self._next_tokens = self._to_first_stage(next_tokens)
         return self._to_first(packed) if self._result_to_first else packed

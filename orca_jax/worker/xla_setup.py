@@ -80,8 +80,12 @@ def prepare(parallel: ParallelConfig) -> bool:
     (they then hold for every program of this process)."""
     wanted = flags_for(parallel)
     current = os.environ.get("XLA_FLAGS", "")
-    if not wanted or merged(current, wanted) == current.strip():
-        return bool(wanted)
+    if not wanted:
+        return False
+    if merged(current, wanted) == current.strip():  # all set already (by the user, or an earlier engine)
+        if not backend_started():
+            os.environ.setdefault("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB)
+        return True
     if backend_started():
         log.warning("jax started before the engine: tensor parallelism runs without the XLA options that "
                     "record its all-reduces into CUDA graphs (set XLA_FLAGS=%r before jax starts)",

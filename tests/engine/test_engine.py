@@ -341,6 +341,12 @@ def test_logits_and_samples_stay_in_one_buffer_each_from_step_to_step():
     assert len(tokens) == 6 and tokens == drain(fresh)["r"]
 
 
+def test_precompiles_warm_run_leaves_one_logits_buffer_for_serving():
+    """The warm run of every forward after precompiling writes one buffer in turn and gives it back."""
+    runner = tiny_engine(precompile=True).runner
+    assert len(runner._free_logits) == 1 and not runner._free_logits[0].is_deleted()
+
+
 def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():
     """A stage keeps one buffer per bucket for the forward's packed inputs; each run's stage-in takes it
     donated and writes the new batch into it, so it keeps its device address (on GPU a moved buffer

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from orca_jax.config import ParallelConfig
 from orca_jax.worker import xla_setup
 
@@ -77,3 +79,13 @@ def test_a_gpu_without_memory_statistics_is_sized_from_nvidia_smi(monkeypatch):
     assert calls == ["5"]  # CUDA ordinal 1 of the visible devices
     assert device_memory.memory_stats(_Device({"bytes_limit": 7})) == {"bytes_limit": 7}
     assert device_memory.memory_stats(_Device(None, "cpu")) == {}
+
+
+def test_a_gpu_with_no_memory_figures_at_all_asks_for_the_pool_size(monkeypatch):
+    from orca_jax.config import CacheConfig
+    from orca_jax.models.presets import get_preset
+    from orca_jax.worker import device_memory, kv_pool
+
+    monkeypatch.setattr(device_memory, "_nvidia_smi_total_bytes", lambda gpu: None)
+    with pytest.raises(RuntimeError, match="kv-cache-memory-gib"):
+        kv_pool.num_pages_for(get_preset("tiny-llama"), CacheConfig(), 0, _Device(None))

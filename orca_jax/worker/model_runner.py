@@ -109,6 +109,8 @@ class ModelRunner:
                                   real_vocab_size=self.tensor_plan.vocab_size, kv_repeat=self.tensor_plan.kv_repeat),
                   lora)
             for i, (layers, mesh) in enumerate(zip(stage_layer_ranges(config.num_layers, len(meshes)), meshes))]
+        # Logits and samples written in place, at one address each step: one stage only (sampler.py).
+        self.stable_buffers = len(self.stages) == 1
         self.page_size = cache_config.page_size
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
         # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
@@ -116,7 +118,7 @@ class ModelRunner:
         # and (one stage) its logits buffer (f32[max_num_seqs, V], replicated).
         per_device = max(stage.params_bytes // stage.mesh.size
                          + (tables_bytes(max_num_seqs, config.vocab_size)
-                            + (4 * max_num_seqs * config.vocab_size if len(self.stages) == 1 else 0)
+                            + (4 * max_num_seqs * config.vocab_size if self.stable_buffers else 0)
                             if stage.last else 0)
                          for stage in self.stages)
         self.num_pages = num_pages_for(config, cache_config, per_device, self.local_device,
@@ -143,8 +145,6 @@ class ModelRunner:
             stage.params_ready = self._params_ready
             stage.allocate_kv(self.num_pages, self.page_size)
         first, last = self.stages[0], self.stages[-1]
-        # Logits and samples written in place, at one address each step: one stage only (sampler.py).
-        self.stable_buffers = len(self.stages) == 1
         self.sampler = Sampler(last.replicated, config.vocab_size, max_num_seqs, sampling, self.stable_buffers)
         # SamplingConfig.enable_prompt_logprobs: a forward over whole prompts (None: off, no programs).
         self._prompt_logprobs = PromptLogprobsProgram(first, sampling.max_logprobs, config.max_seq_len) \

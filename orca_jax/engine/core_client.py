@@ -15,6 +15,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from orca_jax.engine.core_process import CoreFailed, CoreInfo, run_engine_core
+from orca_jax.worker import xla_setup
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine
@@ -40,7 +41,8 @@ class CoreProcess:
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(target=run_engine_core, args=(child_conn, build, precompile, log_level),
                                        name="orca-engine-core", daemon=True)
-        self.process.start()
+        with xla_setup.spawn_environment():  # the core prepares its own layout's XLA options
+            self.process.start()
         child_conn.close()  # ours closed, so the core's death reads as the pipe's end
         self._send_lock = threading.Lock()
 

@@ -20,12 +20,20 @@ Every option is read when the backend starts, from the environment: `prepare` ad
 needs none of them (SKIP_TEMP alone measured slower there), and several controller processes keep
 XLA's defaults: collectives recorded into graphs have hung multi-process jobs elsewhere.
 $ORCA_JAX_XLA_DEFAULTS=0 turns all of this off.
+
+What `prepare` changed stays in this process's environment, which a spawned process inherits: an engine
+core spawned later (a data-parallel replica of one device, say) would start with a tensor-parallel
+layout's options. `spawn_environment()` puts the environment back as the user set it around a spawn;
+the child's own engine then prepares its own layout's options.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+from collections.abc import Iterator
 
 from orca_jax.config import ParallelConfig
 
@@ -38,6 +46,10 @@ TENSOR_PARALLEL_FLAGS = (
     "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true",
 )
 COLLECTIVE_MEMORY_MB = "64"  # the symmetric buffers' space per device; decode's all-reduces are KBs
+_ENV_NAMES = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB")
+# Each of _ENV_NAMES as it was before `prepare` first changed it (None: unset); empty until then.
+_user_values: dict[str, str | None] = {}
+_env_lock = threading.Lock()
 
 
 def gpu_expected() -> bool:
@@ -84,13 +96,43 @@ def prepare(parallel: ParallelConfig) -> bool:
         return False
     if merged(current, wanted) == current.strip():  # all set already (by the user, or an earlier engine)
         if not backend_started():
-            os.environ.setdefault("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB)
+            _set("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB, only_if_unset=True)
         return True
     if backend_started():
         log.warning("jax started before the engine: tensor parallelism runs without the XLA options that "
                     "record its all-reduces into CUDA graphs (set XLA_FLAGS=%r before jax starts)",
                     " ".join(wanted))
         return False
-    os.environ["XLA_FLAGS"] = merged(current, wanted)
-    os.environ.setdefault("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB)
+    _set("XLA_FLAGS", merged(current, wanted))
+    _set("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB, only_if_unset=True)
     return True
+
+
+def _set(name: str, value: str, *, only_if_unset: bool = False) -> None:
+    with _env_lock:
+        if only_if_unset and name in os.environ:
+            return
+        _user_values.setdefault(name, os.environ.get(name))
+        os.environ[name] = value
+
+
+@contextlib.contextmanager
+def spawn_environment() -> Iterator[None]:
+    """The environment as the user set it, for the span of a process's start (what `prepare` added
+    is put back afterwards): the spawned process chooses its own options."""
+    with _env_lock:
+        ours = {name: os.environ.get(name) for name in _user_values}
+        try:
+            for name, value in _user_values.items():
+                _put(name, value)
+            yield
+        finally:
+            for name, value in ours.items():
+                _put(name, value)
+
+
+def _put(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value

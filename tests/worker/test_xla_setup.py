@@ -12,6 +12,12 @@ from orca_jax.worker import xla_setup
 TP2 = ParallelConfig(tensor_parallel=2)
 
 
+@pytest.fixture(autouse=True)
+def _own_record(monkeypatch):
+    """What prepare records of the user's environment stays in the test (spawns elsewhere read it)."""
+    monkeypatch.setattr(xla_setup, "_user_values", {})
+
+
 def test_only_tensor_parallelism_on_gpus_in_one_process_gets_options(monkeypatch):
     monkeypatch.setattr(xla_setup, "gpu_expected", lambda: True)
     monkeypatch.delenv("ORCA_JAX_XLA_DEFAULTS", raising=False)
@@ -89,3 +95,24 @@ def test_a_gpu_with_no_memory_figures_at_all_asks_for_the_pool_size(monkeypatch)
     monkeypatch.setattr(device_memory, "_nvidia_smi_total_bytes", lambda gpu: None)
     with pytest.raises(RuntimeError, match="kv-cache-memory-gib"):
         kv_pool.num_pages_for(get_preset("tiny-llama"), CacheConfig(), 0, _Device(None))
+
+
+def test_a_spawned_process_gets_the_environment_the_user_set(monkeypatch):
+    """A tensor-parallel engine's options must not reach a core spawned later for another layout."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(xla_setup, "gpu_expected", lambda: True)
+    monkeypatch.setattr(xla_setup, "backend_started", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", raising=False)
+    assert xla_setup.prepare(TP2)
+    ours = os.environ["XLA_FLAGS"]
+    read = [sys.executable, "-c", "import os; print(os.environ.get('XLA_FLAGS'), "
+            "os.environ.get('XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB'))"]
+    with xla_setup.spawn_environment():
+        child = subprocess.run(read, capture_output=True, text=True, check=True).stdout.split()
+    assert child == ["--xla_dump_to=/tmp/d", "None"]
+    assert os.environ["XLA_FLAGS"] == ours  # this process keeps its own
+    assert os.environ["XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB"] == xla_setup.COLLECTIVE_MEMORY_MB

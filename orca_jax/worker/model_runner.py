@@ -307,7 +307,7 @@ class ModelRunner:
             outs = []
             for bucket, lora in variants:
                 outs.append(self._forward(empty_batch(*bucket, lora=lora)))
-                self._give_back(outs[-1])  # the next warm run writes the same buffer
+                self.release_logits(outs[-1])  # the next warm run writes the same buffer
             jax.block_until_ready([out for out in outs if not out.is_deleted()] + [stage.kv for stage in self.stages])
         return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start, seconds_by_key)
 
@@ -331,7 +331,7 @@ class ModelRunner:
         """`x` (on the last stage) on the first stage: itself with one stage (same buffer, same address)."""
         return x if len(self.stages) == 1 else self._to_first(x)
 
-    def _give_back(self, logits: jax.Array) -> None:
+    def release_logits(self, logits: jax.Array) -> None:
         """A forward's logits buffer, read by everything dispatched so far, for the next forward (the
         device runs that after those reads); at most two are kept (a deferred sampling holds one)."""
         if self.stable_buffers and logits.shape[0] == self.max_num_seqs and len(self._free_logits) < 2 \
@@ -371,7 +371,7 @@ class ModelRunner:
         to the runner: the caller must not read it afterwards); returns the packed i32[S, 2 + 2K]
         device array."""
         packed, next_tokens = self.sampler.run(logits, batch.sampling, self.compilation.executable)
-        self._give_back(logits)
+        self.release_logits(logits)
         # Sampled on the last stage; a later batch's token sources are read on the first.
         self._next_tokens = self._to_first_stage(next_tokens)
         return self._to_first(packed) if self._result_to_first else packed

@@ -5,7 +5,8 @@ interpreter. Here (vLLM v1's EngineCoreProc) the engine lives in a spawned child
 drains what the front end sent (requests, aborts, calls, shutdown), runs one step, and sends one
 message back with everything that step produced (accept/refuse answers, outputs, stats). The front end
 (server/process_engine.py) keeps tokenizing, templates and grammar checks; the core detokenizes, as
-the in-thread engine does, so outputs cross the pipe as the RequestOutputs the engine makes.
+the in-thread engine does; outputs cross the pipe as deltas (engine/output_wire.py) from which the
+front end rebuilds the RequestOutputs the engine made.
 
 Messages are small frozen dataclasses pickled over a multiprocessing Pipe (a socketpair between
 parent and child: nothing listens, so no key is needed). Order is kept: an abort sent after an add
@@ -31,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from orca_jax.core.sched.interface import QueueFullError
+from orca_jax.engine.output_wire import OutputEncoder, Row
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
@@ -117,7 +119,7 @@ class CoreIteration:
     """Everything one pass of the loop produced, in one message."""
 
     accepted: list[tuple[str, BaseException | None]]  # each add's answer: None, or why it was refused
-    outputs: list[RequestOutput]
+    outputs: list[Row]  # the step's RequestOutputs, encoded (engine/output_wire.py)
     stats: EngineStats
     ran: bool  # an iteration ran (metrics observe it)
     call_results: list[tuple[int, object, BaseException | None]] = dataclasses.field(default_factory=list)
@@ -127,7 +129,7 @@ class CoreIteration:
 class CoreStopped:
     """The core drained after Shutdown; `outputs` end the requests still running ('abort')."""
 
-    outputs: list[RequestOutput]
+    outputs: list[Row]
     stats: EngineStats
 
 
@@ -194,6 +196,7 @@ class EngineCore:
         self.conn = conn
         # Live requests and their latest output (to end them as 'abort' with their text at shutdown).
         self._live: dict[str, tuple[int, RequestOutput | None]] = {}
+        self._encoder = OutputEncoder()
         self._shutdown: Shutdown | None = None
         # Requests whose structured_outputs compile on the pool's threads (llguidance drops the GIL), so the
         # loop never waits on a grammar: added once compiled, in the pass that finds them done.
@@ -255,7 +258,7 @@ class EngineCore:
                 continue
             else:
                 stats = before = engine.stats()
-            self.conn.send(CoreIteration(accepted, outputs, stats, ran, call_results))
+            self.conn.send(CoreIteration(accepted, self._encoder.encode_all(outputs), stats, ran, call_results))
 
     def _apply(self, command, accepted: list, call_results: list) -> None:
         if isinstance(command, AddRequest):
@@ -273,6 +276,7 @@ class EngineCore:
                 return  # never added; its compile's result is dropped
             if self._live.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
+                self._encoder.forget(command.request_id)
         elif isinstance(command, CoreCall):
             try:
                 if command.kind is CoreCallKind.RESET_PREFIX_CACHE:
@@ -340,4 +344,4 @@ class EngineCore:
         stats = self.engine.stats()
         if accepted or call_results:
             self.conn.send(CoreIteration(accepted, [], stats, False, call_results))
-        self.conn.send(CoreStopped(finals, stats))
+        self.conn.send(CoreStopped(self._encoder.encode_all(finals), stats))

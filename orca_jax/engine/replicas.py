@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from orca_jax.engine.core_client import CoreProcess
 from orca_jax.engine.core_process import AbortRequest, AddRequest, CoreFailed, CoreIteration, Shutdown
+from orca_jax.engine.output_wire import Received, request_id_of
 from orca_jax.engine.router import ReplicaRouter, adapter_salt
 from orca_jax.engine.stats import EngineStats
 
@@ -90,6 +91,7 @@ class EngineReplicas:
         self.router = ReplicaRouter(len(self.cores), self.config.cache.page_size, imbalance)
         self._latest = [info.stats for info in infos]  # each core's stats as of its last message
         self._where: dict[str, int] = {}  # unfinished request id -> its replica
+        self._received: dict[str, Received] = {}  # unfinished request id -> its outputs' totals so far
         self._loads = [0] * len(self.cores)  # unfinished requests per replica (the router's load)
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None  # set once a core failed: nothing can run after it
@@ -108,6 +110,7 @@ class EngineReplicas:
         replica = self.router.route(token_ids, self._loads, adapter_salt(lora_request))
         self.cores[replica].send(AddRequest(request_id, token_ids, sampling, priority, deadline, lora_request))
         self._where[request_id] = replica
+        self._received[request_id] = Received()
         self._loads[replica] += 1
         return request_id
 
@@ -150,10 +153,14 @@ class EngineReplicas:
                 for request_id, error in message.accepted:
                     if error is not None and self._forget(request_id) is not None:
                         refusals.append(error)
-                for output in message.outputs:
+                for row in message.outputs:
+                    received = self._received.get(request_id_of(row))
+                    if received is None:  # aborted here; its core may still report it once
+                        continue
+                    output = received.decode(row)
                     if output.finished:
                         self._forget(output.request_id)
-                outputs.extend(message.outputs)
+                    outputs.append(output)
         if refusals:
             raise refusals[0]
         return outputs
@@ -167,12 +174,14 @@ class EngineReplicas:
             core.close(0.1)  # killed if it has not exited by now
         self._reader.join(STOP_SECONDS)
         self._where.clear()
+        self._received.clear()
         self._loads = [0] * len(self.cores)
         self._dead = self._dead or EngineDeadError("the data-parallel replicas were shut down")
 
     def _forget(self, request_id: str) -> int | None:
         """A request is over: off the books; its replica (None: it was not unfinished)."""
         replica = self._where.pop(request_id, None)
+        self._received.pop(request_id, None)
         if replica is not None:
             self._loads[replica] -= 1
         return replica

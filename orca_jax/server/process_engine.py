@@ -26,10 +26,10 @@ from orca_jax.core.sched.interface import QueueFullError
 from orca_jax.engine.core_client import STOP_JOIN_SECONDS, CoreProcess
 from orca_jax.engine.core_process import (AbortRequest, AddRequest, CoreCall, CoreCallKind, CoreFailed,
                                           CoreIteration, CoreProgress, CoreReady, CoreStopped, Shutdown)
+from orca_jax.engine.output_wire import Received, Row, request_id_of
 from orca_jax.config import LoRAConfig
 from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.lora.request import LoRARequest
-from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.async_engine import (EngineDeadError, EngineOverloadedError, EngineUnavailableError,
                                           Readiness)
@@ -77,6 +77,7 @@ class EngineView:
 class _Live:
     stream: RequestStream
     accepted: asyncio.Future  # on the event loop: None, or why the core refused the request
+    received: Received = dataclasses.field(default_factory=Received)  # its outputs' totals so far
 
 
 class ProcessEngine:
@@ -286,24 +287,26 @@ class ProcessEngine:
                     error = EngineUnavailableError(str(error))
             if not live.accepted.done():
                 live.accepted.set_result(error)
-        for output in message.outputs:
-            self._put(output)
+        for row in message.outputs:
+            self._put(row)
         for call_id, result, error in message.call_results:
             done = self._calls.pop(call_id, None)
             if done is not None and not done.done():
                 done.set_result((result, error))
 
-    def _put(self, output: RequestOutput) -> None:
-        live = self._live.get(output.request_id)
+    def _put(self, row: Row) -> None:
+        request_id = request_id_of(row)
+        live = self._live.get(request_id)
         if live is None:  # aborted by its client; the core may still report it once
             return
+        output = live.received.decode(row)
         if output.finished:
-            del self._live[output.request_id]
+            del self._live[request_id]
         live.stream.put(output)
 
-    def _end(self, finals: list[RequestOutput]) -> None:
-        for output in finals:
-            self._put(output)
+    def _end(self, finals: list[Row]) -> None:
+        for row in finals:
+            self._put(row)
         self._fail_everything(EngineUnavailableError("server is shutting down"))
 
     def _fail_everything(self, error: EngineUnavailableError) -> None:

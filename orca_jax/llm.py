@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import weakref
 from typing import Iterator, Sequence
@@ -14,7 +13,7 @@ from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTu
                              LoRAConfig, ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
 from orca_jax.engine.defaults import UsageContext, batch_defaults
-from orca_jax.engine.replicas import EngineBuild, EngineReplicas, replica_devices
+from orca_jax.engine.replicas import EngineReplicas, replica_builds
 from orca_jax.finetune.hparams import TrainingHyperparameters
 from orca_jax.finetune.offline import run_fine_tune
 from orca_jax.lora.request import LoRARequest
@@ -127,7 +126,7 @@ class LLM:
         if data_parallel_size == 1:
             self._engine: Engine | EngineReplicas = Engine(config, loaded)
         else:
-            self._engine = EngineReplicas(_replica_builds(config, data_parallel_size))
+            self._engine = EngineReplicas(replica_builds(config, data_parallel_size))
             self._stop_replicas = weakref.finalize(self, self._engine.shutdown)  # once: here, at exit or when collected
         self.tokenizer = self._engine.tokenizer
 
@@ -254,20 +253,6 @@ class _Collected:
             self.logprobs = (self.logprobs or []) + out.new_logprobs
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-
-
-def _replica_builds(config: EngineConfig, data_parallel_size: int) -> list[EngineBuild]:
-    """Each replica's engine: `config` on its slice of this process's GPUs; ValueError for what cannot
-    run across the process boundary."""
-    if config.fine_tuning is not None:
-        raise ValueError(f"fine-tuning (enable_fine_tuning) trains in the engine's own process: not with "
-                         f"data_parallel_size={data_parallel_size}")
-    if config.parallel.num_processes != 1:
-        raise ValueError(f"an engine over several controller processes (ParallelConfig.num_processes) cannot be "
-                         f"a replica: not with data_parallel_size={data_parallel_size}")
-    per_replica = config.parallel.tensor_parallel * config.parallel.num_stages
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return [EngineBuild(config, replica_devices(visible, r, per_replica)) for r in range(data_parallel_size)]
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -15,6 +15,10 @@ completions with token-id prompts, streamed). A client sees text, not the ids of
 HTTP each history carries a stand-in reply of --output-len random tokens (the same in both runs):
 the reply's own pages then go uncached, unlike in process.
 
+--data-parallel-size N also runs the chat trace in process on N engine replicas (LLM(data_parallel_size=N)'s
+engine cores, each on its own GPUs, caching on), first, before this process takes a GPU: the prefix-cache
+hit rate it keeps against one engine's (a chat's turns should find the replica that holds its history).
+
 The issue's trace on llama-8b (64 chats, a 1,024-token system prompt, 4 turns of 128 + 128):
   python -m orca_jax.bench multiturn --model llama-8b --http --result-dir DIR
 """
@@ -34,7 +38,7 @@ from orca_jax.bench import serve_client
 from orca_jax.bench.datasets import DatasetName, add_dataset_arguments, lengths_from_args, make_trace
 from orca_jax.bench.driver import run_trace
 from orca_jax.bench.harness import (Results, add_engine_arguments, add_result_arguments, build_engine,
-                                    launched_server, serve_flags)
+                                    engine_config, launched_server, serve_flags)
 from orca_jax.bench.serve_client import BenchRequest, Endpoint, ServeBenchConfig
 from orca_jax.bench.serve_stats import RequestRecord
 from orca_jax.sampling_params import SamplingParams
@@ -49,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=128, help="generated tokens of each reply")
     parser.add_argument("--sections", default="chat,no-sharing,orca", help="comma list of chat, no-sharing, orca")
     parser.add_argument("--http", action="store_true", help="also the chat trace through a launched server")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="also the chat trace on this many engine replicas in process (caching on)")
     parser.add_argument("--port", type=int, default=8766)
     add_dataset_arguments(parser, lists=False, names=(DatasetName.UNIFORM,))  # the ORCA trace's
     add_result_arguments(parser)
@@ -79,11 +85,13 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def run_turns(engine, trace: ChatTrace, shared: bool) -> dict:
-    """The chats in process, turn by turn; shared: each prompt the history, else fresh tokens."""
+def run_turns(engine, trace: ChatTrace, shared: bool, *, fresh: bool = False) -> dict:
+    """The chats in process, turn by turn; shared: each prompt the history, else fresh tokens.
+    `engine`: an Engine, or EngineReplicas with `fresh` (just built: nothing cached to forget)."""
     args = trace.args
     histories = [list(trace.system) for _ in range(args.num_conversations)]
-    engine.reset_prefix_cache()
+    if not fresh:
+        engine.reset_prefix_cache()
     turns, total_start = [], time.perf_counter()
     for turn in range(args.turns):
         prompts = []
@@ -167,6 +175,17 @@ def run(args: argparse.Namespace) -> Results:
                 run_http = asyncio.run(http_turns(server["base_url"], args.model, trace))
             results.section(f"http_caching_{'on' if caching else 'off'}", run_http)
             print(f"http, caching {'on' if caching else 'off'}: {run_http['seconds']:.2f} s", flush=True)
+    if args.data_parallel_size > 1:  # also before this process takes a GPU: the replicas take theirs
+        from orca_jax.engine.replicas import EngineReplicas, replica_builds
+
+        replicas = EngineReplicas(replica_builds(engine_config(_with_caching(args, True)), args.data_parallel_size))
+        try:
+            result = run_turns(replicas, ChatTrace(args, vocab_size=_vocab_size(args)), True, fresh=True)
+        finally:
+            replicas.shutdown()
+        results.section(f"chat_dp{args.data_parallel_size}", result)
+        print(f"chat on {args.data_parallel_size} replicas: {result['seconds']:.2f} s, {result['cached_tokens']:,} of "
+              f"{result['prompt_tokens']:,} prompt tokens cached", flush=True)
     for caching in (True, False):
         engine = build_engine(_with_caching(args, caching))
         trace = ChatTrace(args, engine.model_config.vocab_size)
@@ -204,12 +223,17 @@ def summary(result: dict) -> dict:
     on, off = result.get("orca_caching_on"), result.get("orca_caching_off")
     if on and off:
         out["orca_on_over_off"] = on[-1]["tokens_per_s"] / off[-1]["tokens_per_s"]
+    one, several = result.get("chat_caching_on"), next((v for k, v in result.items() if k.startswith("chat_dp")), None)
+    if one and several:  # the replicas' prefix-cache hit rate over one engine's
+        out["dp_hit_rate_over_one"] = ((several["cached_tokens"] / several["prompt_tokens"])
+                                       / (one["cached_tokens"] / one["prompt_tokens"]))
     return out
 
 
 def tables(result: dict) -> dict[str, list[dict]]:
     rows = []
-    for key in sorted(k for k in result if k.endswith(("_caching_on", "_caching_off")) and not k.startswith("orca")):
+    for key in sorted(k for k in result if (k.endswith(("_caching_on", "_caching_off")) or k.startswith("chat_dp"))
+                      and not k.startswith("orca")):
         for turn in result[key]["turns"]:
             rows.append({"trace": key, "turn": turn["turn"], "s": turn["seconds"], "ttft p50 s": turn["ttft_p50_s"],
                          "ttft p99 s": turn["ttft_p99_s"], "prompt tokens": turn["prompt_tokens"],

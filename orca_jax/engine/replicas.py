@@ -75,6 +75,20 @@ class EngineBuild:
         return Engine(self.config)
 
 
+def replica_builds(config: EngineConfig, data_parallel_size: int) -> list[EngineBuild]:
+    """Each replica's engine: `config` on its slice of this process's GPUs; ValueError for what cannot
+    run across the process boundary."""
+    if config.fine_tuning is not None:
+        raise ValueError(f"fine-tuning (enable_fine_tuning) trains in the engine's own process: not with "
+                         f"data_parallel_size={data_parallel_size}")
+    if config.parallel.num_processes != 1:
+        raise ValueError(f"an engine over several controller processes (ParallelConfig.num_processes) cannot be "
+                         f"a replica: not with data_parallel_size={data_parallel_size}")
+    per_replica = config.parallel.tensor_parallel * config.parallel.num_stages
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [EngineBuild(config, replica_devices(visible, r, per_replica)) for r in range(data_parallel_size)]
+
+
 class EngineReplicas:
     """One engine core per EngineBuild (built at once, each in its own process), driven as one Engine."""
 

@@ -38,3 +38,17 @@ def test_multiturn_over_http(tmp_path):
     for label in ("on", "off"):
         turns = result[f"http_caching_{label}"]["turns"]
         assert len(turns) == 3 and all(t["errors"] == 0 for t in turns)
+
+
+@pytest.mark.slow
+def test_multiturn_on_two_replicas_keeps_each_chat_on_the_replica_holding_its_history(tmp_path):
+    bench.main(["multiturn", *TINY, "--sections", "chat", "--data-parallel-size", "2", "--result-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "tiny-llama_multiturn.json").read_text())
+    one, two = result["chat_caching_on"], result["chat_dp2"]
+    assert two["prompt_tokens"] == one["prompt_tokens"]
+    # After the first turn every chat finds its whole history where one engine would: the router sends a
+    # chat's next turn to the replica holding its prefix. The first turn may compute the shared system
+    # prompt once per replica.
+    assert [t["cached_tokens"] for t in two["turns"][1:]] == [t["cached_tokens"] for t in one["turns"][1:]]
+    assert two["turns"][0]["cached_tokens"] <= one["turns"][0]["cached_tokens"]
+    assert 0.5 < result["summary"]["dp_hit_rate_over_one"] <= 1.0

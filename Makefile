@@ -43,8 +43,11 @@ generate: $(VENV)/.installed-serve $(GPU_MARKER)
 # groups run; either failing fails.
 TESTS_1 := tests/test_*.py tests/core tests/sample tests/worker tests/engine tests/models tests/kernels tests/sharding tests/lora
 TESTS_2 := tests/server tests/structured tests/finetune tests/bench tests/e2e
+# The groups share one XLA compilation cache (tests/conftest.py): the second reads what the first compiled.
 test: setup
-	$(PY) -m pytest -q $(TESTS_1); first=$$?; $(PY) -m pytest -q $(TESTS_2) && exit $$first
+	cache=$$(mktemp -d -t orca_jax_xla_cache_XXXXXX); export ORCA_JAX_TEST_XLA_CACHE=$$cache; \
+	$(PY) -m pytest -q $(TESTS_1); first=$$?; $(PY) -m pytest -q $(TESTS_2); second=$$?; \
+	rm -rf $$cache; [ $$first -eq 0 ] && [ $$second -eq 0 ]
 
 clean:
 	rm -rf $(VENV)

@@ -175,8 +175,13 @@ def run(args: argparse.Namespace) -> Results:
                 run_http = asyncio.run(http_turns(server["base_url"], args.model, trace))
             results.section(f"http_caching_{'on' if caching else 'off'}", run_http)
             print(f"http, caching {'on' if caching else 'off'}: {run_http['seconds']:.2f} s", flush=True)
-    if args.data_parallel_size > 1:  # also before this process takes a GPU: the replicas take theirs
+    if args.data_parallel_size > 1 and "chat" in sections:  # before this process takes a GPU: the replicas take theirs
         from orca_jax.engine.replicas import EngineReplicas, replica_builds
+        from orca_jax.models.presets import REAL_WEIGHT_PRESETS
+
+        if args.load_format == "dummy" and args.model in REAL_WEIGHT_PRESETS:
+            raise SystemExit(f"--data-parallel-size: each replica loads {args.model} by its name, with its real "
+                             f"weights, unlike this engine's random ones: pass --load-format auto")
 
         replicas = EngineReplicas(replica_builds(engine_config(_with_caching(args, True)), args.data_parallel_size))
         try:

@@ -37,7 +37,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """Release everything held back (call once the request has finished)."""
-        self.text += self._stream.flush()
+        leftover = self._stream.flush()
+        if self.stop_string is None:  # else what is pending came after the cut: not part of the text
+            self.text += leftover
         self._cut_at_stop_string()
         self._new_text += self._emit(final=True)
 

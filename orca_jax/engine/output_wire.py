@@ -7,8 +7,9 @@ costs the core 1.6 ms to send and the front end 2.2 ms to read (1,024 tokens in:
 each output as one flat tuple with only what is new to the front end, and the front end (which keeps
 each request's totals) rebuilds the same RequestOutput.
 
-The totals only grow, except that a stop string found in a request's last step cuts text that was
-held back: so a total goes as (how much of what was sent before stays, what follows it).
+The totals only grow until a request's last step, where a stop string may cut text that was held back
+(and sent): so the ids go as (how many sent before stay, what follows), and a finished output's text
+goes whole (once per request).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ class OutputEncoder:
     def encode(self, output: RequestOutput) -> Row:
         request_id, ids, text = output.request_id, output.output_token_ids, output.text
         num_ids, num_chars = self._sent.get(request_id, (0, 0))
-        ids_kept, text_kept = min(num_ids, len(ids)), min(num_chars, len(text))
+        ids_kept = min(num_ids, len(ids))
         ids_tail = ids[ids_kept:]
-        if output.finished:
+        if output.finished:  # its text may have been cut and then added to (the last step's flush): whole
             self._sent.pop(request_id, None)
-        else:
+            text_kept = 0
+        else:  # before the last step text only grows
             self._sent[request_id] = (len(ids), len(text))
+            text_kept = min(num_chars, len(text))
         return (request_id, output.new_token_ids, output.new_text, ids_kept,
                 None if ids_tail == output.new_token_ids else ids_tail, text_kept, text[text_kept:],
                 output.num_prompt_tokens, output.finished, output.finish_reason, output.new_logprobs,

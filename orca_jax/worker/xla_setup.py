@@ -49,7 +49,7 @@ COLLECTIVE_MEMORY_MB = "64"  # the symmetric buffers' space per device; decode's
 _ENV_NAMES = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB")
 # Each of _ENV_NAMES as it was before `prepare` first changed it (None: unset); empty until then.
 _user_values: dict[str, str | None] = {}
-_env_lock = threading.Lock()
+_env_lock = threading.RLock()  # prepare() inside spawn_environment() must not deadlock
 
 
 def gpu_expected() -> bool:
@@ -119,7 +119,8 @@ def _set(name: str, value: str, *, only_if_unset: bool = False) -> None:
 @contextlib.contextmanager
 def spawn_environment() -> Iterator[None]:
     """The environment as the user set it, for the span of a process's start (what `prepare` added
-    is put back afterwards): the spawned process chooses its own options."""
+    is put back afterwards): the spawned process chooses its own options. The environment is the
+    process's: another thread starting a process meanwhile sees the user's settings too."""
     with _env_lock:
         ours = {name: os.environ.get(name) for name in _user_values}
         try:

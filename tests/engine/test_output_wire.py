@@ -81,6 +81,9 @@ def test_text_cut_below_what_was_sent_and_a_request_seen_again_after_its_abort()
     for step in steps:
         assert _through_the_pipe(encoder, received, [step]) == [step]
     assert not received and not encoder._sent
+    # Cut below what was sent, then added to in the same last step: the final text goes whole.
+    for step in [output([1], "abend", [1], "ab"), output([1, 2], "ab\ufffd", [2], "\ufffd", finished=True)]:
+        assert _through_the_pipe(encoder, received, [step]) == [step]
     encoder.encode(output([1], "ab", [1], ""))
     encoder.forget("r")  # aborted: the front end starts the request's totals afresh
     again = output([1, 2], "abcd", [2], "ab")

@@ -76,3 +76,13 @@ def test_stop_reason_names_the_stop_string_or_token():
     assert eos.status is RequestStatus.FINISHED_STOPPED and eos.stop_reason is None  # the model's own EOS
     length = _run(make_request("l", max_tokens=2), [7, 7])
     assert length.status is RequestStatus.FINISHED_LENGTH and length.stop_reason is None
+
+
+def test_bytes_pending_after_a_stop_string_stay_out_of_the_text():
+    """The token that completes a stop string may end inside a character: the bytes pending then come
+    after the cut, and the final flush must not add them (as U+FFFD) to the text."""
+    detok = IncrementalDetokenizer(TOKENIZER, ("end",))
+    assert not detok.add(list(b"abe"))
+    assert detok.add(list(b"abend") + [0xE4])  # "end" found with half of a 3-byte character pending
+    detok.flush()
+    assert detok.text == "ab" and detok.take_new_text() == "ab"

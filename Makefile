@@ -43,12 +43,8 @@ generate: $(VENV)/.installed-serve $(GPU_MARKER)
 # groups run; either failing fails.
 TESTS_1 := tests/test_*.py tests/core tests/sample tests/worker tests/engine tests/models tests/kernels tests/sharding tests/lora
 TESTS_2 := tests/server tests/structured tests/finetune tests/bench tests/e2e
-# The groups share one XLA compilation cache (tests/conftest.py): the second reads what the first compiled.
 test: setup
-	cache="$$(mktemp -d -t orca_jax_xla_cache_XXXXXX)"; trap 'rm -rf "$$cache"' EXIT INT TERM; \
-	export ORCA_JAX_TEST_XLA_CACHE="$$cache"; \
-	$(PY) -m pytest -q $(TESTS_1); first=$$?; $(PY) -m pytest -q $(TESTS_2); second=$$?; \
-	[ $$first -eq 0 ] && [ $$second -eq 0 ]
+	$(PY) -m pytest -q $(TESTS_1); first=$$?; $(PY) -m pytest -q $(TESTS_2) && exit $$first
 
 clean:
 	rm -rf $(VENV)

@@ -2,8 +2,7 @@
 
 Every Engine owns its own jitted functions, so two tests with the same tiny model and bucket would
 otherwise compile the same program twice; jax's persistent compilation cache makes the second a
-disk read. The cache lives in a temporary directory per run of `make test` (its two pytest processes
-share it: $ORCA_JAX_TEST_XLA_CACHE), or per pytest session, so runs stay independent.
+disk read. The cache lives in a per-session temporary directory, so runs stay independent.
 """
 
 import atexit
@@ -23,14 +22,12 @@ import jax  # noqa: E402
 # moved llama's logits past those tolerances on an H100. bf16 programs are unaffected.
 jax.config.update("jax_default_matmul_precision", "highest")
 
-_SHARED_CACHE = os.environ.get("ORCA_JAX_TEST_XLA_CACHE")  # set by `make test`, which removes it after
 _CACHE_SETTINGS = {
-    "jax_compilation_cache_dir": _SHARED_CACHE or tempfile.mkdtemp(prefix="orca_jax_xla_cache_"),
+    "jax_compilation_cache_dir": tempfile.mkdtemp(prefix="orca_jax_xla_cache_"),
     "jax_persistent_cache_min_compile_time_secs": 0.0,
     "jax_persistent_cache_min_entry_size_bytes": -1,
 }
-if not _SHARED_CACHE:
-    atexit.register(shutil.rmtree, _CACHE_SETTINGS["jax_compilation_cache_dir"], ignore_errors=True)
+atexit.register(shutil.rmtree, _CACHE_SETTINGS["jax_compilation_cache_dir"], ignore_errors=True)
 for _name, _value in _CACHE_SETTINGS.items():
     jax.config.update(_name, _value)
     os.environ[_name.upper()] = str(_value)  # subprocesses (server, notebook kernel) share the cache

@@ -229,12 +229,10 @@ def _engine_process(argv, args, config, on_ready, on_failure):
     try:
         if replicas == 1:
             return replica(None)
-        from orca_jax.engine.replicas import replica_devices
+        from orca_jax.engine.replicas import replica_device_slices
         from orca_jax.server.data_parallel import DataParallelEngine, start_replicas
 
-        per_replica = config.parallel.tensor_parallel * config.parallel.num_stages
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        slices = [replica_devices(visible, r, per_replica) for r in range(replicas)]
+        slices = replica_device_slices(config.parallel, replicas)
         return DataParallelEngine(start_replicas([functools.partial(replica, s) for s in slices]),
                                   on_ready=on_ready, on_failure=on_failure)
     except (EngineStartError, ValueError) as error:  # a model that cannot be read, too few GPUs: one line

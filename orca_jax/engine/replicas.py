@@ -33,7 +33,7 @@ from orca_jax.engine.router import ReplicaRouter, adapter_salt
 from orca_jax.engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from orca_jax.config import EngineConfig
+    from orca_jax.config import EngineConfig, ParallelConfig
     from orca_jax.engine import Engine
     from orca_jax.lora.request import LoRARequest
     from orca_jax.outputs import RequestOutput
@@ -84,9 +84,14 @@ def replica_builds(config: EngineConfig, data_parallel_size: int) -> list[Engine
     if config.parallel.num_processes != 1:
         raise ValueError(f"an engine over several controller processes (ParallelConfig.num_processes) cannot be "
                          f"a replica: not with data_parallel_size={data_parallel_size}")
-    per_replica = config.parallel.tensor_parallel * config.parallel.num_stages
+    return [EngineBuild(config, devices) for devices in replica_device_slices(config.parallel, data_parallel_size)]
+
+
+def replica_device_slices(parallel: ParallelConfig, data_parallel_size: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for each replica of this layout: contiguous slices of this process's GPUs."""
+    per_replica = parallel.tensor_parallel * parallel.num_stages
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return [EngineBuild(config, replica_devices(visible, r, per_replica)) for r in range(data_parallel_size)]
+    return [replica_devices(visible, r, per_replica) for r in range(data_parallel_size)]
 
 
 class EngineReplicas:

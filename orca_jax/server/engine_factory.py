@@ -23,7 +23,6 @@ def build_engine(args: argparse.Namespace) -> Engine:
     from orca_jax.engine.defaults import UsageContext, batch_defaults
     from orca_jax.models.loader import load_model
     from orca_jax.server.cli_args import engine_config_from_args
-
     from orca_jax.worker import xla_setup
 
     config = engine_config_from_args(args)

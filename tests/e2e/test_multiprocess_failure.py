@@ -33,13 +33,15 @@ def test_a_killed_process_ends_the_other_and_the_stream_fails(tmp_path, victim):
     processes = start_pair(free_port(), int(url.rsplit(":", 1)[1]), logs)
     try:
         wait_healthy(url, processes[0], timeout=300)
-        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 120, "stream": True, "ignore_eos": True}
+        # Long enough that the kill lands mid-stream on a fast machine too: with 120 tokens the server
+        # could finish the whole response before the client had read its first chunks.
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 480, "stream": True, "ignore_eos": True}
         chunks, killed_at = 0, None
         with pytest.raises(httpx.HTTPError):
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
                 for _ in response.iter_lines():
                     chunks += 1
-                    if chunks == 4:
+                    if chunks == 1:
                         processes[victim].kill()
                         killed_at = time.monotonic()
         assert killed_at is not None

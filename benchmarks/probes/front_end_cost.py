@@ -6,11 +6,11 @@ model can be served at over HTTP, whatever the GPU does. This probe runs the rea
 (ProcessEngine + create_app + uvicorn, in this process) over a real engine core process whose
 engine is `InstantEngine`: each step gives every live request one token, after `--step-ms` of sleep
 (a device's iteration), with no model. A client in a child process (bench serve's aiohttp client)
-streams `--num-requests` requests of `--output-len` tokens, all at once. Reported: tokens/s the
-client received, and this process's CPU time per token (its threads together: event loop and
-reader), split by cProfile when `--profile` is given.
+streams `--num-requests` requests of each of `--output-lens` tokens, all at once. Reported: tokens/s
+the client received, and this process's CPU time per request and per token (its threads together:
+event loop and reader); 1 token per request is about the per-request cost alone.
 
-    PYTHONPATH=. python benchmarks/probes/front_end_cost.py --num-requests 256 --output-len 128 \
+    PYTHONPATH=. python benchmarks/probes/front_end_cost.py --num-requests 256 --output-lens 1,16,256 \
         --json benchmarks/results/cpu/probes/front_end_cost.json
 """
 
@@ -22,6 +22,7 @@ import cProfile
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import pstats
 import subprocess
@@ -84,7 +85,7 @@ def build_instant(step_seconds: float, max_num_seqs: int) -> InstantEngine:
     """Runs in the engine core process (picklable through functools.partial)."""
     from tests.helpers.engines import tiny_engine
 
-    return InstantEngine(tiny_engine(max_num_seqs=max_num_seqs, num_pages=64), step_seconds)
+    return InstantEngine(tiny_engine(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(64, max_num_seqs), num_pages=64), step_seconds)
 
 
 def run_client(url: str, num_requests: int, output_len: int) -> None:
@@ -113,17 +114,21 @@ def measure(args: argparse.Namespace) -> dict:
 
     rows = []
     with served_in_thread(create_app(engine), wrap_run=wrap_run) as served:
-        for round_index in range(args.rounds):
+        for output_len, round_index in itertools.product(args.output_lens, range(args.rounds)):
             cpu_before, wall_before = time.process_time(), time.perf_counter()
+            iterations_before = engine.latest_stats.iterations
             client = subprocess.run([sys.executable, __file__, "--client", served.url, "--num-requests",
-                                     str(args.num_requests), "--output-len", str(args.output_len)],
+                                     str(args.num_requests), "--output-lens", str(output_len)],
                                     capture_output=True, text=True, check=True)
             cpu, wall = time.process_time() - cpu_before, time.perf_counter() - wall_before
+            iterations = engine.latest_stats.iterations - iterations_before
             summary = json.loads(client.stdout.strip().splitlines()[-1])
             tokens = summary["total_output_tokens"]
-            rows.append({"round": round_index, "output_tokens": tokens, "client_wall_s": wall,
-                         "tok_per_s": summary["output_throughput"],
-                         "front_end_cpu_s": cpu, "front_end_cpu_us_per_token": 1e6 * cpu / tokens,
+            rows.append({"output_len": output_len, "round": round_index, "output_tokens": tokens,
+                         "client_wall_s": wall, "tok_per_s": summary["output_throughput"], "front_end_cpu_s": cpu,
+                         "front_end_cpu_us_per_request": 1e6 * cpu / args.num_requests,
+                         "front_end_cpu_us_per_token": 1e6 * cpu / tokens, "core_iterations": iterations,
+                         "wall_ms_per_iteration": 1e3 * wall / max(iterations, 1),
                          "failed": summary.get("failed", 0)})
             print(json.dumps(rows[-1]), flush=True)
     result = {"args": vars(args), "rounds": rows}
@@ -139,14 +144,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-lens", type=lambda text: [int(n) for n in text.split(",")], default=[1, 16, 256])
     parser.add_argument("--step-ms", type=float, default=5.0, help="the fake device's time per iteration")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the event loop's thread")
     parser.add_argument("--json", help="write the rounds here")
     args = parser.parse_args()
     if args.client:
-        run_client(args.client, args.num_requests, args.output_len)
+        run_client(args.client, args.num_requests, args.output_lens[0])
         return
     result = measure(args)
     if args.json:

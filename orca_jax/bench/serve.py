@@ -87,10 +87,48 @@ def config_from_args(args: argparse.Namespace, base_url: str) -> ServeBenchConfi
         api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), slo=Slo.parse(args.goodput))
 
 
+# Our server's engine counters on /metrics (server/metrics.py; with data-parallel replicas, their total),
+# as a run's summary names them.
+ENGINE_COUNTERS = {"iterations": "orca_jax:iterations_total", "generated_tokens": "orca_jax:generation_tokens_total",
+                   "host_s": "orca_jax:host_seconds_total", "device_wait_s": "orca_jax:device_wait_seconds_total",
+                   "batched_requests": "orca_jax:batched_requests_total"}
+
+
+def engine_counters(base_url: str) -> dict[str, float] | None:
+    """The server's engine counters now; None where it exposes none (not our server, or no /metrics)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).raise_for_status().text
+    except httpx.HTTPError:
+        return None
+    names = {name: key for key, name in ENGINE_COUNTERS.items()}
+    values = {names[sample.name]: sample.value for family in text_string_to_metric_families(text)
+              for sample in family.samples
+              if sample.name in names and sample.labels.get("replica", "all") == "all"}
+    return values if len(values) == len(names) else None
+
+
+def engine_side(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict[str, float]:
+    """What the engine did during one run, per iteration: comparable with the in-process run's
+    ms_per_iteration and host_s / iterations (the HTTP run's wall includes its ramp and drain)."""
+    delta = {key: after[key] - before[key] for key in ENGINE_COUNTERS}
+    iterations = max(delta["iterations"], 1)
+    return {"iterations": int(delta["iterations"]), "generated_tokens": int(delta["generated_tokens"]),
+            "ms_per_iteration": 1e3 * duration_s / iterations, "host_ms_per_iteration": 1e3 * delta["host_s"] / iterations,
+            "device_wait_ms_per_iteration": 1e3 * delta["device_wait_s"] / iterations,
+            "mean_batch_size": delta["batched_requests"] / iterations}
+
+
 def _replays(config: ServeBenchConfig, args: argparse.Namespace) -> tuple[list[dict], list]:
     runs, records = [], []
     for _ in range(args.num_runs):
+        before = engine_counters(config.base_url)
         summary, records = asyncio.run(serve_client.run(config, progress=not args.disable_tqdm))
+        after = engine_counters(config.base_url) if before is not None else None
+        if after is not None:
+            summary["engine"] = engine_side(before, after, summary["duration_s"])
         print(format_summary(summary), flush=True)
         runs.append(summary)
     return runs, serve_client.records_json(records)
@@ -136,6 +174,15 @@ def run(args: argparse.Namespace) -> Results:
         results.section("http_over_in_process", runs[-1]["output_throughput"] / local_runs[-1]["tokens_per_s"])
         print(f"HTTP / in-process: {results['http_over_in_process']:.3f} ({runs[-1]['output_throughput']:,.0f} vs "
               f"{local_runs[-1]['tokens_per_s']:,.0f} tok/s)")
+        if "engine" in runs[-1]:  # where the gap is: the engine's iterations over HTTP against in process
+            http, local = runs[-1]["engine"], local_runs[-1]
+            iterations = max(local["iterations"], 1)
+            print(f"engine: {http['iterations']:,} vs {local['iterations']:,} iterations, mean batch "
+                  f"{http['mean_batch_size']:.1f} vs {local['mean_batch_size']:.1f}, ms per iteration "
+                  f"{http['ms_per_iteration']:.2f} vs {local['ms_per_iteration']:.2f}, host ms per iteration "
+                  f"{http['host_ms_per_iteration']:.2f} vs {1e3 * local['host_s'] / iterations:.2f}, device wait ms "
+                  f"per iteration {http['device_wait_ms_per_iteration']:.2f} vs "
+                  f"{1e3 * local['device_wait_s'] / iterations:.2f} (HTTP vs in process)")
     return results
 
 

@@ -106,6 +106,14 @@ _ENGINE_SERIES: tuple[tuple[type, str, str, Callable[[EngineStats], float] | Non
      lambda s: s.prefix_cache_hits),
     (CounterMetricFamily, "generation_tokens", "Tokens generated", lambda s: s.generated_tokens_total),
     (CounterMetricFamily, "iterations", "Engine iterations run", lambda s: s.iterations),
+    # The engine's time per iteration, split (summed; over iterations: the means), so a load test over
+    # HTTP can set the engine's side beside the same run in process (bench serve does).
+    (CounterMetricFamily, "host_seconds", "Seconds the engine's host spent scheduling, building batches and "
+     "handling outputs", lambda s: s.host_seconds_total),
+    (CounterMetricFamily, "device_wait_seconds", "Seconds the engine waited for the device's tokens",
+     lambda s: s.device_wait_seconds_total),
+    (CounterMetricFamily, "batched_requests", "Requests in the running batch, summed over iterations (over "
+     "iterations: the mean batch)", lambda s: s.batch_size_total),
     (CounterMetricFamily, "fine_tuning_iterations", "Fine-tuning iterations run (one micro-batch's forward and "
      "backward)", lambda s: s.fine_tuning_iterations),
     (CounterMetricFamily, "fine_tuning_tokens", "Tokens fine-tuning iterations ran over (their rate: fine-tuning "

@@ -116,6 +116,11 @@ def test_cli_chat_writes_json_and_the_report_plots_it(server, tmp_path, capsys):
     result = json.loads((tmp_path / "tiny_serve.json").read_text())
     summary = result["runs"][-1]
     assert summary["completed"] == 4 and summary["total_output_tokens"] == 24
+    # The engine's side of the run, from our server's /metrics: it generated what the client received.
+    engine = summary["engine"]
+    assert engine["generated_tokens"] == 24 and engine["iterations"] >= 6
+    assert 1 <= engine["mean_batch_size"] <= 4 and engine["host_ms_per_iteration"] > 0
+    assert engine["ms_per_iteration"] == pytest.approx(1e3 * summary["duration_s"] / engine["iterations"])
     assert summary["good_requests"] == 0  # nobody answers in a microsecond
     assert result["config"]["prompt_format"] == PromptFormat.TEXT.value and result["bench"] == "serve"
     assert len(result["requests"]) == 4 and all(r["ttft_s"] > 0 for r in result["requests"])

@@ -309,7 +309,8 @@ async def test_metrics_report_engine_and_latencies(mode):
                  "inter_token_latency_seconds_bucket", "time_per_output_token_seconds_bucket",
                  "request_time_per_output_token_seconds_bucket", "e2e_request_latency_seconds_bucket",
                  "iteration_seconds_bucket", "batch_size_bucket", "iteration_tokens_total_bucket",
-                 "request_prompt_tokens_bucket", "request_generation_tokens_bucket"):
+                 "request_prompt_tokens_bucket", "request_generation_tokens_bucket", "iterations_total",
+                 "host_seconds_total", "device_wait_seconds_total", "batched_requests_total"):
         assert f"orca_jax:{name}{{" in text, name
     assert 'orca_jax:prompt_tokens_total{model_name="m"} 5.0' in text
     assert 'orca_jax:generation_tokens_total{model_name="m"} 3.0' in text

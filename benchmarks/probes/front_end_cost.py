@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import dataclasses
 import functools
 import io
 import itertools

@@ -25,14 +25,26 @@ def start_pair(coordinator_port: int, http_port: int, logs) -> list[subprocess.P
                              env=env, stdout=logs[i], stderr=subprocess.STDOUT) for i in (0, 1)]
 
 
+def _read(log) -> str:
+    log.seek(0)
+    return log.read()[-4000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_ends_the_other_and_the_stream_fails(tmp_path, victim):
     logs = [open(tmp_path / f"process_{i}.log", "w+") for i in (0, 1)]
-    url = f"http://127.0.0.1:{free_port()}"
-    processes = start_pair(free_port(), int(url.rsplit(":", 1)[1]), logs)
+    http_port = free_port()
+    coordinator_port = free_port()
+    while coordinator_port == http_port:  # two asks can get one port: the coordinator would then abort at start
+        coordinator_port = free_port()
+    url = f"http://127.0.0.1:{http_port}"
+    processes = start_pair(coordinator_port, http_port, logs)
     try:
-        wait_healthy(url, processes[0], timeout=300)
+        try:
+            wait_healthy(url, processes[0], timeout=300)
+        except AssertionError:
+            raise AssertionError("the pair did not start:\n" + "\n".join(_read(log) for log in logs)) from None
         # Long enough that the kill lands mid-stream on a fast machine too: with 120 tokens the server
         # could finish the whole response before the client had read its first chunks.
         body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 480, "stream": True, "ignore_eos": True}

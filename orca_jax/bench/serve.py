@@ -110,15 +110,20 @@ def engine_counters(base_url: str) -> dict[str, float] | None:
     return values if len(values) == len(names) else None
 
 
+def per_iteration(iterations: int, wall_s: float, host_s: float, device_wait_s: float,
+                  mean_batch_size: float) -> dict[str, float]:
+    """An engine's run as bench serve sets HTTP beside in process: its iterations and their mean times."""
+    per = 1e3 / max(iterations, 1)
+    return {"iterations": int(iterations), "mean_batch_size": mean_batch_size, "ms_per_iteration": wall_s * per,
+            "host_ms_per_iteration": host_s * per, "device_wait_ms_per_iteration": device_wait_s * per}
+
+
 def engine_side(before: dict[str, float], after: dict[str, float], duration_s: float) -> dict[str, float]:
-    """What the engine did during one run, per iteration: comparable with the in-process run's
-    ms_per_iteration and host_s / iterations (the HTTP run's wall includes its ramp and drain)."""
+    """What the engine did during one run, from its counters (the HTTP run's wall includes its ramp and drain)."""
     delta = {key: after[key] - before[key] for key in ENGINE_COUNTERS}
-    iterations = max(delta["iterations"], 1)
-    return {"iterations": int(delta["iterations"]), "generated_tokens": int(delta["generated_tokens"]),
-            "ms_per_iteration": 1e3 * duration_s / iterations, "host_ms_per_iteration": 1e3 * delta["host_s"] / iterations,
-            "device_wait_ms_per_iteration": 1e3 * delta["device_wait_s"] / iterations,
-            "mean_batch_size": delta["batched_requests"] / iterations}
+    return {"generated_tokens": int(delta["generated_tokens"]),
+            **per_iteration(delta["iterations"], duration_s, delta["host_s"], delta["device_wait_s"],
+                            delta["batched_requests"] / max(delta["iterations"], 1))}
 
 
 def _replays(config: ServeBenchConfig, args: argparse.Namespace) -> tuple[list[dict], list]:
@@ -175,14 +180,11 @@ def run(args: argparse.Namespace) -> Results:
         print(f"HTTP / in-process: {results['http_over_in_process']:.3f} ({runs[-1]['output_throughput']:,.0f} vs "
               f"{local_runs[-1]['tokens_per_s']:,.0f} tok/s)")
         if "engine" in runs[-1]:  # where the gap is: the engine's iterations over HTTP against in process
-            http, local = runs[-1]["engine"], local_runs[-1]
-            iterations = max(local["iterations"], 1)
-            print(f"engine: {http['iterations']:,} vs {local['iterations']:,} iterations, mean batch "
-                  f"{http['mean_batch_size']:.1f} vs {local['mean_batch_size']:.1f}, ms per iteration "
-                  f"{http['ms_per_iteration']:.2f} vs {local['ms_per_iteration']:.2f}, host ms per iteration "
-                  f"{http['host_ms_per_iteration']:.2f} vs {1e3 * local['host_s'] / iterations:.2f}, device wait ms "
-                  f"per iteration {http['device_wait_ms_per_iteration']:.2f} vs "
-                  f"{1e3 * local['device_wait_s'] / iterations:.2f} (HTTP vs in process)")
+            last = local_runs[-1]
+            http, local = runs[-1]["engine"], per_iteration(last["iterations"], last["wall_s"], last["host_s"],
+                                                            last["device_wait_s"], last["mean_batch_size"])
+            print("engine, HTTP vs in process: " + ", ".join(
+                f"{key} {http[key]:,.2f} vs {local[key]:,.2f}" for key in local))
     return results
 
 

@@ -26,6 +26,7 @@ def start_pair(coordinator_port: int, http_port: int, logs) -> list[subprocess.P
 
 
 def _read(log) -> str:
+    """A process's log, its last 4,000 characters."""
     log.seek(0)
     return log.read()[-4000:]
 
@@ -60,8 +61,7 @@ def test_a_killed_process_ends_the_other_and_the_stream_fails(tmp_path, victim):
         survivor = processes[1 - victim]
         assert survivor.wait(timeout=20) == 1
         assert time.monotonic() - killed_at < 10
-        logs[1 - victim].seek(0)
-        assert f"controller process {victim} is gone" in logs[1 - victim].read()
+        assert f"controller process {victim} is gone" in _read(logs[1 - victim])
     finally:
         for process in processes:
             process.kill()

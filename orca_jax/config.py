@@ -15,6 +15,27 @@ class ModelFamily(enum.Enum):
     LLAMA = "llama"  # RoPE, RMSNorm, SwiGLU, GQA
 
 
+class Quantization(enum.Enum):
+    """How the projection weights are stored (vLLM's --quantization)."""
+
+    # e4m3 weights with one f32 scale per output channel (models/fp8.py); embeddings, norms, biases and
+    # the LM head stay in the model's dtype. From a 16/32-bit checkpoint (quantized at load) or an FP8
+    # one (compressed-tensors, Hugging Face's "fp8": read, then per channel).
+    FP8 = "fp8"
+
+
+class KVCacheDtype(enum.Enum):
+    """What the KV pages hold (vLLM's --kv-cache-dtype)."""
+
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # e4m3 with one per-tensor scale (KV_FP8_SCALE): half of bf16's bytes per token
+
+
+# The per-tensor scale of FP8 K/V pages: stored = value / scale, clipped to e4m3's range. vLLM's default
+# when a checkpoint gives none; K and V of the models measured stay well inside +-448.
+KV_FP8_SCALE = 1.0
+
+
 class AttentionBackend(enum.Enum):
     """Which ragged attention implementation the runner uses."""
 
@@ -79,6 +100,8 @@ class ModelConfig:
     dtype: str = "float32"  # activations, weights and KV: one of DTYPES
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    quantization: Quantization | None = None  # None: every weight in dtype
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -98,8 +121,42 @@ class ModelConfig:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_itemsize
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one K or V element in the pages."""
+        if self.kv_cache_dtype is KVCacheDtype.FP8:
+            return 1
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The pages' dtype, as jnp.dtype reads it."""
+        return "float8_e4m3fn" if self.kv_cache_dtype is KVCacheDtype.FP8 else self.dtype
+
+    @property
+    def num_projection_params(self) -> int:
+        """The parameters Quantization.FP8 stores in e4m3: every layer's q/k/v, o and MLP kernels."""
+        h, f, d = self.hidden_size, self.ffn_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        return self.num_layers * (attn + h * f * (3 if self.family is ModelFamily.LLAMA else 2))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as stored: e4m3 projections (plus their f32 scales) under FP8."""
         itemsize = 4 if self.dtype == "float32" else 2
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        if self.quantization is None:
+            return self.num_params * itemsize
+        projections = self.num_projection_params
+        return (self.num_params - projections) * itemsize + projections + 4 * self.num_output_channels
+
+    @property
+    def num_output_channels(self) -> int:
+        """Output channels of the projections, all layers (one FP8 scale each)."""
+        h, f, d = self.hidden_size, self.ffn_size, self.head_dim
+        per_layer = d * (self.num_heads + 2 * self.num_kv_heads) + h + f * (2 if self.family is ModelFamily.LLAMA else 1)
+        return self.num_layers * per_layer
 
     @property
     def num_params(self) -> int:
@@ -388,6 +445,10 @@ class EngineConfig:
     fine_tuning: FineTuningConfig | None = None
     # What one structured-output grammar may cost the engine, at compile and per token (llguidance's limits).
     grammar_limits: GrammarLimits = GrammarLimits()
+    # FP8 projection weights (vLLM's --quantization); None: the checkpoint's own (an FP8 checkpoint stays
+    # FP8), else every weight in dtype.
+    quantization: Quantization | None = None
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO  # FP8: e4m3 KV pages (vLLM's --kv-cache-dtype fp8)
 
     @property
     def async_scheduling(self) -> bool:

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation,
+from orca_jax.config import (KVCacheDtype, Quantization, AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation,
                              LoRAConfig, ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
 from orca_jax.engine.defaults import UsageContext, batch_defaults
@@ -90,6 +90,7 @@ class LLM:
                  max_cpu_loras: int | None = None, enable_fine_tuning: bool = False,
                  fine_tuning_dir: str | None = None, enable_prompt_logprobs: bool = False,
                  max_logprobs: int | None = None, precompile: bool = True, data_parallel_size: int = 1,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
@@ -117,7 +118,8 @@ class LLM:
                                       kv_allocation=KVAllocation(kv_allocation)),
             parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
             attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
-            seed=seed, sampling=SamplingConfig(enable_prompt_logprobs=enable_prompt_logprobs,
+            quantization=None if quantization is None else Quantization(quantization),
+            kv_cache_dtype=KVCacheDtype(kv_cache_dtype), seed=seed, sampling=SamplingConfig(enable_prompt_logprobs=enable_prompt_logprobs,
                                                **({} if max_logprobs is None else {"max_logprobs": max_logprobs})),
             lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or enable_fine_tuning else None,
             fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None,

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
+from orca_jax.config import (KVCacheDtype, Quantization, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request
@@ -143,6 +143,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
                        "auto: the model's own weights where it has them")
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                        help="default: bfloat16 with dummy weights, else the model's")
+    group.add_argument("--quantization", "-q", choices=[q.value for q in Quantization], default=None,
+                       help="fp8: e4m3 projection weights (models/fp8.py)")
+    group.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto")
     group.add_argument("--max-num-seqs", type=str if lists else int, default="128" if lists else 128,
                        help="requests per iteration" + many)
     group.add_argument("--max-num-batched-tokens", type=str if lists else int, default="2048" if lists else 2048,
@@ -189,6 +192,8 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None,
                                   kv_allocation=KVAllocation(args.kv_allocation)),
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size, tensor_parallel=args.tensor_parallel_size),
         attention=AttentionBackend(args.attention_backend), max_model_len=args.max_model_len, seed=args.engine_seed,
+        quantization=None if args.quantization is None else Quantization(args.quantization),
+        kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
         compilation_cache_dir=None if cache_dir == "none" else cache_dir, **overrides)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from orca_jax.config import KV_FP8_SCALE
 from orca_jax.kernels.ragged_attention_jnp import token_to_seq
 from orca_jax.kernels.ragged_attention_tiles import (BlockSizes, Pass, Tile, default_block_sizes,
                                                      next_pow2, plan_passes)
@@ -47,6 +48,14 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(j
 
 _store = pallas_triton.store
 _dot = pallas_triton.dot
+
+
+def _from_pages(x, dtype):
+    """K/V tiles as read from the pages -> the queries' dtype (e4m3 pages hold value / KV_FP8_SCALE)."""
+    if x.dtype == dtype:
+        return x
+    x = x.astype(dtype)
+    return x if KV_FP8_SCALE == 1.0 else x * jnp.asarray(KV_FP8_SCALE, dtype)
 
 
 # ---------------------------------------------------------------------------------------- kernel
@@ -104,8 +113,8 @@ def _ragged_attention_kernel(
             j_read = jnp.minimum(j, kv_end - 1) if masked else j
             page = page_table_ref[seq * pages_per_seq + lax.div(j_read, page_size)]  # [block_k]
             slot = (head_base + page) * page_size + lax.rem(j_read, page_size)
-            k = k_ref[slot, :]  # [block_k, D]
-            v = v_ref[slot, :]
+            k = _from_pages(k_ref[slot, :], q.dtype)  # [block_k, D]
+            v = _from_pages(v_ref[slot, :], q.dtype)
             s = _dot(q, k, trans_b=True) * scale  # [rows, block_k] f32
             if masked:
                 s = jnp.where(j[None, :] <= pos[:, None], s, _MASK_VALUE)
@@ -260,9 +269,10 @@ def _check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, num_seqs)
                          f"{k_cache.shape}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
-    if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q, k_cache, v_cache must share one of {SUPPORTED_DTYPES}; got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or q.dtype not in SUPPORTED_DTYPES \
+            or k_cache.dtype not in (q.dtype, jnp.dtype(jnp.float8_e4m3fn)):
+        raise ValueError(f"q must be one of {SUPPORTED_DTYPES} and k_cache, v_cache q's dtype or e4m3 pages "
+                         f"(KVCacheDtype.FP8); got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     if k_cache.shape[3] != head_dim:
@@ -349,6 +359,7 @@ def ragged_attention_reference(
     # Absolute position of each query: its request's earlier tokens come first in the K/V.
     query_pos = kv_lens[seq] - q_lens[seq] + (jnp.arange(num_tokens) - cu_q_lens[seq])  # [T]
 
+    k_cache, v_cache = _from_pages(k_cache, q.dtype), _from_pages(v_cache, q.dtype)
     pages = page_table[seq]  # [T, P]
     max_kv = pages.shape[1] * page_size
     k = k_cache[:, pages].reshape(num_kv_heads, num_tokens, max_kv, head_dim)  # [KVH, T, J, D]

@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from orca_jax.config import KV_FP8_SCALE
+
 _MASK_VALUE = -1e30  # finite: a fully masked row never computes (-inf) - (-inf)
+
+
+def pages_as_f32(x: jax.Array) -> jax.Array:
+    """K/V read from the pages in f32: e4m3 pages hold value / KV_FP8_SCALE."""
+    x = x.astype(jnp.float32)
+    return x * KV_FP8_SCALE if KV_FP8_SCALE != 1.0 else x
 
 
 def token_to_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -65,7 +73,8 @@ def ragged_attention_jnp(
         pages = lax.dynamic_slice_in_dim(table, b * pages_per_block, pages_per_block, axis=1)[seq]
         k = k_cache[:, pages].reshape(num_kv_heads, num_tokens, block_len, head_dim)  # [KVH, T, J, D]
         v = v_cache[:, pages].reshape(num_kv_heads, num_tokens, block_len, head_dim)
-        s = jnp.einsum("tkgd,ktjd->tkgj", qg, k.astype(jnp.float32))  # [T, KVH, G, J]
+        k, v = pages_as_f32(k), pages_as_f32(v)  # e4m3 pages (KVCacheDtype.FP8) scaled back
+        s = jnp.einsum("tkgd,ktjd->tkgj", qg, k)  # [T, KVH, G, J]
         j = b * block_len + jnp.arange(block_len)
         visible = j[None, :] <= query_pos[:, None]  # [T, J]
         s = jnp.where(visible[:, None, None, :], s, _MASK_VALUE)

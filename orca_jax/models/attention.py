@@ -17,6 +17,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from orca_jax.config import KV_FP8_SCALE
+
+E4M3_MAX = 448.0
+
 
 class AttentionMetadata(NamedTuple):
     """Per-iteration description of a token-flattened ragged batch (a pytree)."""
@@ -63,9 +67,17 @@ def write_kv(layer_kv: LayerKV, slot_mapping: jax.Array, k: jax.Array, v: jax.Ar
     pages = slot_mapping // page_size  # [T]
     offsets = slot_mapping % page_size  # [T]
     # Adjacent advanced indices after a slice keep the head axis first: the update is [KVH, T, D].
-    new_k = layer_kv.k.at[:, pages, offsets].set(k.swapaxes(0, 1).astype(layer_kv.k.dtype))
-    new_v = layer_kv.v.at[:, pages, offsets].set(v.swapaxes(0, 1).astype(layer_kv.v.dtype))
+    new_k = layer_kv.k.at[:, pages, offsets].set(to_page_dtype(k.swapaxes(0, 1), layer_kv.k.dtype))
+    new_v = layer_kv.v.at[:, pages, offsets].set(to_page_dtype(v.swapaxes(0, 1), layer_kv.v.dtype))
     return LayerKV(new_k, new_v)
+
+
+def to_page_dtype(x: jax.Array, dtype) -> jax.Array:
+    """K or V values as the pages store them: e4m3 pages (KVCacheDtype.FP8) hold value / KV_FP8_SCALE,
+    clipped to e4m3's range (a conversion past it would give NaN); others a plain cast."""
+    if dtype != jnp.float8_e4m3fn:
+        return x.astype(dtype)
+    return jnp.clip(x.astype(jnp.float32) / KV_FP8_SCALE, -E4M3_MAX, E4M3_MAX).astype(dtype)
 
 
 class PackedCausal(NamedTuple):

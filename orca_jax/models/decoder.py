@@ -30,6 +30,7 @@ from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
 from orca_jax.lora import ops as lora_ops
 from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKV, PackedCausal, RaggedAttentionFn,
                                        empty_layer_kv, packed_causal_attention, paged_attention)
+from orca_jax.models import fp8
 from orca_jax.models.projections import fuse_projections, split_layer
 
 _init_weight = nn.initializers.normal(stddev=0.02)
@@ -72,8 +73,11 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        kernel = self.param("kernel", _init_weight, self.shape, _dtype(cfg))
-        y = jnp.einsum(self.equation, x, kernel)
+        if self.has_variable("params", "weight"):  # stored as FP8 (Quantization.FP8, models/fp8.py)
+            y = fp8.linear(x, self.get_variable("params", "weight"), self.get_variable("params", "weight_scale"))
+        else:
+            kernel = self.param("kernel", _init_weight, self.shape, _dtype(cfg))
+            y = jnp.einsum(self.equation, x, kernel)
         has_bias = cfg.family is ModelFamily.GPT if self.bias is None else self.bias
         if has_bias:
             y = y + self.param("bias", nn.initializers.zeros, self.bias_shape, _dtype(cfg))
@@ -254,7 +258,7 @@ def empty_cache(config: ModelConfig, num_pages: int, page_size: int,
     """Zeroed K/V pages for each layer (all layers, or a stage's range): [KVH, num_pages, page_size, D]."""
     layers = range(config.num_layers) if layers is None else layers
     return tuple(empty_layer_kv(config.num_kv_heads, num_pages, page_size, config.head_dim,
-                                _dtype(config)) for _ in layers)
+                                jnp.dtype(config.kv_dtype_name)) for _ in layers)
 
 
 def _dummy_inputs(config: ModelConfig):
@@ -329,9 +333,15 @@ def param_shapes(config: ModelConfig):
     return _shapes_of(config)
 
 
+def to_compute_layout(params, config: ModelConfig):
+    """A model-layout params tree (or part of one) in the compute layout the forward takes: projections
+    fused (projections.py), then stored as FP8 under Quantization.FP8 (fp8.py)."""
+    return fp8.quantize_projections(fuse_projections(params), config.quantization)
+
+
 def compute_param_shapes(config: ModelConfig):
-    """param_shapes in the compute layout the forward takes (projections fused, projections.py)."""
-    return _shapes_of(config, fuse_projections)
+    """param_shapes in the compute layout the forward takes (to_compute_layout)."""
+    return _shapes_of(config, lambda params: to_compute_layout(params, config))
 
 
 def stacked_param_shapes(config: ModelConfig):

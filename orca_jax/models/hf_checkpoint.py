@@ -12,7 +12,8 @@ import logging
 import os
 import re
 
-from orca_jax.config import DTYPES, ModelConfig, ModelFamily, RopeScaling
+from orca_jax.config import DTYPES, ModelConfig, ModelFamily, Quantization, RopeScaling
+from orca_jax.models.fp8_checkpoint import ignored_in_fp8, scheme_from_config
 from orca_jax.models.safetensors_io import Layouts, fill_params
 from orca_jax.models.weights import Params, WeightsError
 
@@ -111,9 +112,15 @@ def config_from_llama_json(path: str, dtype: str | None = None) -> ModelConfig:
             max_seq_len=_max_seq_len(hf, path), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=scaling, qkv_bias=model_type == "qwen2",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype or checkpoint_dtype(hf),
-            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos)
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=eos, quantization=_quantization(hf, path))
     except (KeyError, TypeError, ValueError) as err:
         raise WeightsError(f"{path}: not a usable {model_type} config ({err!r})") from err
+
+
+def _quantization(hf: dict, path: str) -> Quantization | None:
+    """FP8 for a checkpoint stored in a supported FP8 scheme (fp8_checkpoint.py), None for none; an
+    unsupported quantization is refused here, before any weight is read."""
+    return None if scheme_from_config(hf, path) is None else Quantization.FP8
 
 
 def checkpoint_dtype(hf: dict) -> str:
@@ -147,7 +154,8 @@ def config_from_gpt2_json(path: str, dtype: str | None = None) -> ModelConfig:
             ffn_size=hf.get("n_inner") or 4 * hidden, max_seq_len=hf["n_positions"],
             norm_eps=hf.get("layer_norm_epsilon", 1e-5),
             tie_embeddings=hf.get("tie_word_embeddings", True), dtype=dtype or checkpoint_dtype(hf),
-            bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf.get("eos_token_id")))
+            bos_token_id=hf.get("bos_token_id"), eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+            quantization=_quantization(hf, path))
     except (KeyError, TypeError, ValueError) as err:
         raise WeightsError(f"{path}: not a usable GPT-2 config ({err!r})") from err
 
@@ -227,4 +235,7 @@ def load_hf_directory(directory: str, dtype: str | None = None) -> tuple[ModelCo
         layouts, ignored, strip = _llama_layouts(config), _LLAMA_IGNORED, ""
     if config.tie_embeddings:  # some tied checkpoints still store the head: a copy of the embedding
         ignored = re.compile(f"{ignored.pattern}|lm_head\\.weight")
-    return config, fill_params(directory, config, layouts, ignored, strip)
+    fp8 = scheme_from_config(read_hf_config(path), path)
+    if fp8 is not None:
+        ignored = ignored_in_fp8(ignored)
+    return config, fill_params(directory, config, layouts, ignored, strip, fp8)

@@ -20,6 +20,7 @@ import numpy as np
 import safetensors
 
 from orca_jax.config import ModelConfig
+from orca_jax.models.fp8_checkpoint import Fp8Scheme
 from orca_jax.models.weights import Params, WeightsError, check_params, expected_shapes
 
 # One tensor of the file -> the places in our tree it fills ('{i}' in the name: one per layer):
@@ -29,7 +30,7 @@ Layouts = dict[str, tuple[tuple[int, ...], tuple[tuple[tuple[str, ...], Callable
 
 # Safetensors dtype names -> numpy dtypes (ml_dtypes' bfloat16, which numpy lacks, comes with jax).
 _DTYPES = {"F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-           "BF16": np.dtype(jax.numpy.bfloat16)}
+           "BF16": np.dtype(jax.numpy.bfloat16), "F8_E4M3": np.dtype(jax.numpy.float8_e4m3fn)}
 
 
 # The largest header read: safetensors' own bound (its MAX_HEADER_SIZE). A caller reading files from
@@ -115,6 +116,25 @@ class SafetensorsDirectory:
             self._files[path] = SafetensorsFile(path)
         return self._files[path]
 
+    def dtype_name(self, name: str) -> str | None:
+        """The safetensors dtype ("BF16", "F8_E4M3", ...) of tensor `name`; None if it is not stored."""
+        if name not in self.files:
+            return None
+        entry = self._open(self.files[name]).entries.get(self._stored_name[name])
+        return None if entry is None else entry[0]
+
+    def read_fp8_values(self, name: str, shape: tuple[int, ...], scheme: Fp8Scheme) -> np.ndarray:
+        """An FP8 checkpoint's weight `name` as its values (f32: stored e4m3 times its scales); any
+        other tensor as read()."""
+        if self.dtype_name(name) != "F8_E4M3":
+            return self.read(name, shape)
+        weight = self.read(name, shape)
+        scale_name = name.removesuffix("weight") + scheme.scale_suffix
+        if scale_name not in self.files:
+            raise WeightsError(f"{self.source}: FP8 weight {name} has no {scale_name}")
+        scale = self._open(self.files[scale_name]).read(self._stored_name[scale_name])
+        return scheme.values(weight, scale, name)
+
     def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """Tensor `name` as a numpy array, after checking that it has `shape`."""
         if name not in self.files:
@@ -131,11 +151,12 @@ class SafetensorsDirectory:
 
 
 def fill_params(directory: str, config: ModelConfig, layouts: Layouts, ignored: re.Pattern,
-                strip: str = "") -> Params:
+                strip: str = "", fp8: Fp8Scheme | None = None) -> Params:
     """Our params tree (numpy, config.dtype, layers stacked on a leading [L] axis) from the directory.
 
     Tensors matching `ignored` (buffers some checkpoints carry) are skipped; any other tensor the
-    layouts do not name is an error, as is any they name that is missing.
+    layouts do not name is an error, as is any they name that is missing. `fp8`: the checkpoint's FP8
+    scheme; its e4m3 weights are read as their values (fp8_checkpoint.py).
     """
     dtype = np.dtype(jax.numpy.dtype(config.dtype))
     params = jax.tree_util.tree_map(lambda s: np.empty(s, dtype), expected_shapes(config),
@@ -151,7 +172,8 @@ def fill_params(directory: str, config: ModelConfig, layouts: Layouts, ignored: 
     for template, (shape, targets) in layouts.items():
         per_layer = "{i}" in template
         for i in range(config.num_layers if per_layer else 1):
-            tensor = tensors.read(template.format(i=i), shape)
+            name = template.format(i=i)
+            tensor = tensors.read(name, shape) if fp8 is None else tensors.read_fp8_values(name, shape, fp8)
             for where, convert in targets:
                 holder = params
                 for key in where[:-1]:

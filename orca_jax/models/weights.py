@@ -17,7 +17,7 @@ import os
 import jax
 import numpy as np
 
-from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
+from orca_jax.config import Quantization, ModelConfig, ModelFamily, RopeScaling
 from orca_jax.models import decoder
 
 Params = dict  # nested dict of np.ndarray, the Decoder's "params" collection
@@ -59,6 +59,9 @@ def cast_params(params: Params, dtype: str) -> Params:
 def config_to_json(config: ModelConfig) -> str:
     fields = dataclasses.asdict(config)
     fields["family"] = config.family.value
+    # The weights saved are the model's own; the KV pages' dtype is the serving engine's choice.
+    fields["quantization"] = None if config.quantization is None else config.quantization.value
+    del fields["kv_cache_dtype"]
     return json.dumps(fields, indent=2)
 
 
@@ -66,6 +69,8 @@ def config_from_json(text: str, source: str) -> ModelConfig:
     try:
         fields = json.loads(text)
         fields["family"] = ModelFamily(fields["family"])
+        if fields.get("quantization") is not None:
+            fields["quantization"] = Quantization(fields["quantization"])
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
         if fields.get("rope_scaling") is not None:
             fields["rope_scaling"] = RopeScaling(**fields["rope_scaling"])

@@ -14,7 +14,7 @@ import sys
 
 import jinja2
 
-from orca_jax.config import (DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
+from orca_jax.config import (KVCacheDtype, Quantization, DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
                              ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.engine.defaults import BatchDefaults, UsageContext, batch_defaults_for
 from orca_jax.json_limits import DEFAULT_MAX_DEPTH, MAX_DEPTH_LIMIT
@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--served-model-name", default=None, help="the name clients use; --model's when not given")
     model.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                        help="weights, activations and KV; auto: the checkpoint's (a preset's own)")
+    model.add_argument("--quantization", "-q", choices=[q.value for q in Quantization], default=None,
+                       help="fp8: e4m3 projection weights with per-channel scales (half the bytes of bf16); "
+                       "a 16/32-bit checkpoint is quantized at load, an FP8 checkpoint is read as FP8 "
+                       "without the flag")
+    model.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto",
+                       help="fp8: e4m3 KV pages, twice the tokens in the same memory; auto: the model's dtype")
     model.add_argument("--max-model-len", type=int, default=None,
                        help="cap on prompt + completion tokens; the model's own context when not given")
     model.add_argument("--chat-template", default=None,
@@ -396,5 +402,7 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
         sampling=SamplingConfig(max_logprobs=args.max_logprobs, enable_prompt_logprobs=args.enable_prompt_logprobs),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+        quantization=None if args.quantization is None else Quantization(args.quantization),
+        kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
         lora=lora, fine_tuning=fine_tuning, grammar_limits=grammar_limits_from_args(args))

@@ -44,6 +44,18 @@ PARAM_SPECS: dict[str, P] = {
     "layers/mlp/gate_up/kernel": P(None, None, TENSOR),  # [H, 2, F]
     "layers/mlp/down/kernel": P(TENSOR, None),  # [F, H]: row-parallel
     "layers/mlp/down/bias": P(None),
+    # FP8 projections (models/fp8.py): e4m3 weights [out..., in...] and f32 scales [out...], split on the
+    # same named dimension as the kernel they replace; a row-parallel projection's scales are whole.
+    "layers/attn/qkv/weight": P(TENSOR, None, None, None),  # [K, G + 2, D, H]
+    "layers/attn/qkv/weight_scale": P(TENSOR, None, None),  # [K, G + 2, D]
+    "layers/attn/o/weight": P(None, TENSOR, None),  # [H, N, D]
+    "layers/attn/o/weight_scale": P(None),  # [H]
+    "layers/mlp/gate_up/weight": P(None, TENSOR, None),  # [2, F, H]
+    "layers/mlp/gate_up/weight_scale": P(None, TENSOR),  # [2, F]
+    "layers/mlp/up/weight": P(TENSOR, None),  # [F, H]
+    "layers/mlp/up/weight_scale": P(TENSOR),  # [F]
+    "layers/mlp/down/weight": P(None, TENSOR),  # [H, F]
+    "layers/mlp/down/weight_scale": P(None),  # [H]
 }
 
 # The LoRA adapter table (lora/layout.py), one layer's leaves: column-parallel projections (q|k|v,

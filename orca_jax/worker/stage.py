@@ -36,7 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from orca_jax.config import LoRAConfig
 from orca_jax.lora.ops import LoRATokens, SmallBatchForm, small_batch_form
 from orca_jax.lora.table import StageLoRATable
-from orca_jax.models import decoder
+from orca_jax.models import decoder, fp8
 from orca_jax.models.attention import AttentionMetadata, LayerKV
 from orca_jax.models.projections import fuse_projections
 from orca_jax.sharding import rules
@@ -82,6 +82,7 @@ class Stage:
         self.param_specs = jax.tree_util.tree_map(
             lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes, self.param_shardings)
         self._params = None
+        self._quantize_layer = None  # the jitted per-layer FP8 quantization (_place_quantized)
         self.params_ready: concurrent.futures.Future | None = None  # set by the runner making the weights
         layer_sharding = NamedSharding(mesh, rules.KV_CACHE_SPEC)
         self.kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in layers)
@@ -109,15 +110,32 @@ class Stage:
         plan = self._plan
         if params is None:
             made = decoder.init_params(plan.model, seed, out_shardings=self.param_shardings,
-                                       adapt=lambda tree: fuse_projections(plan.adapt_params(tree)),
+                                       adapt=lambda tree: decoder.to_compute_layout(plan.adapt_params(tree), self.config),
                                        select=self._select)
-        else:
+        elif self.config.quantization is None:
             made = jax.device_put(fuse_projections(self._select(params)), self.param_shardings)
+        else:
+            made = self._place_quantized(fuse_projections(self._select(params)))
         describe = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)
         if describe(made) != describe(self.param_specs):
             raise ValueError(f"stage {self.index}: the weights' shapes differ from the model's: "
                              f"{describe(made)} vs {describe(self.param_specs)}")
         self._params = made
+
+    def _place_quantized(self, host) -> dict:
+        """A compute-layout tree (numpy, projections fused) placed with its projections stored as FP8:
+        one layer at a time in its own dtype, quantized on the devices, so the 16-bit copy never
+        exceeds a layer."""
+        rest = {name: value for name, value in host.items() if name != "layers"}
+        placed = jax.device_put(rest, {name: self.param_shardings[name] for name in rest})
+        layers = []
+        for layer, shardings in zip(host["layers"], self.param_shardings["layers"]):
+            if self._quantize_layer is None:
+                self._quantize_layer = jax.jit(functools.partial(fp8.quantize_layer, quantization=self.config.quantization),
+                                               out_shardings=shardings)
+            plain = rules.param_shardings({"layers": [layer]}, self.mesh)["layers"][0]  # the 16-bit kernels
+            layers.append(self._quantize_layer(jax.device_put(layer, plain)))
+        return {**placed, "layers": layers}
 
     @property
     def params(self):

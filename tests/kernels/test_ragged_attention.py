@@ -42,6 +42,7 @@ class Config:
     num_tokens: int = 48
     num_slots: int = 6
     max_kv: int = 80
+    kv_dtype: str | None = None  # the pages' dtype; None: dtype ("float8_e4m3fn": KVCacheDtype.FP8)
 
     @property
     def pages_per_seq(self) -> int:
@@ -61,6 +62,9 @@ CONFIGS = {
     "gqa4-f32-d128-p64-2-splits": Config(
         "float32", 8, 2, 128, 64, BlockSizes(short=Tile(16, 32), long=Tile(32, 32), kv_splits=2)),
     "gqa8-bf16-d128-p16": Config("bfloat16", 8, 1, 128, 16),
+    # e4m3 pages read by bf16 and f32 queries (the reference reads the same e4m3 values).
+    "gqa2-bf16-d64-p16-fp8-pages": Config("bfloat16", 4, 2, 64, 16, kv_dtype="float8_e4m3fn"),
+    "mha-f32-d64-p8-fp8-pages": Config("float32", 4, 4, 64, 8, kv_dtype="float8_e4m3fn"),
 }
 
 
@@ -117,8 +121,9 @@ def make_inputs(cfg: Config, q_lens, kv_lens, rng):
     meta = (jnp.asarray(cu), jnp.asarray(kv_arr), jnp.asarray(page_table),
             jnp.asarray([num_live], jnp.int32))
     as_dev = functools.partial(jnp.asarray, dtype=dtype)
-    kernel_args = (as_dev(q), as_dev(k_bad), as_dev(v_bad)) + meta
-    reference_args = (as_dev(q), as_dev(k), as_dev(v)) + meta
+    as_pages = functools.partial(jnp.asarray, dtype=jnp.dtype(cfg.kv_dtype or cfg.dtype))
+    kernel_args = (as_dev(q), as_pages(k_bad), as_pages(v_bad)) + meta
+    reference_args = (as_dev(q), as_pages(k), as_pages(v)) + meta
     return kernel_args, reference_args, int(cu[num_live])
 
 
@@ -128,7 +133,7 @@ def compiled_kernel(cfg: Config):
     dtype = jnp.dtype(cfg.dtype)
     i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
     cache = jax.ShapeDtypeStruct(
-        (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim), dtype)
+        (cfg.num_kv_heads, cfg.num_pages, cfg.page_size, cfg.head_dim), jnp.dtype(cfg.kv_dtype or cfg.dtype))
     specs = (jax.ShapeDtypeStruct((cfg.num_tokens, cfg.num_heads, cfg.head_dim), dtype), cache, cache,
              i32((cfg.num_slots + 1,)), i32((cfg.num_slots,)),
              i32((cfg.num_slots, cfg.pages_per_seq)), i32((1,)))

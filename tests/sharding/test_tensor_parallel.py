@@ -14,7 +14,8 @@ from tests.helpers.mesh import run_on_fake_devices
 SCRIPT = textwrap.dedent("""
     import importlib.util, json, tempfile
     import numpy as np
-    from orca_jax.config import CacheConfig, EngineConfig, ModelConfig, ModelFamily, ParallelConfig, SchedulerConfig
+    from orca_jax.config import (CacheConfig, EngineConfig, KVCacheDtype, ModelConfig, ModelFamily, ParallelConfig,
+                                 Quantization, SchedulerConfig)
     from orca_jax.engine import Engine
     from orca_jax.models import decoder
     from orca_jax.models.loader import LoadedModel
@@ -59,6 +60,18 @@ SCRIPT = textwrap.dedent("""
                 shard_info(engine.runner), tokens=run(engine), logits=logits[:, :real].tolist(),
                 width=logits.shape[1], padding_all_neg_inf=bool(np.all(logits[:, real:] == -np.inf)),
                 pages_used=engine.stats().kv_pages_used)
+    # FP8 weights and FP8 KV pages: each scale split with its channels (row-parallel ones whole).
+    config = MODELS["llama-gqa"]
+    loaded = LoadedModel(config, decoder.stack_layers(decoder.init_params(config, seed=3)), ByteTokenizer())
+    for tp in (1, 2, 4):
+        engine = Engine(EngineConfig(model="fp8", cache=CacheConfig(page_size=4, num_pages=256),
+                                     scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
+                                     parallel=ParallelConfig(tensor_parallel=tp), precompile=False,
+                                     quantization=Quantization.FP8, kv_cache_dtype=KVCacheDtype.FP8), loaded)
+        logits = prompt_logits(engine.runner, PROMPTS[1][:8])
+        scales = engine.runner.stages[0].params["layers"][0]["mlp"]["gate_up"]["weight_scale"]  # [2, F]
+        results[f"fp8/{tp}"] = dict(tokens=run(engine), logits=logits[:, :config.vocab_size].tolist(),
+                                    scale_columns_per_shard=sorted({x.data.shape[1] for x in scales.addressable_shards}))
     if importlib.util.find_spec("transformers") is not None:
         # A Hugging Face Qwen2 directory: random (non-zero) q/k/v biases split with their heads.
         from tests.helpers.hf_dirs import write_hf_dir
@@ -101,6 +114,14 @@ def test_kv_heads_are_replicated_when_fewer_than_shards(results):
     assert results["llama-gqa/2"]["kv_heads_per_shard"] == [1]
     assert results["llama-gqa/4"]["q_heads_per_shard"] == [2]
     assert results["llama-gqa/4"]["kv_heads_per_shard"] == [1]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fp8_weights_and_kv_match_one_device(results, tp):
+    one, many = results["fp8/1"], results[f"fp8/{tp}"]
+    assert many["tokens"] == one["tokens"] and len(one["tokens"]) == 3
+    np.testing.assert_allclose(many["logits"], one["logits"], rtol=1e-4, atol=1e-4)
+    assert many["scale_columns_per_shard"] == [128 // tp]  # gate|up's scales split over ffn columns
 
 
 def test_qwen2_directory_biases_split_with_their_heads(results):

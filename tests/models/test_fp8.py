@@ -1,0 +1,149 @@
+"""FP8 projection weights (models/fp8.py) against an independent numpy quantizer, and the engine with them.
+
+The reference quantizes the model-layout weights in numpy (ml_dtypes' e4m3, one scale per output
+channel) and dequantizes them back: a plain f32 model with those weights is what an FP8 engine must
+compute, so decode-sized batches (W8A16) give the same greedy tokens and logits within f32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from orca_jax.config import KVCacheDtype, ModelConfig, ModelFamily, Quantization
+from orca_jax.models import decoder, fp8
+from orca_jax.models.loader import LoadedModel
+from orca_jax.sampling_params import SamplingParams
+from orca_jax.tokenizer import ByteTokenizer
+from tests.helpers.engines import drain, tiny_engine
+from tests.helpers.models import prompt_logits
+
+CONFIG = ModelConfig(family=ModelFamily.LLAMA, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, ffn_size=96, max_seq_len=128, tie_embeddings=False)
+GPT = ModelConfig(family=ModelFamily.GPT, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                  num_kv_heads=4, head_dim=16, ffn_size=128, max_seq_len=128)
+# Model-layout projection kernels and how many leading axes are input features.
+MODEL_PROJECTIONS = {("attn", "q"): 1, ("attn", "k"): 1, ("attn", "v"): 1, ("attn", "o"): 2,
+                     ("mlp", "gate"): 1, ("mlp", "up"): 1, ("mlp", "down"): 1}
+PROMPTS = ([5, 6, 7], list(range(10, 40)), [99] * 9)
+
+
+def numpy_fake_quantized(kernel: np.ndarray, num_in: int) -> np.ndarray:
+    """kernel [L, in..., out...] rounded through e4m3 with one scale per (layer, output channel)."""
+    w = np.asarray(kernel, np.float32)
+    in_axes = tuple(range(1, 1 + num_in))
+    scale = np.max(np.abs(w), axis=in_axes, keepdims=True) / 448.0
+    scale = np.where(scale > 0, scale, 1.0)
+    stored = np.clip(w / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return stored.astype(np.float32) * scale
+
+
+def reference_params(params: dict) -> dict:
+    """A stacked model-layout tree with every projection replaced by its FP8 round trip (numpy)."""
+    out = dict(params, layers={block: dict(v) for block, v in params["layers"].items()})
+    for (block, name), num_in in MODEL_PROJECTIONS.items():
+        if name in params["layers"][block]:
+            proj = dict(params["layers"][block][name])
+            proj["kernel"] = numpy_fake_quantized(proj["kernel"], num_in)
+            out["layers"][block][name] = proj
+    return out
+
+
+def run(engine, prompts=PROMPTS, max_tokens=8) -> dict:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
+    return drain(engine)
+
+
+def test_quantize_is_per_output_channel_and_round_trips():
+    kernel = jax.random.normal(jax.random.key(0), (64, 4, 3, 16), jnp.float32)  # qkv: [H, K, G + 2, D]
+    stored = fp8.quantize(kernel, num_in=1)
+    assert stored["weight"].dtype == jnp.float8_e4m3fn and stored["weight"].shape == (4, 3, 16, 64)
+    assert stored["weight_scale"].shape == (4, 3, 16)
+    # Every channel's largest stored magnitude is e4m3's largest value.
+    np.testing.assert_allclose(np.max(np.abs(np.asarray(stored["weight"], np.float32)), axis=-1), 448.0)
+    back = fp8.dequantize(stored["weight"], stored["weight_scale"], jnp.float32)
+    np.testing.assert_allclose(np.asarray(back), numpy_fake_quantized(np.asarray(kernel)[None], 1)[0], rtol=1e-6)
+    assert float(jnp.linalg.norm(back - kernel) / jnp.linalg.norm(kernel)) < 0.04  # e4m3's 3 mantissa bits
+
+
+def test_zero_channel_gets_scale_one_and_no_nan():
+    kernel = jnp.zeros((8, 4), jnp.float32).at[:, 1].set(1.0)
+    stored = fp8.quantize(kernel, num_in=1)
+    assert float(stored["weight_scale"][0]) == 1.0
+    assert not np.isnan(np.asarray(fp8.dequantize(stored["weight"], stored["weight_scale"], jnp.float32))).any()
+
+
+@pytest.mark.parametrize("form", list(fp8.MatmulForm))
+def test_linear_forms_against_dequantized_weights(form):
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (5, 4, 16), jnp.float32)  # o projection: [T, N, D]
+    kernel = jax.random.normal(kw, (4, 16, 64), jnp.float32)  # [N, D, H]
+    stored = fp8.quantize(kernel, num_in=2)
+    y = fp8.linear(x, stored["weight"], stored["weight_scale"], form)
+    ref = jnp.einsum("TND,NDH->TH", x, fp8.dequantize(stored["weight"], stored["weight_scale"], jnp.float32))
+    err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+    # W8A16 computes with the weights' exact values; W8A8 also rounds the activations to e4m3.
+    assert err < (1e-5 if form is fp8.MatmulForm.W8A16 else 0.05), err
+
+
+def test_form_depends_only_on_rows():
+    assert fp8.form_for(1) is fp8.MatmulForm.W8A16
+    assert fp8.form_for(fp8.W8A16_MAX_ROWS) is fp8.MatmulForm.W8A16
+    assert fp8.form_for(fp8.W8A16_MAX_ROWS + 1) is fp8.MatmulForm.W8A8
+
+
+def test_compute_param_shapes_store_projections_as_fp8():
+    shapes = decoder.compute_param_shapes(dataclasses.replace(CONFIG, quantization=Quantization.FP8))
+    layer = shapes["layers"][0]
+    assert layer["attn"]["qkv"]["weight"].dtype == jnp.float8_e4m3fn
+    assert layer["attn"]["qkv"]["weight"].shape == (2, 4, 16, 64)  # [K, G + 2, D, H]
+    assert layer["attn"]["o"]["weight"].shape == (64, 4, 16)  # [H, N, D]
+    assert layer["mlp"]["gate_up"]["weight_scale"].shape == (2, 96)
+    assert "kernel" not in layer["mlp"]["down"]
+    assert shapes["embed"].dtype == jnp.float32 and shapes["lm_head"].dtype == jnp.float32  # kept
+
+
+@pytest.mark.parametrize("config", [CONFIG, GPT], ids=["llama", "gpt"])
+def test_fp8_engine_equals_f32_engine_on_the_round_tripped_weights(config):
+    params = decoder.stack_layers(decoder.init_params(config, seed=3))
+    quantized = tiny_engine(config.family.value, loaded=LoadedModel(config, params, ByteTokenizer()),
+                            max_num_batched_tokens=fp8.W8A16_MAX_ROWS, quantization=Quantization.FP8)
+    reference = tiny_engine(config.family.value, loaded=LoadedModel(config, reference_params(params), ByteTokenizer()),
+                            max_num_batched_tokens=fp8.W8A16_MAX_ROWS)
+    np.testing.assert_allclose(prompt_logits(quantized.runner, PROMPTS[1]), prompt_logits(reference.runner, PROMPTS[1]),
+                               rtol=2e-4, atol=2e-4)
+    assert run(quantized) == run(reference)
+    # Half the bytes: the stored projections are e4m3.
+    plain = tiny_engine(config.family.value, loaded=LoadedModel(config, params, ByteTokenizer()))
+    assert quantized.runner.params_bytes < 0.75 * plain.runner.params_bytes
+
+
+def test_random_preset_quantized_on_device_matches_host_quantization():
+    """Random weights are drawn and quantized inside the per-layer program; the same weights placed from
+    the host and quantized there give the same tokens."""
+    config = dataclasses.replace(CONFIG, dtype="float32")
+    drawn = tiny_engine("llama", loaded=LoadedModel(config, None, ByteTokenizer()), seed=5,
+                        quantization=Quantization.FP8)
+    host = decoder.stack_layers(decoder.init_params(config, seed=5))
+    placed = tiny_engine("llama", loaded=LoadedModel(config, host, ByteTokenizer()), quantization=Quantization.FP8)
+    assert run(drawn) == run(placed)
+
+
+def test_fp8_kv_pages_hold_twice_the_tokens_and_track_the_model():
+    config = dataclasses.replace(CONFIG, dtype="bfloat16")
+    params = decoder.stack_layers(decoder.init_params(config, seed=3))
+    loaded = LoadedModel(config, params, ByteTokenizer())
+    bf16 = tiny_engine("llama", loaded=loaded)
+    fp8_kv = tiny_engine("llama", loaded=loaded, kv_cache_dtype=KVCacheDtype.FP8)
+    assert fp8_kv.runner.kv[0].k.dtype == jnp.float8_e4m3fn
+    assert fp8_kv.runner.config.kv_bytes_per_token * 2 == bf16.runner.config.kv_bytes_per_token
+    assert fp8_kv.runner.kv_bytes * 2 == bf16.runner.kv_bytes  # same pages, half the bytes
+    a, b = prompt_logits(bf16.runner, PROMPTS[1]), prompt_logits(fp8_kv.runner, PROMPTS[1])
+    assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.05
+    assert set(run(fp8_kv)) == {"0", "1", "2"}

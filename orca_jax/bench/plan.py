@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from orca_jax.bench.datasets import DatasetName, add_dataset_arguments, int_list, lengths_from_args, make_trace
 from orca_jax.bench.harness import Results, add_result_arguments, replay_schedule
-from orca_jax.config import ModelConfig, SchedulerConfig
+from orca_jax.config import KVCacheDtype, ModelConfig, Quantization, SchedulerConfig
 from orca_jax.core.sched.scheduler import Scheduler
 from orca_jax.models import decoder
 from orca_jax.models.presets import get_preset
@@ -97,13 +97,13 @@ def memory_plan(config: ModelConfig, tensor_parallel: int, num_stages: int, gpu_
     tp = tensor_parallel
     device = plan_for(config, tp).device
     # One layer's shapes suffice (every layer is alike): no 96-layer trace, nothing allocated.
-    shapes = decoder.param_shapes(dataclasses.replace(device, num_layers=1))
+    # The compute layout: FP8 projections (and their scales) count as stored.
+    shapes = decoder.compute_param_shapes(dataclasses.replace(device, num_layers=1))
     layers_per_stage = config.num_layers // num_stages
     layer_bytes = layers_per_stage * _per_gpu_bytes(shapes["layers"][0], tp, "layers/")
     other_bytes = _per_gpu_bytes({k: v for k, v in shapes.items() if k != "layers"}, tp)
     weight_bytes = layer_bytes + other_bytes
-    itemsize = jnp.dtype(device.dtype).itemsize
-    kv_per_token = 2 * layers_per_stage * (device.num_kv_heads // tp) * device.head_dim * itemsize
+    kv_per_token = 2 * layers_per_stage * (device.num_kv_heads // tp) * device.head_dim * device.kv_itemsize
     usable = int(gpu_bytes * xla_mem_fraction)
     pool = max(0, int((usable - weight_bytes) * kv_fraction))
     pages = pool // (kv_per_token * page_size)
@@ -169,6 +169,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mem-fraction", type=float, default=0.95,
                         help="the XLA_PYTHON_CLIENT_MEM_FRACTION the run sets (jax's default is 0.75)")
     parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--quantization", "-q", choices=[q.value for q in Quantization], default=None,
+                        help="fp8: projections counted as e4m3 (with their f32 scales)")
+    parser.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto")
     parser.add_argument("--max-num-seqs", type=int_list, default=[8, 16, 32, 64, 128],
                         help="batch sizes of the padding table")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -179,7 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> Results:
     results = Results("plan", args, args.model, device={"device": None, "platform": "host arithmetic"})
-    plan = memory_plan(get_preset(args.model), args.tensor_parallel_size, args.pipeline_parallel_size,
+    config = dataclasses.replace(get_preset(args.model), kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
+                                 quantization=None if args.quantization is None else Quantization(args.quantization))
+    plan = memory_plan(config, args.tensor_parallel_size, args.pipeline_parallel_size,
                        int(args.gpu_memory_gib * GIB), args.mem_fraction, page_size=args.page_size)
     results.section("memory_plan", {"gpu_memory_gib": args.gpu_memory_gib, **plan.as_dict()})
     print(f"{args.model} on tp={plan.tensor_parallel} x pp={plan.num_stages} GPUs of {args.gpu_memory_gib:g} GiB: "

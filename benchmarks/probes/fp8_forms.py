@@ -100,16 +100,18 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--shape", default=f"{H},{F},{PAIRS}", help="hidden,ffn,pairs (small ones for a CPU check)")
     parser.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (CPU)")
+    parser.add_argument("--pallas-max-rows", type=int, default=128, help="the kernel is for decode-sized batches")
     args = parser.parse_args()
     H, F, PAIRS = (int(v) for v in args.shape.split(","))
     key = jax.random.key(0)
     pallas = {
-        "pallas_n64_k256": TileConfig(block_n=64, block_k=256),
-        "pallas_n64_k256_s2": TileConfig(block_n=64, block_k=256, split_k=2),
         "pallas_n128_k128_s4": TileConfig(block_n=128, block_k=128, split_k=4),
-        "pallas_n64_k512_s4_w4": TileConfig(block_n=64, block_k=512, split_k=4, num_stages=3),
         "pallas_n32_k512_s2_w4": TileConfig(block_n=32, block_k=512, split_k=2, num_stages=3),
-        "pallas_n128_k256_w8": TileConfig(block_n=128, block_k=256, num_warps=8, num_stages=3),
+        "pallas_n32_k512_s2_bits": TileConfig(block_n=32, block_k=512, split_k=2, num_stages=3, convert="bits"),
+        "pallas_n64_k256_s4_bits": TileConfig(block_n=64, block_k=256, split_k=4, convert="bits"),
+        "pallas_n32_k256_s4_bits": TileConfig(block_n=32, block_k=256, split_k=4, convert="bits"),
+        "pallas_n32_k256_s4": TileConfig(block_n=32, block_k=256, split_k=4),
+        "pallas_n16_k512_s4_bits_w2": TileConfig(block_n=16, block_k=512, split_k=4, num_warps=2, convert="bits"),
     }
     forms = {"bf16": bf16, "xla_w8a16": xla_w8a16, "xla_w8a8_nk": w8a8_nk, "xla_w8a8_kn": w8a8_kn}
     rows = [int(r) for r in args.rows.split(",")]
@@ -124,6 +126,8 @@ def main() -> None:
         weight_bytes = sum(w.nbytes for w in ws)
         for m in rows:
             tiles = pallas.get(name)
+            if tiles is not None and m > args.pallas_max_rows:
+                continue
             if tiles is not None and m > 16:
                 tiles = dataclasses.replace(tiles, block_m=min(64, 1 << (m - 1).bit_length()))
             matmul = forms[name] if tiles is None else functools.partial(w8a16_matmul, tiles=tiles, interpret=args.interpret)

@@ -82,7 +82,9 @@ class ModelCosts:
         mlp = h * f * (3 if config.family is ModelFamily.LLAMA else 2)
         layer_params = config.num_layers * (attn + mlp)
         head = config.vocab_size * h
-        return cls(weight_bytes=(layer_params + head) * itemsize, matmul_params=layer_params, head_params=head,
+        layer_itemsize = 1 if config.quantization is not None else itemsize  # FP8 projections: e4m3
+        return cls(weight_bytes=layer_params * layer_itemsize + head * itemsize, matmul_params=layer_params,
+                   head_params=head,
                    kv_bytes_per_token=config.kv_bytes_per_token,
                    attn_flops_per_pair=4 * config.num_layers * config.num_heads * d)
 

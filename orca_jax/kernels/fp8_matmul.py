@@ -43,14 +43,31 @@ class TileConfig:
     split_k: int = 1  # K ranges computed by separate programs, summed after
     num_warps: int = 4
     num_stages: int = 4
+    # How e4m3 becomes bf16 in registers: "cast" (the compiler's conversion) or "bits" (the byte's sign,
+    # exponent and mantissa moved into a bf16 bit pattern that is the value times 2^-120, a shift and
+    # two masks; the 2^120 folds into the column scale).
+    convert: str = "cast"
 
     def __post_init__(self):
+        if self.convert not in ("cast", "bits"):
+            raise ValueError(f"TileConfig.convert must be 'cast' or 'bits', got {self.convert!r}")
         for name in ("block_m", "block_n", "block_k", "split_k"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"TileConfig.{name} must be a power of two, got {value}")
         if self.block_m < 16 or self.block_n < 16 or self.block_k < 16:
             raise ValueError("TileConfig blocks must be at least 16 (the tensor-core tile)")
+
+
+BITS_FACTOR = 2.0 ** 120  # a "bits"-converted e4m3 value is its value times 2^-120 (bf16 bias 127 vs e4m3's 7)
+
+
+def _e4m3_bits_to_bf16(b):
+    """uint8 e4m3 bytes -> bf16 values times 2^-120, exactly (subnormals too): the sign to bit 15, the
+    exponent and mantissa shifted under bf16's."""
+    b = b.astype(jnp.int32)
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
 def _kernel(x_ref, w_ref, scale_ref, out_ref, *, block_k: int, steps: int, scaled: bool):
@@ -63,7 +80,8 @@ def _kernel(x_ref, w_ref, scale_ref, out_ref, *, block_k: int, steps: int, scale
     def body(i, acc):
         k = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         x = x_ref[:, k]  # [block_m, block_k]
-        w = w_ref[:, k].astype(x.dtype)  # [block_n, block_k]: e4m3 -> bf16 in registers
+        w = w_ref[:, k]  # [block_n, block_k]: e4m3 (or its bytes) -> bf16 in registers
+        w = _e4m3_bits_to_bf16(w) if w.dtype == jnp.uint8 else w.astype(x.dtype)
         return acc + pallas_triton.dot(x, w, trans_b=True)
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
@@ -120,7 +138,12 @@ def w8a16_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, tiles: TileConfig
     padded = -(-m // tiles.block_m) * tiles.block_m
     compute = jnp.float32 if x.dtype == jnp.float32 else x.dtype
     xp = jnp.pad(x.astype(compute), ((0, padded - m), (0, 0)))
-    return _pallas_matmul(xp, w, scale.astype(jnp.float32), tiles, x.dtype, interpret)[:m]
+    scale = scale.astype(jnp.float32)
+    if tiles.convert == "bits":
+        if compute != jnp.bfloat16:
+            raise ValueError(f"TileConfig(convert='bits') computes in bf16; x is {x.dtype}")
+        w, scale = jax.lax.bitcast_convert_type(w, jnp.uint8), scale * BITS_FACTOR
+    return _pallas_matmul(xp, w, scale, tiles, x.dtype, interpret)[:m]
 
 
 def w8a16_matmul_reference(x: jax.Array, w: jax.Array, scale: jax.Array) -> jax.Array:

@@ -45,10 +45,11 @@ def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = "python -m orca_jax.bench " + shlex.join(argv)
-    if getattr(args, "tensor_parallel_size", 1) > 1:  # before anything starts jax: XLA reads them then
+    if hasattr(args, "tensor_parallel_size"):  # before anything starts jax: XLA reads them then
         from orca_jax.config import ParallelConfig
         from orca_jax.worker import xla_setup
-        xla_setup.prepare(ParallelConfig(tensor_parallel=args.tensor_parallel_size))
+        xla_setup.prepare(ParallelConfig(tensor_parallel=args.tensor_parallel_size,
+                                         num_stages=getattr(args, "pipeline_parallel_size", 1)))
     return args.handler(args)
 
 

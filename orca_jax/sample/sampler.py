@@ -31,7 +31,7 @@ from orca_jax.sample.inputs import SamplingInputs
 from orca_jax.sample.mode import FILL_ENTRIES, FILL_RESETS, SampleMode
 from orca_jax.sample.ops.penalties import (LogitsArrays, PenaltyTables, count_sampled, empty_tables, fill_tables,
                                            process_logits)
-from orca_jax.sample.ops.sampling import SamplingArrays, pack, sample
+from orca_jax.sample.ops.sampling import pack, pack_sampling_arrays, sample, unpack_sampling_arrays
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -97,8 +97,7 @@ class Sampler:
         if isinstance(key, PenaltyFillKey):
             return self._fill_fn.lower(tables, spec(jnp.int32, FILL_RESETS), spec(jnp.int32, FILL_ENTRIES, 3))
         s, w = key.seqs, self.config.logit_table_width
-        params = SamplingArrays(spec(jnp.float32, s), spec(jnp.int32, s), spec(jnp.float32, s),
-                                spec(jnp.float32, s), spec(jnp.uint32, s), spec(jnp.int32, s))
+        params = spec(jnp.int32, 6, s)  # pack_sampling_arrays
         # The forward's buffer (S rows read), or its own logits.
         logits = spec(jnp.float32, self.max_num_seqs if self.stable_buffers else s, self.vocab_size)
         samples = spec(jnp.int32, self.max_num_seqs)
@@ -115,8 +114,8 @@ class Sampler:
         first S rows, or f32[S, V] without stable buffers; `executable(key)` gives each compiled
         program); returns (packed i32[S, 2 + 2K], sampled ids padded to i32[max_num_seqs], in
         last_samples' buffer with stable buffers)."""
-        params = SamplingArrays(inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seed,
-                                inputs.step)
+        params = pack_sampling_arrays(inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seed,
+                                      inputs.step)
         key = SampleKey(inputs.temperature.shape[0], inputs.num_top_logprobs, inputs.sample_mode, inputs.logits_processed)
         if not inputs.logits_processed:
             packed, next_tokens = executable(key)(logits, params, self.last_samples)
@@ -147,19 +146,21 @@ class Sampler:
                                                         [jax.device_put(value, d) for d in here], dtype=value.dtype)
 
 
-def sample_plain(logits, params: SamplingArrays, samples, mode: SampleMode, num_top_logprobs: int, max_num_seqs: int,
+def sample_plain(logits, params: jax.Array, samples, mode: SampleMode, num_top_logprobs: int, max_num_seqs: int,
                  unroll: bool):
     """(packed i32[S, 2 + 2K] for the host, the sampled ids padded to i32[max_num_seqs] for the device,
     written over `samples`). `logits`: f32[M >= S, V], the batch's in the first S rows."""
     del samples  # donated: only its buffer is wanted
+    params = unpack_sampling_arrays(params)
     logits = logits[:params.temperature.shape[0]]
     result = sample(logits, params, mode, num_top_logprobs, unroll=unroll)
     return pack(result), jnp.pad(result.token_ids, (0, max_num_seqs - logits.shape[0]))
 
 
-def sample_processed(logits, params: SamplingArrays, arrays: LogitsArrays, tables: PenaltyTables, last_samples,
+def sample_processed(logits, params: jax.Array, arrays: LogitsArrays, tables: PenaltyTables, last_samples,
                      mode: SampleMode, num_top_logprobs: int, max_num_seqs: int, unroll: bool):
     """sample_plain after logits processing; each row's token then counts in its penalty slot."""
+    params = unpack_sampling_arrays(params)
     logits = logits[:params.temperature.shape[0]]
     processed = process_logits(logits, arrays, tables, last_samples)
     result = sample(logits, params, mode, num_top_logprobs, processed, unroll)

@@ -1,4 +1,11 @@
-"""XLA options a tensor-parallel engine sets before jax starts its GPU backend.
+"""XLA options an engine on GPUs sets before jax starts its GPU backend.
+
+One device: `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` (which takes XLA's VMM allocator). XLA
+runs a forward as one CUDA graph but allocates its temporaries afresh on every call; with the BFC
+allocator they land at another address each step, and XLA then re-records the whole graph: llama-1b's
+249-command forward was updated on every decode step (0.72-0.95 ms each, on an H200), while none of
+its arguments or outputs moved (benchmarks/probes/step_buffers.sh). With SKIP_TEMP the temporaries
+keep fixed addresses and the recorded graph is replayed as it is.
 
 XLA runs a forward as a CUDA graph (a command buffer), but in jax 0.11.2 it leaves collectives out of
 it by default, and its one-shot all-reduce kernel (on by default) has no command form at all: a
@@ -17,8 +24,8 @@ XLA's defaults, 4.12 ms with these. The engine's own arguments stay put too (sta
 
 Every option is read when the backend starts, from the environment: `prepare` adds them to XLA_FLAGS
 (never overriding one already there) if jax has not started yet, else it can only warn. One device
-needs none of them (SKIP_TEMP alone measured slower there), and several controller processes keep
-XLA's defaults: collectives recorded into graphs have hung multi-process jobs elsewhere.
+takes SINGLE_DEVICE_FLAGS only, and several controller processes keep XLA's defaults: collectives
+recorded into graphs have hung multi-process jobs elsewhere.
 $ORCA_JAX_XLA_DEFAULTS=0 turns all of this off.
 
 What `prepare` changed stays in this process's environment, which a spawned process inherits: an engine
@@ -45,6 +52,7 @@ TENSOR_PARALLEL_FLAGS = (
     "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
     "--xla_gpu_experimental_enable_nccl_symmetric_buffers=true",
 )
+SINGLE_DEVICE_FLAGS = ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP",)
 COLLECTIVE_MEMORY_MB = "64"  # the symmetric buffers' space per device; decode's all-reduces are KBs
 _ENV_NAMES = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB")
 # Each of _ENV_NAMES as it was before `prepare` first changed it (None: unset); empty until then.
@@ -69,11 +77,10 @@ def gpu_expected() -> bool:
 
 
 def flags_for(parallel: ParallelConfig) -> tuple[str, ...]:
-    """The XLA flags an engine of this layout wants (none for one device, several processes or off GPU)."""
-    if parallel.tensor_parallel == 1 or parallel.num_processes > 1 or os.environ.get("ORCA_JAX_XLA_DEFAULTS") == "0" \
-            or not gpu_expected():
+    """The XLA flags an engine of this layout wants (none for several processes or off GPU)."""
+    if parallel.num_processes > 1 or os.environ.get("ORCA_JAX_XLA_DEFAULTS") == "0" or not gpu_expected():
         return ()
-    return TENSOR_PARALLEL_FLAGS
+    return SINGLE_DEVICE_FLAGS if parallel.tensor_parallel == 1 else TENSOR_PARALLEL_FLAGS
 
 
 def merged(xla_flags: str, wanted: tuple[str, ...]) -> str:
@@ -94,17 +101,25 @@ def prepare(parallel: ParallelConfig) -> bool:
     current = os.environ.get("XLA_FLAGS", "")
     if not wanted:
         return False
+    collectives = parallel.tensor_parallel > 1  # the symmetric buffers' memory space
     if merged(current, wanted) == current.strip():  # all set already (by the user, or an earlier engine)
-        if not backend_started():
+        if collectives and not backend_started():
             _set("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB, only_if_unset=True)
         return True
     if backend_started():
-        log.warning("jax started before the engine: tensor parallelism runs without the XLA options that "
-                    "record its all-reduces into CUDA graphs (set XLA_FLAGS=%r before jax starts)",
-                    " ".join(wanted))
+        if parallel.tensor_parallel > 1:  # a warning here is read past, and the layout then loses its point
+            raise RuntimeError(
+                "jax started before this tensor-parallel engine, so XLA runs without the options that record "
+                f"its all-reduces into CUDA graphs (about 1.4x slower). Build the engine (LLM(...)) before "
+                f"anything touches jax (jax.devices(), an array), or start Python with XLA_FLAGS=\"{' '.join(wanted)}\"; "
+                "ORCA_JAX_XLA_DEFAULTS=0 runs it without them")
+        log.warning("jax started before the engine: decode steps run without XLA's %s (each step's CUDA graph "
+                    "is updated, slower for small models); build the engine before using jax, or set "
+                    "XLA_FLAGS=%r", " ".join(wanted), " ".join(wanted))
         return False
     _set("XLA_FLAGS", merged(current, wanted))
-    _set("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB, only_if_unset=True)
+    if collectives:
+        _set("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", COLLECTIVE_MEMORY_MB, only_if_unset=True)
     return True
 
 

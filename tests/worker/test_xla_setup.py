@@ -18,12 +18,12 @@ def _own_record(monkeypatch):
     monkeypatch.setattr(xla_setup, "_user_values", {})
 
 
-def test_only_tensor_parallelism_on_gpus_in_one_process_gets_options(monkeypatch):
+def test_gpu_layouts_in_one_process_get_options(monkeypatch):
     monkeypatch.setattr(xla_setup, "gpu_expected", lambda: True)
     monkeypatch.delenv("ORCA_JAX_XLA_DEFAULTS", raising=False)
     assert xla_setup.flags_for(TP2) == xla_setup.TENSOR_PARALLEL_FLAGS
-    assert xla_setup.flags_for(ParallelConfig()) == ()  # one device
-    assert xla_setup.flags_for(ParallelConfig(num_stages=2)) == ()
+    assert xla_setup.flags_for(ParallelConfig()) == xla_setup.SINGLE_DEVICE_FLAGS  # fixed temporaries
+    assert xla_setup.flags_for(ParallelConfig(num_stages=2)) == xla_setup.SINGLE_DEVICE_FLAGS
     several = ParallelConfig(tensor_parallel=2, num_processes=2, coordinator_address="127.0.0.1:1")
     assert xla_setup.flags_for(several) == ()
     monkeypatch.setenv("ORCA_JAX_XLA_DEFAULTS", "0")
@@ -59,9 +59,23 @@ def test_prepare_sets_the_environment_before_jax_starts_and_warns_after(monkeypa
     assert xla_setup.prepare(TP2)  # already there: nothing to add
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setattr(xla_setup, "backend_started", lambda: True)
-    with caplog.at_level(logging.WARNING, logger=xla_setup.__name__):
-        assert not xla_setup.prepare(TP2)
-    assert "all-reduces" in caplog.text and os.environ["XLA_FLAGS"] == ""
+    # Too late for a tensor-parallel engine: refused, saying how (a warning is read past).
+    with pytest.raises(RuntimeError, match="before anything touches jax"):
+        xla_setup.prepare(TP2)
+    with caplog.at_level(logging.WARNING, logger=xla_setup.__name__):  # one device: slower, still served
+        assert not xla_setup.prepare(ParallelConfig())
+    assert "SKIP_TEMP" in caplog.text and os.environ["XLA_FLAGS"] == ""
+
+
+def test_one_device_gets_no_collective_memory(monkeypatch):
+    import os
+    monkeypatch.setattr(xla_setup, "gpu_expected", lambda: True)
+    monkeypatch.setattr(xla_setup, "backend_started", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB", raising=False)
+    assert xla_setup.prepare(ParallelConfig())
+    assert os.environ["XLA_FLAGS"].split() == list(xla_setup.SINGLE_DEVICE_FLAGS)
+    assert "XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB" not in os.environ
 
 
 class _Device:

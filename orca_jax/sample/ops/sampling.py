@@ -24,6 +24,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from orca_jax.sample.mode import TOP_K_CANDIDATES, SampleMode
@@ -41,6 +42,22 @@ class SamplingArrays(NamedTuple):
     min_p: jax.Array  # f32[S]; 0 = off
     seed: jax.Array  # u32[S]
     step: jax.Array  # i32[S]: tokens generated so far; folded into the key
+
+
+def pack_sampling_arrays(temperature, top_k, top_p, min_p, seed, step) -> np.ndarray:
+    """The six per-row parameters (host numpy, each [S]) as one i32[6, S] array: one host-to-device
+    copy per step instead of six (each a fresh device buffer that the sampling program's recorded
+    CUDA graph would be updated for)."""
+    f32 = lambda a: np.asarray(a, np.float32).view(np.int32)  # noqa: E731
+    return np.stack([f32(temperature), np.asarray(top_k, np.int32), f32(top_p), f32(min_p),
+                     np.asarray(seed, np.uint32).view(np.int32), np.asarray(step, np.int32)])
+
+
+def unpack_sampling_arrays(packed: jax.Array) -> SamplingArrays:
+    """pack_sampling_arrays's i32[6, S], inside a program -> SamplingArrays."""
+    as_f32 = lambda row: jax.lax.bitcast_convert_type(row, jnp.float32)  # noqa: E731
+    return SamplingArrays(as_f32(packed[0]), packed[1], as_f32(packed[2]), as_f32(packed[3]),
+                          jax.lax.bitcast_convert_type(packed[4], jnp.uint32), packed[5])
 
 
 class SampleResult(NamedTuple):

@@ -70,10 +70,10 @@ lane_c() {
 }
 ( sleep 545; pkill -f "orca_jax.bench" ) &  # every lane stops in time for the results to come back
 watchdog=$!
-lane_a > "$work/lane_a.txt" 2>&1 &
-lane_b > "$work/lane_b.txt" 2>&1 &
-lane_c > "$work/lane_c.txt" 2>&1 &
-wait %2 %3 %4 2>/dev/null; wait $(jobs -p | grep -v "^$watchdog$") 2>/dev/null
+lane_a > "$work/lane_a.txt" 2>&1 & a=$!
+lane_b > "$work/lane_b.txt" 2>&1 & b=$!
+lane_c > "$work/lane_c.txt" 2>&1 & c=$!
+wait $a $b $c
 kill $watchdog 2>/dev/null
 cat "$work"/lane_*.txt
 for f in "$work"/*/*.log; do gzip -f "$f"; done

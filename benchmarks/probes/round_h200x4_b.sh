@@ -38,7 +38,7 @@ long=(--model llama-8b --max-num-batched-tokens 8192 --no-enable-prefix-caching 
     python -m orca_jax.bench sweep --model gpt3-175b -q fp8 -tp 2 --max-num-seqs 128 --max-num-batched-tokens 2048 \
     --no-enable-prefix-caching --compilation-cache-dir /tmp/cc23 --scheduler orca --request-rate 10,12 \
     --min-point-prompts 64 --point-seconds 10 ) &
-( sleep 330; pkill -f orca_jax.bench ) & watchdog=$!
+( sleep 290; pkill -f orca_jax.bench ) & watchdog=$!
 wait %1 %2 %3
 kill $watchdog 2>/dev/null
 for f in "$work"/*.log; do gzip -f "$f"; done

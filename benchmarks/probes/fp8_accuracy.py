@@ -1,7 +1,7 @@
 """Probe: what FP8 costs in accuracy on SmolLM2-135M's real weights (CPU is enough).
 
 Variants, all with bf16 activations: bf16 weights (the baseline), FP8 weights, FP8 weights + FP8 KV
-pages. For each:
+pages; and f32 throughout, to show how far bf16 itself is from full precision. For each:
 - perplexity of a fixed text (benchmarks/probes/data/eval_text.txt) through the paged forward the
   engine serves with, twice: in chunks of 64 tokens (decode-sized batches: FP8 weights read as W8A16)
   and as whole 1,024-token forwards (W8A8: activations quantized per row too); each chunk attends to
@@ -34,7 +34,9 @@ PROMPTS = [
     "Translate 'good morning' into Spanish.", "What is the tallest mountain on Earth?",
     "Why is the sky blue?", "Suggest a name for a pet goldfish.", "What is a prime number?",
 ]
-VARIANTS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8+kv_fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+# f32 weights and activations: how far bf16 itself is from the model's full precision, for scale.
+VARIANTS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8+kv_fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+            "f32": {"dtype": "float32"}}
 
 
 def text_logprobs(runner, token_ids: list[int], chunk: int) -> np.ndarray:
@@ -77,8 +79,8 @@ def main() -> None:
     results, greedy = {}, {}
     for name, options in VARIANTS.items():
         start = time.perf_counter()
-        llm = LLM("smollm2-135m", dtype="bfloat16", precompile=False, max_num_seqs=16, max_num_batched_tokens=1024,
-                  num_kv_pages=256, enable_prefix_caching=False, **options)
+        llm = LLM("smollm2-135m", precompile=False, max_num_seqs=16, max_num_batched_tokens=1024, num_kv_pages=256,
+                  enable_prefix_caching=False, **{"dtype": "bfloat16", **options})
         engine = llm._engine  # noqa: SLF001 - a probe reads the runner
         ids = engine.tokenizer.encode(text)[:1024]
         row = {"text_tokens": len(ids)}

@@ -71,6 +71,20 @@ def test_fine_tune_learns_the_toy_task(loaded, tmp_path):
     assert completions(llm, again)[0] == wanted
 
 
+@pytest.mark.slow  # ~40 s: the FP8 engine's programs and a job
+def test_fine_tune_on_an_fp8_base_learns_the_toy_task(loaded, tmp_path):
+    """Adapters train in f32 over a base whose projections are stored as FP8 (models/fp8.py)."""
+    llm = LLM("tiny", loaded=loaded, enable_fine_tuning=True, fine_tuning_dir=str(tmp_path), max_lora_rank=8,
+              attention_backend="jnp", num_kv_pages=64, page_size=8, max_num_seqs=4, max_num_batched_tokens=16,
+              quantization="fp8", kv_cache_dtype="fp8")
+    lora = llm.fine_tune(RECORDS, hyperparameters=FAST, lora_rank=8, suffix="fp8")
+    [job] = llm.engine.fine_tuning.jobs()
+    curve = losses(llm.engine.fine_tuning, job["id"])
+    assert job["status"] == "succeeded" and curve[-1] < 0.5 * curve[0], curve
+    after, wanted = completions(llm, lora)
+    assert after == wanted
+
+
 def test_bad_dataset_names_the_line(loaded, tmp_path):
     llm = LLM(engine_config=engine_config(str(tmp_path)), loaded=loaded)
     bad = RECORDS[:2] + [{"prompt": "x"}] + RECORDS[2:]

@@ -147,3 +147,46 @@ def test_fp8_kv_pages_hold_twice_the_tokens_and_track_the_model():
     a, b = prompt_logits(bf16.runner, PROMPTS[1]), prompt_logits(fp8_kv.runner, PROMPTS[1])
     assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.05
     assert set(run(fp8_kv)) == {"0", "1", "2"}
+
+
+def test_lora_adapters_on_an_fp8_base_match_the_round_tripped_base():
+    """Adapters stay in the model's dtype; their term is added to the FP8 projection's output."""
+    from orca_jax.config import LoRAConfig
+    from orca_jax.lora import LoRARequest
+    from orca_jax.lora.adapter import random_adapter
+
+    config = dataclasses.replace(CONFIG, dtype="float32")
+    params = decoder.stack_layers(decoder.init_params(config, seed=3))
+    lora = LoRAConfig(max_loras=1, max_lora_rank=8)
+    engines = [tiny_engine("llama", loaded=LoadedModel(config, p, ByteTokenizer()), lora=lora, **q)
+               for p, q in ((params, {"quantization": Quantization.FP8}), (reference_params(params), {}))]
+    request = LoRARequest("a", 1, "(in memory)")
+    outputs = []
+    for engine in engines:
+        engine.add_lora(request, random_adapter(engine.model_config, 4, seed=1, name="a", b_std=0.3))
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(list(prompt), SamplingParams(max_tokens=8, ignore_eos=True), request_id=f"l{i}",
+                               lora_request=request)
+            engine.add_request(list(prompt), SamplingParams(max_tokens=8, ignore_eos=True), request_id=f"b{i}")
+        outputs.append(drain(engine))
+    assert outputs[0] == outputs[1]
+    assert any(outputs[0][f"l{i}"] != outputs[0][f"b{i}"] for i in range(len(PROMPTS)))  # the adapter acts
+
+
+def test_fp8_pages_with_prefix_caching_equal_caching_off():
+    """Shared prefix pages hold e4m3 K/V like any other: caching on gives caching off's tokens."""
+    config = dataclasses.replace(CONFIG, dtype="bfloat16")
+    loaded = LoadedModel(config, decoder.stack_layers(decoder.init_params(config, seed=3)), ByteTokenizer())
+    shared = list(range(20, 60))
+    prompts = [shared + [1, 2], shared + [3], shared + [4, 5, 6]]
+    tokens = []
+    for caching in (True, False):
+        engine = tiny_engine("llama", loaded=loaded, prefix_caching=caching, kv_cache_dtype=KVCacheDtype.FP8,
+                             quantization=Quantization.FP8)
+        out = {}
+        for i, prompt in enumerate(prompts):  # one after another, so later prompts find the pages cached
+            engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), request_id=str(i))
+            out.update(drain(engine))
+        tokens.append(out)
+        assert (engine.stats().prefix_cache_hits > 0) == caching
+    assert tokens[0] == tokens[1]

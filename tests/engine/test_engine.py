@@ -365,3 +365,42 @@ def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():
     assert staged.unsafe_buffer_pointer() == address
     assert unpack_forward_inputs(np.asarray(staged), *bucket)["token_ids"][:len(second)].tolist() == second
     np.testing.assert_array_equal(prompt_logits(runner, first), expected)
+
+
+def test_decode_steps_call_the_forward_with_every_buffer_where_it_was():
+    """From one decode step to the next, every argument and output of the forward program keeps its
+    device address (weights, pages, staged inputs, samples, logits), and the sampling program gets its
+    per-row parameters as one array: on GPU, XLA then replays the forward's recorded CUDA graph as it is
+    (benchmarks/probes/step_buffers.py measures the same on a GPU)."""
+    import jax
+
+    engine = tiny_engine()
+    compilation = engine.runner.compilation
+    original = compilation.executable
+    calls: dict[str, list] = {}
+
+    def addresses(tree):
+        return [x.unsafe_buffer_pointer() if isinstance(x, jax.Array) else "host"
+                for x in jax.tree_util.tree_leaves(tree)]
+
+    def recording(key):
+        executable = original(key)
+
+        def call(*args):
+            before = addresses(args)
+            out = executable(*args)
+            calls.setdefault(type(key).__name__, []).append((before, addresses(out), args))
+            return out
+        return call
+
+    engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3))
+    engine.step()  # the prompt; the first decode steps after it still make their buffers
+    engine.step()
+    compilation.executable = recording  # noqa: a test's seam: what each program is given and gives back
+    for _ in range(6):
+        engine.step()
+    forwards = calls["ForwardKey"]
+    assert len(forwards) == 6
+    assert all(call[:2] == forwards[0][:2] for call in forwards)
+    (sampling,) = {len(call[2][1].shape) for call in calls["SampleKey"]}  # the params argument: i32[6, S]
+    assert sampling == 2 and all(call[2][1].shape[0] == 6 for call in calls["SampleKey"])

@@ -22,6 +22,7 @@ from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.request_stream import RequestStream
+from orca_jax.worker.precompile_progress import PrecompilePhase, PrecompileProgress
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine, EngineStats
@@ -85,10 +86,19 @@ class Readiness:
     ready: bool
     compiled: int = 0  # programs compiled so far
     total: int = 0  # programs to compile (0 until counted)
+    doing: str | None = None  # the precompile's own words: its phase, progress and time left
+
+    def after(self, progress: PrecompileProgress) -> Readiness:
+        """Where start-up stands once `progress` came (the program counts kept through the first runs)."""
+        if progress.phase is PrecompilePhase.COMPILING:
+            return Readiness(False, progress.done, progress.total, progress.describe())
+        return Readiness(False, self.compiled, self.total, progress.describe())
 
     def describe(self) -> str:
         if self.ready:
             return "ready"
+        if self.doing:
+            return self.doing
         if not self.total:
             return "starting the engine"
         return f"compiling programs: {self.compiled} of {self.total} done"
@@ -258,9 +268,9 @@ class AsyncEngine:
     def _compile_everything(self) -> None:
         start = time.monotonic()
 
-        def progress(done: int, total: int, key: tuple, seconds: float) -> None:
-            self.readiness = Readiness(False, done, total)
-            logger.info("compiled %s (%d of %d, %.1fs)", key, done, total, seconds)
+        def progress(event: PrecompileProgress) -> None:
+            self.readiness = self.readiness.after(event)
+            logger.info("%s%s", event.describe(), f" ({event.key})" if event.key is not None else "")
 
         report = self.engine.precompile(progress)
         self.latest_stats = self.engine.stats()  # /metrics shows the programs before any request runs

@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from orca_jax.bench.harness import fit_to_context
+from orca_jax.help_format import DefaultsHelpFormatter
 
 # name -> (module under orca_jax.bench, one line of help); each module has add_arguments(parser) and run(args).
 SUBCOMMANDS = {
@@ -30,22 +31,12 @@ SUBCOMMANDS = {
 }
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """A subcommand's description as written, and each flag's default (a switch's is off; one that is None
-    says its own)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m orca_jax.bench", description=__doc__)
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(f"orca_jax.bench.{module_name}")
-        child = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=HelpFormatter)
+        child = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=DefaultsHelpFormatter)
         module.add_arguments(child)
         child.set_defaults(handler=module.run)
     return parser

@@ -30,7 +30,7 @@ class StartupBar:
         self._phase: PrecompilePhase | None = None
 
     def __call__(self, progress: PrecompileProgress) -> None:
-        self._bar.set_postfix_str(progress.time_left, refresh=False)
+        self._bar.set_postfix_str(progress.note, refresh=False)
         if progress.phase is not self._phase:
             self._phase = progress.phase
             self._bar.bar_format = _COUNTING

@@ -8,7 +8,7 @@ program is compiled, and checks that serving compiled nothing more. --compare-in
 same requests through the same engine in this process (after the server has exited, so each has the
 GPU to itself), twice, and reports the last HTTP run's output tokens/s over the last in-process run's.
 
-The README's HTTP replay (the ORCA trace, twice through the server, against in-process):
+docs/benchmarks.md's HTTP replay (the ORCA trace, twice through the server, against in-process):
   python -m orca_jax.bench serve --model llama-8b --launch --compare-in-process --num-runs 2 \
       --ignore-eos --result-dir DIR
 """

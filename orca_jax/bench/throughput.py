@@ -14,7 +14,7 @@ before anything compiles (one line names the flags shortened).
 
 On a CPU, in a few minutes (tiny-llama: random weights, a 512-token context):
   python -m orca_jax.bench throughput --model tiny-llama
-The ORCA trace on llama-8b (the README's numbers):
+The ORCA trace on llama-8b (docs/benchmarks.md's numbers):
   python -m orca_jax.bench throughput --model llama-8b --dataset-name uniform,homogeneous \\
       --async-scheduling on,off --result-dir DIR
 """

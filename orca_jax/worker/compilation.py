@@ -285,7 +285,8 @@ class CompilationManager:
         todo = [key for key in dict.fromkeys(keys) if key not in self._executables]
         start = time.perf_counter()
         seconds_by_key = {}
-        estimate = PhaseEstimate(sum(compile_weight(key) for key in todo))
+        workers = threads or max(1, min(len(todo), usable_cores()))
+        estimate = PhaseEstimate(sum(compile_weight(key) for key in todo), workers)
         if progress is not None:
             progress(PrecompileProgress(PrecompilePhase.COMPILING, 0, len(todo), 0.0))
 
@@ -295,17 +296,15 @@ class CompilationManager:
             seconds_by_key[key] = time.perf_counter() - began
             return compiled
 
-        workers = threads or max(1, min(len(todo), usable_cores()))
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = {pool.submit(timed, key): key for key in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 key = futures[future]
                 self._executables[key] = future.result()
-                estimate.step_done(compile_weight(key))
+                estimate.step_done(compile_weight(key), seconds_by_key[key])
                 if progress is not None:
-                    seconds = time.perf_counter() - start
-                    progress(PrecompileProgress(PrecompilePhase.COMPILING, done, len(todo), seconds, key,
-                                                estimate.eta_seconds(seconds)))
+                    progress(PrecompileProgress(PrecompilePhase.COMPILING, done, len(todo),
+                                                time.perf_counter() - start, key, estimate.eta_seconds()))
         return todo, time.perf_counter() - start, seconds_by_key
 
     def executable(self, key: ProgramKey) -> jax.stages.Compiled:

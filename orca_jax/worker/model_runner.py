@@ -35,7 +35,7 @@ from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshe
 from orca_jax.worker import multihost
 from orca_jax.worker.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PrecompileReport,
                                          ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey, StageInKey)
-from orca_jax.worker.precompile_progress import PhaseEstimate, PrecompilePhase, PrecompileProgress
+from orca_jax.worker.precompile_progress import PrecompilePhase, PrecompileProgress
 from orca_jax.worker.executable_cache import ExecutableCache
 from orca_jax.worker.input_batch import RaggedBatch, empty_batch, pack_forward_inputs
 from orca_jax.worker.kv_pool import num_pages_for, pages_for_budget
@@ -313,20 +313,17 @@ class ModelRunner:
         start = time.perf_counter()
         variants = sorted({(key.bucket, key.lora) for key in compiled
                            if isinstance(key, ForwardKey) and key.lent == self.pool_lent})
-        estimate = PhaseEstimate(len(variants))
 
-        def report(done: int) -> None:
+        def report(started: int) -> None:  # no estimate: a run's dispatch returns before its work is done
             if progress is not None and variants:
-                seconds = time.perf_counter() - start
-                progress(PrecompileProgress(PrecompilePhase.FIRST_RUNS, done, len(variants), seconds,
-                                            eta_seconds=estimate.eta_seconds(seconds)))
+                progress(PrecompileProgress(PrecompilePhase.FIRST_RUNS, started, len(variants),
+                                            time.perf_counter() - start))
 
         outs = []
-        for done, (bucket, lora) in enumerate(variants):
-            report(done)
+        for started, (bucket, lora) in enumerate(variants):
+            report(started)
             outs.append(self._forward(empty_batch(*bucket, lora=lora)))
             self.release_logits(outs[-1])  # the next warm run writes the same buffer
-            estimate.step_done(1.0)
         report(len(variants))
         jax.block_until_ready([out for out in outs if not out.is_deleted()] + [stage.kv for stage in self.stages])
 

@@ -10,7 +10,9 @@ a copy (0.05 s), a forward or sampling program takes seconds. Measured with Smol
 CPU (51 programs): a forward about 10 s on its thread, a sampling program 5-10 s, a stage-in under
 0.1 s; the programs compile in the order the runner lists them, so a count-based estimate taken after
 the first stage-ins said seconds where minutes were left. Nothing is estimated until a program of full
-weight is done.
+weight is done. The first runs are counted as they start, without an estimate: each is dispatched
+before the last is done (the device runs one while the host loads the next), so on a CPU they all
+start within a second and the work shows up in the wait that follows (12 s for SmolLM2's 9).
 """
 
 from __future__ import annotations
@@ -32,25 +34,29 @@ class PrecompileProgress:
     """Where a precompile stands: sent once as each phase begins (done 0), then after each step."""
 
     phase: PrecompilePhase
-    done: int  # programs compiled, or first runs made, so far
+    done: int  # programs compiled, or first runs started, so far
     total: int  # programs to compile, or first runs to make
     seconds: float  # since this phase began
     key: Hashable | None = None  # the ProgramKey just compiled (COMPILING)
-    eta_seconds: float | None = None  # this phase's time still to go, estimated; None: too early to say
+    eta_seconds: float | None = None  # this phase's time still to go, estimated; None: no estimate
 
     @property
-    def time_left(self) -> str:
-        """'about 3 min left', or '' while there is no estimate (and once the phase is done)."""
+    def note(self) -> str:
+        """What else there is to say: the time left ('about 3 min left'), or that the first runs, all started
+        (asynchronously: the device runs one while the host loads the next), are being waited for."""
+        if self.phase is PrecompilePhase.FIRST_RUNS:
+            return "waiting for them to finish" if self.done >= self.total else ""
         if self.eta_seconds is None or self.done >= self.total:
             return ""
         return f"about {format_seconds(self.eta_seconds)} left"
 
     def describe(self) -> str:
         """One line for a log or /health: 'compiling programs: 12 of 51 done, about 3 min left'."""
-        text = f"{self.phase.value}: {self.done} of {self.total} done"
+        verb = "started" if self.phase is PrecompilePhase.FIRST_RUNS else "done"
+        text = f"{self.phase.value}: {self.done} of {self.total} {verb}"
         if self.done == 0 and self.phase is PrecompilePhase.COMPILING:
             text += ", the time left is estimated once the first programs are done"
-        return text + (f", {self.time_left}" if self.time_left else "")
+        return text + (f", {self.note}" if self.note else "")
 
 
 # progress(event): called as each phase begins and after each of its steps.
@@ -66,19 +72,26 @@ def format_seconds(seconds: float) -> str:
 
 
 class PhaseEstimate:
-    """The time a phase has left, from the weight of its steps done and to do."""
+    """The time a phase has left: the weight still to do, at the seconds per unit of weight its steps took on
+    their threads so far, shared by its worker threads. Wall time alone misleads while threads overlap: when
+    the first of two forwards compiling side by side is done, the second is nearly done too."""
 
     FULL_WEIGHT = 1.0  # a step at least this heavy must be done before anything is estimated
 
-    def __init__(self, total_weight: float):
+    def __init__(self, total_weight: float, workers: int = 1):
         self.total_weight = total_weight
+        self.workers = max(1, workers)
         self.done_weight = 0.0
+        self.busy_seconds = 0.0  # the done steps' own seconds, summed over threads
 
-    def step_done(self, weight: float) -> None:
+    def step_done(self, weight: float, seconds: float) -> None:
+        """A step of `weight` that took `seconds` on its thread is done."""
         self.done_weight += weight
+        self.busy_seconds += seconds
 
-    def eta_seconds(self, seconds: float) -> float | None:
-        """Seconds left after `seconds` spent, at the rate of the weight done so far."""
+    def eta_seconds(self) -> float | None:
+        """Seconds left; None until a step of full weight is done."""
         if self.done_weight < self.FULL_WEIGHT:
             return None
-        return seconds / self.done_weight * max(self.total_weight - self.done_weight, 0.0)
+        remaining = max(self.total_weight - self.done_weight, 0.0)
+        return remaining * self.busy_seconds / self.done_weight / self.workers

@@ -217,7 +217,7 @@ def test_report_reads_every_committed_results_dir(device, tmp_path):
     summary = (tmp_path / device / "summary.md").read_text()
     names = [n for n in os.listdir(tmp_path / device) if n.endswith(".json")]
     assert names and all(f"({name})" in summary for name in names) and "Not results" not in summary
-    if device == "h100":  # the README's figures
+    if device == "h100":  # docs/benchmarks.md's figures
         assert "| llama-8b | NVIDIA H100 80GB HBM3 | 5,594 | 0.664 | 605 | 9.24 | 0.915 | 5.96 | 5.52 |" in summary
 
 

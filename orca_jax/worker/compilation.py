@@ -296,7 +296,8 @@ class CompilationManager:
             seconds_by_key[key] = time.perf_counter() - began
             return compiled
 
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(workers)
+        try:
             futures = {pool.submit(timed, key): key for key in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 key = futures[future]
@@ -305,6 +306,10 @@ class CompilationManager:
                 if progress is not None:
                     progress(PrecompileProgress(PrecompilePhase.COMPILING, done, len(todo),
                                                 time.perf_counter() - start, key, estimate.eta_seconds()))
+        except BaseException:  # cancelled, Ctrl-C, a failed compile: what has not begun is not begun
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         return todo, time.perf_counter() - start, seconds_by_key
 
     def executable(self, key: ProgramKey) -> jax.stages.Compiled:

@@ -59,8 +59,14 @@ class PrecompileProgress:
         return text + (f", {self.note}" if self.note else "")
 
 
-# progress(event): called as each phase begins and after each of its steps.
+# progress(event): called as each phase begins and after each of its steps; it may raise
+# PrecompileCancelled to stop the precompile there.
 ProgressFn = Callable[[PrecompileProgress], None]
+
+
+class PrecompileCancelled(Exception):
+    """Raised by a ProgressFn to stop a precompile (a server told to shut down while it compiles): the
+    programs being compiled finish, those not begun are dropped, and it propagates to the caller."""
 
 
 def format_seconds(seconds: float) -> str:

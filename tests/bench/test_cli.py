@@ -82,7 +82,7 @@ def test_latencys_one_shape_is_fitted_to_the_context(capsys):
 @pytest.mark.slow
 def test_throughput_with_its_default_flags_runs_on_tiny_llama(tmp_path):
     """`bench throughput --model tiny-llama` as the README gives it: the default dataset (512 requests),
-    the CPU's default batch shape, two runs; about 4 minutes on 2 busy cores, compiling included."""
+    the CPU's default batch shape, two runs; 4-8 minutes on 2 busy cores, compiling included."""
     proc = _bench_in_child(["throughput", "--model", "tiny-llama", "--result-dir", str(tmp_path)],
                            env=checkout_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache")))
     assert "of the bound:" in proc.stdout

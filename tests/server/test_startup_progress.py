@@ -55,3 +55,31 @@ async def test_health_names_the_first_runs_and_the_log_the_time_left(caplog):
     assert lines[0].startswith("compiling programs: 0 of 3 done, the time left is estimated")
     assert "compiling programs: 2 of 3 done, about 10 s left (('forward', 2))" in lines
     assert any(line.startswith("ready: 3 programs compiled") for line in lines)
+
+
+class StopsMidway(FakeEngine):
+    """Reports "programs" until the precompile is cancelled; `first_done` is set after the first."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first_done, self.go_on, self.reported = threading.Event(), threading.Event(), 0
+
+    def precompile(self, progress=None):
+        for done in range(1, 101):
+            progress(PrecompileProgress(PrecompilePhase.COMPILING, done, 100, float(done)))
+            self.reported = done
+            self.first_done.set()
+            self.go_on.wait(10)
+        return PrecompileReport(100, 100.0, 0.0)
+
+
+def test_a_shutdown_while_compiling_stops_after_the_program_in_hand():
+    engine = StopsMidway()
+    async_engine = AsyncEngine(engine, precompile=True)
+    async_engine.start()
+    assert engine.first_done.wait(10)
+    async_engine.begin_shutdown()
+    engine.go_on.set()
+    async_engine.shutdown(timeout=10)
+    assert not async_engine.is_running and async_engine.error is None
+    assert engine.reported == 1 and not async_engine.readiness.ready

@@ -57,3 +57,22 @@ def test_llm_shows_its_start_on_a_progress_bar(capsys):
     assert "loading tiny-llama" in shown and "compiling programs" in shown and "first runs" in shown
     LLM("tiny-llama", max_num_seqs=2, max_num_batched_tokens=8, page_size=4, num_kv_pages=16, use_tqdm=False)
     assert capsys.readouterr().err == ""
+
+
+def test_a_progress_that_raises_cancelled_stops_the_precompile_after_that_program():
+    """What a server told to stop while compiling does: the programs not begun are dropped (Ctrl-C during a
+    four-minute start once waited for all of them)."""
+    import pytest
+
+    from orca_jax.worker.precompile_progress import PrecompileCancelled
+
+    engine = tiny_engine(**SMALL)
+    keys = engine.program_keys()
+
+    def stop_after_the_first(event: PrecompileProgress) -> None:
+        if event.done == 1:
+            raise PrecompileCancelled
+
+    with pytest.raises(PrecompileCancelled):
+        engine.runner.compilation.precompile(keys, stop_after_the_first)
+    assert engine.runner.compilation.num_compiled_programs == 1 < len(keys)

@@ -29,6 +29,8 @@ from typing import Any
 import httpx
 import tqdm
 
+from orca_jax.help_format import DefaultsHelpFormatter
+
 CHAT_PRIORITY = 10
 BATCH_PRIORITY = 0
 MAX_RETRIES_WHEN_BUSY = 5
@@ -303,26 +305,28 @@ def _seconds(value: float | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m orca_jax.client", description=__doc__.splitlines()[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    defaults = DefaultsHelpFormatter  # --help shows the URL it will call, and the rest
+    p = argparse.ArgumentParser(prog="python -m orca_jax.client", description=__doc__.splitlines()[0],
+                                formatter_class=defaults)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (`make serve`'s)")
     p.add_argument("--api-key", default=None, help="bearer key (or $ORCA_API_KEY)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     modes = p.add_subparsers(dest="mode", required=True)
-    chat = modes.add_parser("chat", help="interactive streamed chat")
-    chat.add_argument("--priority", type=int, default=CHAT_PRIORITY)
+    chat = modes.add_parser("chat", help="interactive streamed chat", formatter_class=defaults)
+    chat.add_argument("--priority", type=int, default=CHAT_PRIORITY, help="higher runs first")
     chat.add_argument("--system", default=None, help="system prompt")
-    batch = modes.add_parser("batch", help="send a file of prompts concurrently")
+    batch = modes.add_parser("batch", help="send a file of prompts concurrently", formatter_class=defaults)
     batch.add_argument("file", help="one prompt per line, or JSONL request bodies")
-    batch.add_argument("--priority", type=int, default=BATCH_PRIORITY)
+    batch.add_argument("--priority", type=int, default=BATCH_PRIORITY, help="higher runs first")
     batch.add_argument("--jsonl", action="store_true", help="print results as JSON lines")
     batch.add_argument("-o", "--output", default=None, help="also write every result to this JSONL file")
     batch.add_argument("--concurrency", type=int, default=0, help="requests at once (0: all)")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     for mode in (chat, batch):
         # Sent with every request: a server's own default may be the whole context.
-        mode.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-        mode.add_argument("--temperature", type=float, default=0.0)
+        mode.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens per reply at most")
+        mode.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     return p
 
 

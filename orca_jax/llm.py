@@ -7,10 +7,9 @@ import time
 import weakref
 from typing import Iterator, Sequence
 
-from tqdm.auto import tqdm
-
-from orca_jax.config import (KVCacheDtype, Quantization, AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation,
-                             LoRAConfig, ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
+from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, FineTuningConfig, KVAllocation, KVCacheDtype,
+                             LoRAConfig, ParallelConfig, Quantization, SamplingConfig, SchedulerConfig,
+                             SchedulingPolicy)
 from orca_jax.engine import Engine, EngineStats
 from orca_jax.engine.defaults import UsageContext, batch_defaults
 from orca_jax.engine.replicas import EngineReplicas, replica_builds
@@ -20,6 +19,7 @@ from orca_jax.lora.request import LoRARequest
 from orca_jax.models.loader import LoadedModel, load_model, read_model_config
 from orca_jax.worker import xla_setup
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
+from orca_jax.progress import StartupBar, tqdm
 from orca_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -78,6 +78,8 @@ class LLM:
     in this process (`engine`, fine-tuning, `loaded=`) is refused. shutdown() stops the replicas. The
     replicas are spawned processes, which import the caller's main module: a script builds its LLM under
     `if __name__ == "__main__":`.
+    use_tqdm shows the start on a progress bar: loading, compiling (with an estimate of the time left:
+    minutes on a small CPU), first runs.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, max_num_seqs: int | None = None,
@@ -91,7 +93,8 @@ class LLM:
                  fine_tuning_dir: str | None = None, enable_prompt_logprobs: bool = False,
                  max_logprobs: int | None = None, precompile: bool = True, data_parallel_size: int = 1,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+                 engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 use_tqdm: bool = True):
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
         if data_parallel_size > 1 and loaded is not None:
@@ -100,36 +103,41 @@ class LLM:
         if data_parallel_size == 1:  # before anything starts jax (each replica's engine does it in its process)
             xla_setup.prepare(engine_config.parallel if engine_config is not None else
                               ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size))
-        if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
-            # The defaults depend on the model's size; replicas load the weights in their own processes.
+        bar = StartupBar(engine_config.model if engine_config is not None else model,
+                         enabled=use_tqdm and data_parallel_size == 1)
+        try:  # the bar shows loading, then the engine's precompile
+            if engine_config is None and (max_num_seqs is None or max_num_batched_tokens is None):
+                # The defaults depend on the model's size; replicas load the weights in their own processes.
+                if data_parallel_size == 1:
+                    loaded = loaded or load_model(model, dtype=dtype)
+                num_params = read_model_config(model).num_params if loaded is None else loaded.config.num_params
+                defaults = batch_defaults(UsageContext.OFFLINE, num_params)  # engine/defaults.py
+                max_num_seqs = max_num_seqs or defaults.max_num_seqs
+                max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
+            config = engine_config or EngineConfig(
+                model=model,
+                cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib,
+                                  enable_prefix_caching=enable_prefix_caching),
+                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                          max_num_batched_tokens=max_num_batched_tokens,
+                                          policy=SchedulingPolicy(scheduling_policy),
+                                          kv_allocation=KVAllocation(kv_allocation)),
+                parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
+                attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
+                quantization=None if quantization is None else Quantization(quantization),
+                kv_cache_dtype=KVCacheDtype(kv_cache_dtype), seed=seed, sampling=SamplingConfig(enable_prompt_logprobs=enable_prompt_logprobs,
+                                                   **({} if max_logprobs is None else {"max_logprobs": max_logprobs})),
+                lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or enable_fine_tuning else None,
+                fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None,
+                precompile=precompile)
+            self.data_parallel_size = data_parallel_size
             if data_parallel_size == 1:
-                loaded = loaded or load_model(model, dtype=dtype)
-            num_params = read_model_config(model).num_params if loaded is None else loaded.config.num_params
-            defaults = batch_defaults(UsageContext.OFFLINE, num_params)  # engine/defaults.py
-            max_num_seqs = max_num_seqs or defaults.max_num_seqs
-            max_num_batched_tokens = max_num_batched_tokens or defaults.max_num_batched_tokens
-        config = engine_config or EngineConfig(
-            model=model,
-            cache=CacheConfig(page_size=page_size, num_pages=num_kv_pages, kv_memory_gib=kv_cache_memory_gib,
-                              enable_prefix_caching=enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      policy=SchedulingPolicy(scheduling_policy),
-                                      kv_allocation=KVAllocation(kv_allocation)),
-            parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
-            attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
-            quantization=None if quantization is None else Quantization(quantization),
-            kv_cache_dtype=KVCacheDtype(kv_cache_dtype), seed=seed, sampling=SamplingConfig(enable_prompt_logprobs=enable_prompt_logprobs,
-                                               **({} if max_logprobs is None else {"max_logprobs": max_logprobs})),
-            lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or enable_fine_tuning else None,
-            fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None,
-            precompile=precompile)
-        self.data_parallel_size = data_parallel_size
-        if data_parallel_size == 1:
-            self._engine: Engine | EngineReplicas = Engine(config, loaded)
-        else:
-            self._engine = EngineReplicas(replica_builds(config, data_parallel_size))
-            self._stop_replicas = weakref.finalize(self, self._engine.shutdown)  # once: here, at exit or when collected
+                self._engine: Engine | EngineReplicas = Engine(config, loaded, precompile_progress=bar)
+            else:
+                self._engine = EngineReplicas(replica_builds(config, data_parallel_size))
+                self._stop_replicas = weakref.finalize(self, self._engine.shutdown)  # once: here, at exit or when collected
+        finally:
+            bar.close()
         self.tokenizer = self._engine.tokenizer
 
     @property

@@ -7,6 +7,9 @@ import importlib
 import shlex
 import sys
 
+from orca_jax.bench.harness import fit_to_context
+from orca_jax.help_format import DefaultsHelpFormatter
+
 # name -> (module under orca_jax.bench, one line of help); each module has add_arguments(parser) and run(args).
 SUBCOMMANDS = {
     "throughput": ("throughput", "offline tokens/s over datasets and scheduling choices, against the roofline"),
@@ -33,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         module = importlib.import_module(f"orca_jax.bench.{module_name}")
-        child = sub.add_parser(name, help=help_text, description=module.__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        child = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=DefaultsHelpFormatter)
         module.add_arguments(child)
         child.set_defaults(handler=module.run)
     return parser
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None):
         from orca_jax.worker import xla_setup
         xla_setup.prepare(ParallelConfig(tensor_parallel=args.tensor_parallel_size,
                                          num_stages=getattr(args, "pipeline_parallel_size", 1)))
+    fit_to_context(args)  # before anything compiles: a request that cannot fit would end the run after it
     return args.handler(args)
 
 

@@ -58,6 +58,47 @@ class LengthSpec:
         if min(self.homogeneous) <= 0:
             raise ValueError(f"LengthSpec.homogeneous lengths must be positive, got {self.homogeneous}")
 
+    def fit(self, context_len: int) -> tuple[LengthSpec, dict[DatasetName, str]]:
+        """These lengths with every request's prompt + output within `context_len` tokens, and what was
+        shortened, per dataset, in words naming its flags (_fit_ranges says how)."""
+        if context_len < 2:
+            raise ValueError(f"a context of {context_len} tokens holds no request")
+        prompt, gen = _fit_ranges(self.prompt_range, self.gen_range, context_len)
+        clips = _fit_ranges(self.sharegpt_prompt_clip, self.sharegpt_gen_clip, context_len)
+        (_, same_prompt), (_, same_gen) = _fit_ranges(*((n, n) for n in self.homogeneous), context_len)
+        fitted = dataclasses.replace(self, prompt_range=prompt, gen_range=gen, sharegpt_prompt_clip=clips[0],
+                                     sharegpt_gen_clip=clips[1], homogeneous=(same_prompt, same_gen))
+        notes = {}
+        if (prompt, gen) != (self.prompt_range, self.gen_range):
+            notes[DatasetName.UNIFORM] = (
+                f"--uniform-input-range {_span(self.prompt_range)} --uniform-output-range {_span(self.gen_range)} "
+                f"shortened to {_span(prompt)} and {_span(gen)}")
+        if fitted.homogeneous != self.homogeneous:
+            notes[DatasetName.HOMOGENEOUS] = (
+                f"--random-input-len {self.homogeneous[0]} --random-output-len {self.homogeneous[1]} shortened to "
+                f"{fitted.homogeneous[0]} and {fitted.homogeneous[1]}")
+        if clips != (self.sharegpt_prompt_clip, self.sharegpt_gen_clip):
+            notes[DatasetName.SHAREGPT_LIKE] = (f"sharegpt-like lengths clipped to prompts {_span(clips[0])} and "
+                                                f"outputs {_span(clips[1])}")
+        return fitted, notes
+
+
+def _fit_ranges(prompt: tuple[int, int], gen: tuple[int, int], context_len: int
+                ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(prompt, output) length ranges whose largest request fits context_len: the prompts' top comes
+    down first, to what the outputs leave but no lower than half the context; then the outputs' top, to
+    what the prompts leave."""
+    (p_lo, p_hi), (g_lo, g_hi) = prompt, gen
+    if p_hi + g_hi <= context_len:
+        return prompt, gen
+    p_hi = min(max(context_len - g_hi, min(p_hi, context_len // 2)), context_len - 1)
+    g_hi = min(g_hi, context_len - p_hi)
+    return (min(p_lo, p_hi), p_hi), (min(g_lo, g_hi), g_hi)
+
+
+def _span(bounds: tuple[int, int]) -> str:
+    return f"{bounds[0]}:{bounds[1]}"
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TraceRequest:
@@ -205,8 +246,8 @@ class DatasetSpec:
         return make_trace(self.name, self.num_prompts, self.request_rate, self.seed, self.lengths, self.burstiness)
 
 
-def int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
+def int_list(text: str | int) -> list[int]:
+    return [int(x) for x in str(text).split(",")]
 
 
 def float_list(text: str) -> list[float]:
@@ -226,8 +267,8 @@ def add_dataset_arguments(parser: argparse.ArgumentParser, *, num_prompts: int =
     choices = ", ".join(n.value for n in names)
     group.add_argument("--dataset-name", default=DatasetName.UNIFORM.value,
                        help=f"{choices}{' (a comma list runs each)' if lists else ''}")
-    group.add_argument("--num-prompts", type=int, default=num_prompts)
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--num-prompts", type=int, default=num_prompts, help="requests in the dataset")
+    group.add_argument("--seed", type=int, default=0, help="the dataset's lengths, prompts and arrivals")
     group.add_argument("--uniform-input-range", type=_range, default=LengthSpec().prompt_range, metavar="LO:HI",
                        help="uniform: prompt lengths, inclusive")
     group.add_argument("--uniform-output-range", type=_range, default=LengthSpec().gen_range, metavar="LO:HI",
@@ -244,9 +285,16 @@ def add_dataset_arguments(parser: argparse.ArgumentParser, *, num_prompts: int =
                            help="tcb: proportional or uniform (list)")
 
 
-def lengths_from_args(args: argparse.Namespace) -> LengthSpec:
+def requested_lengths(args: argparse.Namespace) -> LengthSpec:
+    """The lengths the flags ask for."""
     return LengthSpec(prompt_range=tuple(args.uniform_input_range), gen_range=tuple(args.uniform_output_range),
                       homogeneous=(args.random_input_len, args.random_output_len))
+
+
+def lengths_from_args(args: argparse.Namespace) -> LengthSpec:
+    """The lengths the flags ask for, fitted to args.context_len where the bench set it (harness.fit_to_context)."""
+    context_len = getattr(args, "context_len", None)
+    return requested_lengths(args) if context_len is None else requested_lengths(args).fit(context_len)[0]
 
 
 def datasets_from_args(args: argparse.Namespace, request_rate: float | None = None,

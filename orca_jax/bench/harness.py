@@ -25,8 +25,10 @@ import numpy as np
 
 from orca_jax.config import (KVCacheDtype, Quantization, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
                              SchedulerConfig, SchedulingPolicy)
+from orca_jax.bench.datasets import int_list, requested_lengths
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request
+from orca_jax.engine.defaults import UsageContext
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.executable_cache import source_digest
 from orca_jax.worker.input_batch import BucketPolicy
@@ -131,13 +133,16 @@ def _on_off_list(text: str) -> list[bool]:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama-8b",
                          lists: bool = False) -> None:
-    """The engine's flags, named as `python -m orca_jax.serve`'s; defaults are the README's engine shape
-    (128 sequences, 2048 tokens per iteration), bf16 random weights, and the library's scheduling
-    (fcfs, ORCA's reservation). With lists, --max-num-seqs, --max-in-flight, --scheduling-policy and
-    --async-scheduling take comma lists (every combination runs on one engine built for the largest)."""
+    """The engine's flags, named as `python -m orca_jax.serve`'s; defaults are the device's and model's
+    batch shape (engine/defaults.py, as `LLM` takes it: 64 sequences and 512 tokens per iteration on a
+    CPU), bf16 random weights, and the library's scheduling (fcfs, ORCA's reservation). With lists,
+    --max-num-seqs, --max-in-flight, --scheduling-policy and --async-scheduling take comma lists (every
+    combination runs on one engine built for the largest)."""
+    from orca_jax.models.presets import describe_presets
+
     many = " (a comma list runs each)" if lists else ""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=model, help="preset name or model path")
+    group.add_argument("--model", default=model, help=f"a preset ({describe_presets()}) or a model path")
     group.add_argument("--load-format", choices=["dummy", "auto"], default="dummy",
                        help="dummy: random weights of the model's shapes, bf16 unless --dtype (vLLM's name); "
                        "auto: the model's own weights where it has them")
@@ -145,26 +150,31 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
                        help="default: bfloat16 with dummy weights, else the model's")
     group.add_argument("--quantization", "-q", choices=[q.value for q in Quantization], default=None,
                        help="fp8: e4m3 projection weights (models/fp8.py)")
-    group.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto")
-    group.add_argument("--max-num-seqs", type=str if lists else int, default="128" if lists else 128,
-                       help="requests per iteration" + many)
-    group.add_argument("--max-num-batched-tokens", type=str if lists else int, default="2048" if lists else 2048,
-                       help="tokens per iteration" + (" (a comma list builds an engine for each)" if lists else ""))
-    group.add_argument("--max-waiting", type=int, default=4096)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--page-size", type=int, default=16)
+    group.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto",
+                       help="fp8: e4m3 KV pages")
+    shape = " (default: the device's and model's, engine/defaults.py: {} on a CPU, {} on a GPU)"
+    group.add_argument("--max-num-seqs", type=str if lists else int, default=None,
+                       help="requests per iteration" + many + shape.format(64, "128-256"))
+    group.add_argument("--max-num-batched-tokens", type=str if lists else int, default=None,
+                       help="tokens per iteration" + (" (a comma list builds an engine for each)" if lists else "")
+                       + shape.format(512, "2048-8192"))
+    group.add_argument("--max-waiting", type=int, default=4096, help="requests queued at most")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context in tokens (default: the model's); the dataset's lengths are fitted to it")
+    group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     group.add_argument("--num-kv-pages", type=int, default=None, help="KV pool in pages")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="requests sharing a prefix share its KV pages (each trace run starts with none cached)")
     group.add_argument("--kv-cache-memory-gib", type=float, default=None,
                        help="KV pool in GiB (default: the runner's share of free memory)")
     group.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
-                       default=AttentionBackend.AUTO.value)
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+                       default=AttentionBackend.AUTO.value, help="the ragged attention's implementation")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices each layer is split over")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
     group.add_argument("--scheduling-policy", default=SchedulingPolicy.FCFS.value,
                        help=", ".join(p.value for p in SchedulingPolicy) + many)
-    group.add_argument("--kv-allocation", choices=[k.value for k in KVAllocation], default=KVAllocation.RESERVE.value)
+    group.add_argument("--kv-allocation", choices=[k.value for k in KVAllocation], default=KVAllocation.RESERVE.value,
+                       help="reserve: ORCA's, a request's whole KV when it starts; on_demand: as it grows")
     group.add_argument("--async-scheduling", type=_on_off_list, default=[True],
                        help="plan iteration k+1 while k runs: on, off" + (" or on,off" if lists else ""))
     if lists:
@@ -174,12 +184,66 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
     group.add_argument("--engine-seed", type=int, default=0, help="random weights' and sampling's seed")
 
 
+def context_len(args: argparse.Namespace) -> int | None:
+    """The context a request must fit: --max-model-len, else the model's own (None: a model we cannot read,
+    such as another server's)."""
+    if getattr(args, "max_model_len", None):
+        return args.max_model_len
+    from orca_jax.models.presets import PRESETS
+
+    if args.model in PRESETS:
+        return PRESETS[args.model].max_seq_len
+    if os.path.exists(args.model):
+        from orca_jax.models.loader import read_model_config
+
+        return read_model_config(args.model).max_seq_len
+    return None
+
+
+def fit_to_context(args: argparse.Namespace) -> None:
+    """Before anything compiles: the requests the flags ask for, fitted to the model's context (a request
+    that does not fit would end the run after the compiling); one line per change, naming the flags.
+    Sets args.context_len, which lengths_from_args reads."""
+    if not hasattr(args, "model") or (limit := context_len(args)) is None:
+        return
+    args.context_len = limit
+    notes = []
+    if hasattr(args, "uniform_input_range"):
+        _, changed = requested_lengths(args).fit(limit)
+        named = {name.strip() for name in str(getattr(args, "dataset_name", "")).split(",")}
+        notes += [note for dataset, note in changed.items() if dataset.value in named]
+    if hasattr(args, "input_len") and args.input_len + args.output_len > limit:  # bench latency's one shape
+        before = (args.input_len, args.output_len)
+        args.input_len = min(max(limit - args.output_len, limit // 2), limit - 1)
+        args.output_len = min(args.output_len, limit - args.input_len)
+        notes.append(f"--input-len {before[0]} --output-len {before[1]} shortened to {args.input_len} and "
+                     f"{args.output_len}")
+    for note in notes:
+        print(f"bench: {args.model}'s context is {limit} tokens (--max-model-len): {note}", file=sys.stderr,
+              flush=True)
+
+
+def fill_batch_defaults(args: argparse.Namespace, usage: UsageContext = UsageContext.OFFLINE) -> None:
+    """--max-num-seqs and --max-num-batched-tokens left open: the device's and the model's defaults, as
+    LLM (offline) or the server (usage SERVER) would take them. Starts jax."""
+    if args.max_num_seqs is not None and args.max_num_batched_tokens is not None:
+        return
+    from orca_jax.engine.defaults import batch_defaults
+    from orca_jax.models.loader import read_model_config
+
+    defaults = batch_defaults(usage, read_model_config(args.model).num_params)
+    args.max_num_seqs = args.max_num_seqs or defaults.max_num_seqs
+    args.max_num_batched_tokens = args.max_num_batched_tokens or defaults.max_num_batched_tokens
+    print(f"bench: --max-num-seqs {args.max_num_seqs} --max-num-batched-tokens {args.max_num_batched_tokens} "
+          f"(the device's defaults where not given, engine/defaults.py)", file=sys.stderr, flush=True)
+
+
 def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None,
                   max_num_batched_tokens: int | None = None, **overrides) -> EngineConfig:
     """The EngineConfig the flags describe; max_num_seqs: the largest a later run asks for;
-    max_num_batched_tokens: this engine's of a list of budgets."""
-    seqs = max_num_seqs or (args.max_num_seqs if isinstance(args.max_num_seqs, int)
-                            else max(int(x) for x in args.max_num_seqs.split(",")))
+    max_num_batched_tokens: this engine's of a list of budgets. Open batch flags take the device's defaults."""
+    fill_batch_defaults(args)
+    seqs = max_num_seqs or max(int_list(args.max_num_seqs))
     cache_dir = args.compilation_cache_dir
     return EngineConfig(
         model=args.model, dtype=model_dtype(args),
@@ -247,9 +311,11 @@ def measured_engine(args: argparse.Namespace, results: Results, peaks=None, **ov
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     """The flags the bench and the server share, for the engine these flags build (first of any list)."""
+    seqs, tokens = args.max_num_seqs, args.max_num_batched_tokens  # open ones stay open: the child picks its own
     values = [("--model", args.model), ("--dtype", model_dtype(args)),
-              ("--max-num-seqs", engine_config(args).scheduler.max_num_seqs),
-              ("--max-num-batched-tokens", first_int(args.max_num_batched_tokens)), ("--max-waiting", args.max_waiting),
+              ("--max-num-seqs", None if seqs is None else max(int_list(seqs))),
+              ("--max-num-batched-tokens", None if tokens is None else first_int(tokens)),
+              ("--max-waiting", args.max_waiting),
               ("--max-model-len", args.max_model_len), ("--page-size", args.page_size),
               ("--num-kv-pages", args.num_kv_pages), ("--kv-cache-memory-gib", args.kv_cache_memory_gib),
               ("--attention-backend", args.attention_backend), ("--tensor-parallel-size", args.tensor_parallel_size),

@@ -12,7 +12,7 @@ Per batch size B (and async scheduling on or off):
 - the GPU's idle fraction: that decode's last batch replayed back to back on the device (forward and
   sampling, its context included, no host work between) over the engine's wall time per iteration.
 
-The README's decode numbers (llama-8b, batch 1, 8, 32, context 512):
+docs/benchmarks.md's decode numbers (llama-8b, batch 1, 8, 32, context 512):
   python -m orca_jax.bench latency --model llama-8b --batch-size 1,8,32 --async-scheduling on,off --result-dir DIR
 """
 

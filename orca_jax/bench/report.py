@@ -2,7 +2,7 @@
 
 Each result names the subcommand that wrote it ("bench"); that subcommand's `tables(result)` gives its
 rows, so a number is formatted where it is measured. The headline table puts one model's numbers from
-several results side by side (the README's: ORCA trace tokens/s, decode vs the weight-read bound,
+several results side by side (docs/benchmarks.md's: ORCA trace tokens/s, decode vs the weight-read bound,
 warm start, HTTP over in-process, transformers). Files that are not results are listed, not read.
 """
 
@@ -75,7 +75,7 @@ def _first(rows, **match):
 
 
 def headline(results: list[dict]) -> list[dict]:
-    """Per model: the README's numbers, from whichever results hold them."""
+    """Per model: docs/benchmarks.md's numbers, from whichever results hold them."""
     out = {}
     for r in results:
         row = out.setdefault(r.get("model"), {"model": r.get("model"), "device": r.get("device")})

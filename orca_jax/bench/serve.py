@@ -8,7 +8,7 @@ program is compiled, and checks that serving compiled nothing more. --compare-in
 same requests through the same engine in this process (after the server has exited, so each has the
 GPU to itself), twice, and reports the last HTTP run's output tokens/s over the last in-process run's.
 
-The README's HTTP replay (the ORCA trace, twice through the server, against in-process):
+docs/benchmarks.md's HTTP replay (the ORCA trace, twice through the server, against in-process):
   python -m orca_jax.bench serve --model llama-8b --launch --compare-in-process --num-runs 2 \
       --ignore-eos --result-dir DIR
 """
@@ -25,7 +25,8 @@ from orca_jax.bench import serve_client
 from orca_jax.bench.datasets import DatasetName, add_dataset_arguments, lengths_from_args, make_trace
 from orca_jax.bench.driver import run_trace
 from orca_jax.bench.harness import (Results, add_engine_arguments, add_result_arguments, build_engine,
-                                    compiled_programs, device_info, launched_server, serve_flags)
+                                    compiled_programs, device_info, fill_batch_defaults, launched_server, serve_flags)
+from orca_jax.engine.defaults import UsageContext
 from orca_jax.bench.serve_client import CUSTOM, Endpoint, PromptFormat, ServeBenchConfig
 from orca_jax.bench.serve_stats import Slo, format_summary
 
@@ -141,6 +142,7 @@ def _replays(config: ServeBenchConfig, args: argparse.Namespace) -> tuple[list[d
 
 def in_process(args: argparse.Namespace) -> list[dict]:
     """The same requests (dataset, arrival times, EOS handling) through the same engine, twice."""
+    fill_batch_defaults(args, UsageContext.SERVER)  # the launched server's own defaults where the flags left them
     engine = build_engine(args)
     rate = None if math.isinf(args.request_rate) else args.request_rate
     trace = make_trace(args.dataset_name, args.num_prompts, rate, args.seed, lengths_from_args(args), args.burstiness)

@@ -36,6 +36,7 @@ from orca_jax.engine.output_wire import OutputEncoder, Row
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
+from orca_jax.worker.precompile_progress import PrecompileProgress
 
 if TYPE_CHECKING:
     from orca_jax.config import EngineConfig, ModelConfig
@@ -104,8 +105,7 @@ class CoreInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CoreProgress:
-    compiled: int
-    total: int
+    progress: PrecompileProgress  # the core's precompile, as far as it got
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -206,8 +206,8 @@ class EngineCore:
 
     def run(self, precompile: bool) -> None:
         if precompile:
-            def progress(done: int, total: int, key: tuple, seconds: float) -> None:
-                self.conn.send(CoreProgress(done, total))
+            def progress(event: PrecompileProgress) -> None:
+                self.conn.send(CoreProgress(event))
 
             report = self.engine.precompile(progress)
         # As the in-thread server does (server/gc_and_gil.py, measured there): what start-up made (jax's,

@@ -7,7 +7,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Iterable
 
-from tqdm.auto import tqdm
+from orca_jax.progress import tqdm
 
 from orca_jax.finetune.data import read_jsonl
 from orca_jax.finetune.hparams import TrainingHyperparameters

@@ -22,6 +22,7 @@ from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.server.request_stream import RequestStream
+from orca_jax.worker.precompile_progress import PrecompileCancelled, PrecompilePhase, PrecompileProgress
 
 if TYPE_CHECKING:
     from orca_jax.engine import Engine, EngineStats
@@ -85,10 +86,19 @@ class Readiness:
     ready: bool
     compiled: int = 0  # programs compiled so far
     total: int = 0  # programs to compile (0 until counted)
+    doing: str | None = None  # the precompile's own words: its phase, progress and time left
+
+    def after(self, progress: PrecompileProgress) -> Readiness:
+        """Where start-up stands once `progress` came (the program counts kept through the first runs)."""
+        if progress.phase is PrecompilePhase.COMPILING:
+            return Readiness(False, progress.done, progress.total, progress.describe())
+        return Readiness(False, self.compiled, self.total, progress.describe())
 
     def describe(self) -> str:
         if self.ready:
             return "ready"
+        if self.doing:
+            return self.doing
         if not self.total:
             return "starting the engine"
         return f"compiling programs: {self.compiled} of {self.total} done"
@@ -246,7 +256,10 @@ class AsyncEngine:
         tracked: dict[str, _Tracked] = {}
         try:
             if self.precompile:
-                self._compile_everything()
+                try:
+                    self._compile_everything()
+                except PrecompileCancelled:  # told to stop while compiling: the loop answers what waits
+                    logger.info("stopped before every program was compiled")
             self._loop(tracked)
         except Exception as error:  # any engine failure must reach every waiting client, not hang them
             logger.exception("engine loop failed; failing all requests in flight")
@@ -258,9 +271,11 @@ class AsyncEngine:
     def _compile_everything(self) -> None:
         start = time.monotonic()
 
-        def progress(done: int, total: int, key: tuple, seconds: float) -> None:
-            self.readiness = Readiness(False, done, total)
-            logger.info("compiled %s (%d of %d, %.1fs)", key, done, total, seconds)
+        def progress(event: PrecompileProgress) -> None:
+            if self._stop_requested:  # Ctrl-C or SIGTERM during a start of minutes: stop within one program
+                raise PrecompileCancelled
+            self.readiness = self.readiness.after(event)
+            logger.info("%s%s", event.describe(), f" ({event.key})" if event.key is not None else "")
 
         report = self.engine.precompile(progress)
         self.latest_stats = self.engine.stats()  # /metrics shows the programs before any request runs

@@ -34,7 +34,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # at most a quarter of an iteration it shares (vLLM's default is 4% of the context: 327 of 8,192).
 LONG_PREFILL_SHARE = 4
 # The server's default, unlike the library's (RESERVE, ORCA as published): chats without max_tokens
-# then share the pool instead of running one at a time (measured: notes/policy.md, README).
+# then share the pool instead of running one at a time (measured: notes/policy.md, docs/scheduling.md).
 SERVE_KV_ALLOCATION = KVAllocation.ON_DEMAND
 
 
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="ORCA inter-layer stages")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ORCA intra-layer split")
     par.add_argument("--coordinator-address", default=None,
-                     help="several processes (jax.distributed): process 0's host:port; see README; one "
+                     help="several processes (jax.distributed): process 0's host:port; see docs/parallelism.md; one "
                      "process when not given")
     par.add_argument("--num-processes", type=int, default=1, help="controller processes (one per host or GPU)")
     par.add_argument("--process-id", type=int, default=0, help="0 serves HTTP and schedules; others mirror")

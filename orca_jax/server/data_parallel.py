@@ -72,7 +72,8 @@ class DataParallelEngine:
     def readiness(self) -> Readiness:
         each = [r.readiness for r in self.replicas]
         return Readiness(ready=all(r.ready for r in each), compiled=sum(r.compiled for r in each),
-                         total=sum(r.total for r in each) if all(r.total for r in each) else 0)
+                         total=sum(r.total for r in each) if all(r.total for r in each) else 0,
+                         doing="; ".join(f"replica {i}: {r.describe()}" for i, r in enumerate(each)))
 
     @property
     def error(self) -> BaseException | None:

@@ -37,6 +37,12 @@ def _json(value: str | int | None) -> str:
     return "null" if value is None else json.dumps(value, ensure_ascii=False)
 
 
+def cut_short(finish_reason: str | None) -> bool:
+    """Whether a choice's text ended before the model ended it (max_tokens, an abort, a deadline): its
+    tool-call parser then withholds the markup the cut left unfinished."""
+    return finish_reason not in (None, "stop")
+
+
 def _ends(output: RequestOutput) -> tuple[str | None, str | int | None]:
     """(finish_reason, stop_reason) of a chunk: both None until the output has finished."""
     return (output.finish_reason, output.stop_reason) if output.finished else (None, None)
@@ -232,7 +238,7 @@ class ChatFormatter(_Formatter):
             parser = self._parsers[index] = self._tools.parser.streaming()
         parsed = parser.feed(output.new_text)
         if output.finished:
-            last = parser.finish()
+            last = parser.finish(truncated=cut_short(output.finish_reason))
             parsed = ParsedDelta(parsed.content + last.content, parsed.tool_calls + last.tool_calls)
         calls = _delta_tool_calls(parsed.tool_calls)
         self._num_calls[index] = self._num_calls.get(index, 0) + sum(call.id is not None for call in calls)
@@ -254,7 +260,7 @@ class ChatFormatter(_Formatter):
         for index, (final, logprobs) in enumerate(finals):
             message, finish_reason = AssistantMessage(content=final.text), final.finish_reason
             if self._tools is not None:
-                content, calls = self._tools.parser.parse(final.text)
+                content, calls = self._tools.parser.parse(final.text, truncated=cut_short(final.finish_reason))
                 message = AssistantMessage(content=content, tool_calls=[
                     ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
                     for call in calls] or None)

@@ -232,7 +232,8 @@ class ProcessEngine:
                     self._latest(message.stats, message.ran)
                     self._call_soon(self._deliver, message)
                 elif isinstance(message, CoreProgress):
-                    self.readiness = Readiness(False, message.compiled, message.total)
+                    self.readiness = self.readiness.after(message.progress)
+                    logger.info("engine core: %s", message.progress.describe())
                 elif isinstance(message, CoreReady):
                     self.latest_stats = message.stats
                     if self.on_ready is not None:

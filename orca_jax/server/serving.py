@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -45,6 +46,7 @@ DEFAULT_MAX_TOKENS = 256
 CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
 DEADLINE = "deadline"  # RequestStatus.FINISHED_DEADLINE's finish reason
 DEADLINE_MESSAGE = "the deadline ({:g} s after arrival) passed before the request could start; it was dropped"
+LENGTH = "length"  # max_tokens (or the context) reached
 ERROR = "error"  # RequestStatus.FINISHED_ERROR's finish reason: the engine ended the request (output.error)
 GENERATION_FAILED = "generation_failed"
 request_log = logging.getLogger("orca_jax.requests")
@@ -114,7 +116,8 @@ class OpenAIServing:
                                         include_usage=body.include_usage_in_stream, echo_texts=echo_texts,
                                         echo_logprobs=body.echo_logprobs, prompt_ids=[c.prompt_ids for c in choices],
                                         prompt_logprobs=body.prompt_logprobs)
-        return await self._generate(body, request, request_id, choices, formatter, lora, grammar)
+        return await self._generate(body, request, request_id, choices, formatter, lora, grammar,
+                                    constrained_by=constraint_request and constraint_request.param)
 
     def _encode_prompts(self, texts: list[str | list[int]]) -> list[list[int]]:
         return [self.tokenizer.encode_prompt(p, split_special_tokens=self.split_special_tokens)
@@ -146,7 +149,9 @@ class OpenAIServing:
         formatter = ChatFormatter(request_id, self._model_name(lora), unix_now(), self.tokenizer,
                                   include_usage=body.include_usage_in_stream, tools=tools,
                                   prompt_logprobs=body.prompt_logprobs)
-        return await self._generate(body, request, request_id, choices, formatter, lora, grammar)
+        constrained = output_request or tool_request
+        return await self._generate(body, request, request_id, choices, formatter, lora, grammar,
+                                    constrained_by=constrained and constrained.param)
 
     def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None,
                          add_generation_prompt: bool, may_call_tools: bool = True) -> list[int]:
@@ -301,7 +306,9 @@ class OpenAIServing:
 
     async def _generate(self, body: CompletionRequest | ChatCompletionRequest, request: Request,
                         request_id: str, choices: list[Choice], formatter: CompletionFormatter | ChatFormatter,
-                        lora: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> Response:
+                        lora: LoRARequest | None = None, grammar: CompiledGrammar | None = None, *,
+                        constrained_by: str | None = None) -> Response:
+        """constrained_by: the body field that constrains the output (response_format, tools, ...), if any."""
         if self.log_requests:
             _log_request(request_id, body, choices)
         deadline = None if body.deadline_seconds is None else time.monotonic() + body.deadline_seconds
@@ -310,7 +317,8 @@ class OpenAIServing:
         streams = ChoiceStreams(await self._submit(choices, request_id, body.priority, deadline, lora, grammar),
                                 timers)
         if body.stream:
-            return StreamingResponse(self._sse(streams, choices, formatter, body.deadline_seconds), media_type="text/event-stream",
+            return StreamingResponse(self._sse(streams, choices, formatter, body.deadline_seconds,
+                                               _CutNote(request_id, constrained_by)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             finals = await streams.collect(request)
@@ -325,6 +333,7 @@ class OpenAIServing:
         if failed is not None:
             raise _generation_failed(failed)
         usage = usage_of(choices, [final for final, _ in finals])
+        _CutNote(request_id, constrained_by).log(choices, [final for final, _ in finals])
         return JSONResponse(formatter.response(finals, usage).model_dump(mode="json"))
 
     async def _submit(self, choices: list[Choice], request_id: str, priority: int, deadline: float | None,
@@ -347,7 +356,7 @@ class OpenAIServing:
 
     async def _sse(self, streams: ChoiceStreams, choices: list[Choice],
                    formatter: CompletionFormatter | ChatFormatter,
-                   deadline_seconds: float | None) -> AsyncIterator[str]:
+                   deadline_seconds: float | None, cut_note: _CutNote) -> AsyncIterator[str]:
         # Starlette cancels this generator when the client disconnects; `finally` then aborts.
         finals: list = [None] * len(choices)
         try:
@@ -371,6 +380,8 @@ class OpenAIServing:
                 if outputs[-1].finish_reason == ERROR:  # its chunk said finish_reason "error"; this says why
                     failed = _generation_failed(outputs[-1])
                     yield f"data: {json.dumps(error_body(failed.status, failed.message, code=failed.code))}\n\n"
+            if all(final is not None for final in finals):
+                cut_note.log(choices, finals)
             if formatter.include_usage and all(final is not None for final in finals):
                 yield f"data: {formatter.usage_chunk(usage_of(choices, finals))}\n\n"
         except EngineUnavailableError as error:
@@ -378,6 +389,27 @@ class OpenAIServing:
         finally:
             streams.abort_all()
         yield "data: [DONE]\n\n"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CutNote:
+    """A log line when max_tokens cut a constrained output short: its JSON or tool call is unfinished.
+
+    The response itself stays OpenAI's: finish_reason "length" is the signal clients read (the openai
+    client's `.parse()` raises LengthFinishReasonError on it; vLLM adds nothing either); this line tells
+    whoever runs the server why a client got unparsable JSON."""
+
+    request_id: str
+    constrained_by: str | None  # the body field of the constraint; None: the output is free
+
+    def log(self, choices: list[Choice], finals: list[RequestOutput]) -> None:
+        cut = [i for i, final in enumerate(finals) if final.finish_reason == LENGTH]
+        if self.constrained_by is None or not cut:
+            return
+        log.warning("%s: max_tokens=%d cut %d of %d choices short of the output %s asks for (finish_reason "
+                    "\"length\"; the JSON or tool call is unfinished): raise max_tokens, or bound the output "
+                    "(maxLength, maxItems, enum in the schema)", self.request_id, choices[cut[0]].sampling.max_tokens,
+                    len(cut), len(finals), self.constrained_by)
 
 
 def _generation_failed(output: RequestOutput) -> APIError:

@@ -33,6 +33,31 @@ def call_of(value, *argument_keys: str) -> tuple[str, str] | None:
     return value["name"], json.dumps(arguments, ensure_ascii=False)
 
 
+def may_begin_call(text: str) -> bool:
+    """Whether a JSON text cut short may be a call object: `{` and "name" as its first key, as far
+    as the text goes (`{`, `{"na`, `{"name": "ad`). An answer whose first key is "name" reads the same."""
+    if not text.startswith("{"):
+        return False
+    key = text[1:].lstrip()
+    return key.startswith('"name"') or '"name"'.startswith(key)
+
+
+def complete_items(text: str) -> list[str]:
+    """The complete objects at the start of a JSON array cut short (`[{...}, {...}, {"na` gives two)."""
+    items, at = [], 1 if text.startswith("[") else len(text)
+    while at < len(text):
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if not text.startswith("{", at):
+            break
+        end = ValueEnd()(text[at:])
+        if end is None:
+            break
+        items.append(text[at:at + end])
+        at += end
+    return items
+
+
 def loads_or_none(text: str):
     try:
         return json.loads(text)

@@ -23,6 +23,12 @@ as a JSON string), are emitted when their JSON is complete: index, id and name, 
 as one fragment; such a call whose JSON does not parse, or does not name a function, stays in the
 content as the text it was. Whitespace next to calls is layout and dropped; other content is kept
 verbatim.
+
+A text cut short (`finish(truncated=True)`: max_tokens, an abort) never ends in markup: the part of an
+opener it ends in (`<tool_c`) and a call it cut before the call could be read (`<tool_call>{"na`,
+mistral's list before its first complete call) are withheld, so a cut call comes back as a call or
+not at all, never as content. A text the model ended itself keeps such pieces as content: there
+they are what it wrote.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import uuid
 from typing import Callable
 
 from orca_jax.structured.tool_json import (CALL_HEAD, CALL_NAME, JSON_CALL_HEAD, ValueEnd, as_call, call_of,
-                                          loads_or_none, partial_suffix)
+                                          complete_items, loads_or_none, may_begin_call, partial_suffix)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,13 +93,17 @@ class StreamingToolParser:
         self._held_space = ""  # whitespace-only content kept back until we know what follows it
         self._after_call = False  # the content since the last call is all whitespace so far
         self._value_end = ValueEnd()  # scans the JSON at the start of the undecided text
+        self._truncated = False  # the text was cut short (set by finish)
 
     def feed(self, text: str) -> ParsedDelta:
         self._buf += text
         self._advance(final=False)
         return self._flush()
 
-    def finish(self) -> ParsedDelta:
+    def finish(self, truncated: bool = False) -> ParsedDelta:
+        """The text ended: what is left. truncated: it was cut short (finish_reason "length"), so
+        unfinished markup at its end is withheld rather than passed on as content."""
+        self._truncated = truncated
         self._advance(final=True)
         if self._num_calls == 0:
             self._content.append(self._held_space)
@@ -146,14 +156,17 @@ class StreamingToolParser:
 
     def _content_until(self, marker: str, final: bool) -> bool:
         """Emit content up to `marker` and drop the marker: True when it was found. Otherwise emit
-        all but a tail that could still begin the marker (all of it when final)."""
+        all but a tail that could still begin the marker (all of it when final, unless the text was
+        cut short: then that tail is a cut marker, and is dropped)."""
         at = self._buf.find(marker)
         if at >= 0:
             self._emit_content(self._take(at))
             self._take(len(marker))
             return True
-        keep = 0 if final else partial_suffix(self._buf, marker)
+        keep = 0 if final and not self._truncated else partial_suffix(self._buf, marker)
         self._emit_content(self._take(len(self._buf) - keep))
+        if final:
+            self._take(len(self._buf))
         return False
 
     def _flush(self) -> ParsedDelta:
@@ -221,7 +234,8 @@ class HermesParser(StreamingToolParser):
         closing = self._take(len(self.END)) if at >= 0 else ""
         call = as_call(body, "arguments")
         if call is None:
-            self._emit_content(self.START + body + closing)
+            if at >= 0 or not self._truncated:  # a call cut before it could be read is withheld
+                self._emit_content(self.START + body + closing)
         else:
             self._emit_call(*call)
         self._in_call = False
@@ -240,9 +254,10 @@ class HermesParser(StreamingToolParser):
             self._take(len(self.END))
             self._in_call, self._streaming = False, None
             return True
-        keep = 0 if final else partial_suffix(self._buf, self.END)
+        keep = 0 if final and not self._truncated else partial_suffix(self._buf, self.END)
         self._emit_arguments(self._take_scanned(len(self._buf) - keep))
-        if final:
+        if final:  # a cut closing tag is not arguments
+            self._take(len(self._buf))
             self._in_call, self._streaming = False, None
         return final
 
@@ -300,7 +315,10 @@ class Llama3JsonParser(StreamingToolParser):
                 skip = len(self._buf) - len(stripped)
                 call = None if end is None else as_call(stripped[:end], "parameters", "arguments")
                 if call is None:
-                    self._emit_content(self._raw_tag + self._take(len(self._buf)))
+                    rest = self._take(len(self._buf))
+                    # Cut short after a tag or `;`, or inside what begins as a call: withheld.
+                    if not (end is None and self._truncated and (self._raw_tag.strip() or may_begin_call(stripped))):
+                        self._emit_content(self._raw_tag + rest)
                     self._state = "failed"
                     continue
                 self._take(skip + end)
@@ -362,6 +380,14 @@ class MistralParser(StreamingToolParser):
                 value = loads_or_none(stripped[:end])
                 items = value if isinstance(value, list) else [value]
                 calls = [call_of(item, "arguments") for item in items] if items else None
+            elif self._truncated:  # cut inside the list: its complete calls, and the rest withheld
+                self._take(len(self._buf))
+                for item in complete_items(stripped):
+                    call = as_call(item, "arguments")
+                    if call is None:
+                        break
+                    self._emit_call(*call)
+                return
             if calls is None or None in calls:
                 self._emit_content(self.MARKER)
                 self._failed = True
@@ -382,10 +408,12 @@ class ToolParser:
     def streaming(self, id_factory: Callable[[], str] | None = None) -> StreamingToolParser:
         return self._streaming_class() if id_factory is None else self._streaming_class(id_factory)
 
-    def parse(self, text: str, id_factory: Callable[[], str] | None = None) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole text; content is None when it would be empty."""
+    def parse(self, text: str, id_factory: Callable[[], str] | None = None, *,
+              truncated: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole text; content is None when it would be empty. truncated: the
+        text was cut short (see StreamingToolParser.finish)."""
         parser = self.streaming(id_factory)
-        return assemble([parser.feed(text), parser.finish()])
+        return assemble([parser.feed(text), parser.finish(truncated)])
 
 
 TOOL_PARSERS = types.MappingProxyType({

@@ -35,6 +35,7 @@ from jax._src import config as jax_config_states  # the thread-local form of a s
 from orca_jax.sample.mode import SampleMode
 from orca_jax.sample.sampler import PenaltyFillKey, SampleKey
 from orca_jax.worker.executable_cache import ExecutableCache
+from orca_jax.worker.precompile_progress import PhaseEstimate, PrecompilePhase, PrecompileProgress, ProgressFn
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,12 @@ class ProgramSource:
     inputs: tuple  # a description of its inputs' shapes, dtypes and shardings (for the fingerprint)
 
 
-# progress(done, total, key, seconds): called as each program finishes compiling.
-ProgressFn = Callable[[int, int, ProgramKey, float], None]
+def compile_weight(key: ProgramKey) -> float:
+    """What a program costs to compile relative to a sampling program (precompile_progress.py has the
+    measurements): the forward passes about twice as much, a stage-in (a copy) next to nothing."""
+    if isinstance(key, (ForwardKey, PromptLogprobsKey)):
+        return 2.0
+    return 0.05 if isinstance(key, StageInKey) else 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -275,10 +280,15 @@ class CompilationManager:
     def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
                    threads: int | None = None) -> tuple[list[ProgramKey], float, dict[ProgramKey, float]]:
         """Compile every key not compiled yet, in parallel; returns (the keys compiled now, wall
-        seconds, each key's own seconds on its thread)."""
+        seconds, each key's own seconds on its thread). `progress` hears of the start and of each
+        program done, with an estimate of the time left."""
         todo = [key for key in dict.fromkeys(keys) if key not in self._executables]
         start = time.perf_counter()
         seconds_by_key = {}
+        workers = threads or max(1, min(len(todo), usable_cores()))
+        estimate = PhaseEstimate(sum(compile_weight(key) for key in todo), workers)
+        if progress is not None:
+            progress(PrecompileProgress(PrecompilePhase.COMPILING, 0, len(todo), 0.0))
 
         def timed(key):
             began = time.perf_counter()
@@ -286,14 +296,20 @@ class CompilationManager:
             seconds_by_key[key] = time.perf_counter() - began
             return compiled
 
-        workers = threads or max(1, min(len(todo), usable_cores()))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(workers)
+        try:
             futures = {pool.submit(timed, key): key for key in todo}
             for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
                 key = futures[future]
                 self._executables[key] = future.result()
+                estimate.step_done(compile_weight(key), seconds_by_key[key])
                 if progress is not None:
-                    progress(done, len(todo), key, time.perf_counter() - start)
+                    progress(PrecompileProgress(PrecompilePhase.COMPILING, done, len(todo),
+                                                time.perf_counter() - start, key, estimate.eta_seconds()))
+        except BaseException:  # cancelled, Ctrl-C, a failed compile: what has not begun is not begun
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
         return todo, time.perf_counter() - start, seconds_by_key
 
     def executable(self, key: ProgramKey) -> jax.stages.Compiled:

@@ -35,6 +35,7 @@ from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshe
 from orca_jax.worker import multihost
 from orca_jax.worker.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PrecompileReport,
                                          ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey, StageInKey)
+from orca_jax.worker.precompile_progress import PrecompilePhase, PrecompileProgress
 from orca_jax.worker.executable_cache import ExecutableCache
 from orca_jax.worker.input_batch import RaggedBatch, empty_batch, pack_forward_inputs
 from orca_jax.worker.kv_pool import num_pages_for, pages_for_budget
@@ -301,15 +302,30 @@ class ModelRunner:
             self.mirror.precompile(keys, warm)
         todo, compile_seconds, seconds_by_key = self.compilation.precompile(keys, progress, threads)
         start = time.perf_counter()
-        if warm:  # dispatched back to back, waited for once: the device runs one while the host loads the next
-            variants = sorted({(key.bucket, key.lora) for key in todo
-                               if isinstance(key, ForwardKey) and key.lent == self.pool_lent})
-            outs = []
-            for bucket, lora in variants:
-                outs.append(self._forward(empty_batch(*bucket, lora=lora)))
-                self.release_logits(outs[-1])  # the next warm run writes the same buffer
-            jax.block_until_ready([out for out in outs if not out.is_deleted()] + [stage.kv for stage in self.stages])
+        if warm:
+            self._first_runs(todo, progress)
         return PrecompileReport(len(todo), compile_seconds, time.perf_counter() - start, seconds_by_key)
+
+    def _first_runs(self, compiled: list[ProgramKey], progress: ProgressFn | None) -> None:
+        """Run each newly compiled forward once on padding: dispatched back to back, waited for once,
+        so the device runs one while the host loads the next (on a CPU the host's part, loading the
+        module, is most of it)."""
+        start = time.perf_counter()
+        variants = sorted({(key.bucket, key.lora) for key in compiled
+                           if isinstance(key, ForwardKey) and key.lent == self.pool_lent})
+
+        def report(started: int) -> None:  # no estimate: a run's dispatch returns before its work is done
+            if progress is not None and variants:
+                progress(PrecompileProgress(PrecompilePhase.FIRST_RUNS, started, len(variants),
+                                            time.perf_counter() - start))
+
+        outs = []
+        for started, (bucket, lora) in enumerate(variants):
+            report(started)
+            outs.append(self._forward(empty_batch(*bucket, lora=lora)))
+            self.release_logits(outs[-1])  # the next warm run writes the same buffer
+        report(len(variants))
+        jax.block_until_ready([out for out in outs if not out.is_deleted()] + [stage.kv for stage in self.stages])
 
     # ---- one iteration ----
 

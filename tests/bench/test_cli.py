@@ -50,6 +50,50 @@ def test_help_lists_every_subcommand(capsys):
     assert all(name in text for name in bench.SUBCOMMANDS)
 
 
+def test_help_lists_the_presets_and_each_flags_default(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["throughput", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "tiny-llama" in text and "smollm2-135m" in text
+    assert "(default: 512)" in text and "(default: uniform)" in text  # --num-prompts, --dataset-name
+    assert "64 on a CPU" in text and "of the bound" in text
+
+
+def test_the_default_dataset_is_fitted_to_the_context_before_anything_compiles(tmp_path, capsys):
+    """The default uniform trace (prompts to 512, outputs to 128) on tiny-llama's 512-token context: prompts
+    are shortened, with one line naming the flags, and every request runs (it once failed after compiling)."""
+    bench.main(["throughput", *ENGINE, "--num-prompts", "8", "--num-runs", "1", "--result-dir", str(tmp_path)])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "tiny-llama's context" in line]
+    assert notes == ["bench: tiny-llama's context is 512 tokens (--max-model-len): --uniform-input-range 32:512 "
+                     "--uniform-output-range 1:128 shortened to 32:384 and 1:128"]
+    (row,) = _result(tmp_path, "tiny-llama_throughput.json")["runs"]
+    assert row["dataset"]["prompt_len"]["max"] + row["dataset"]["max_tokens"]["max"] <= 512
+    assert row["runs"][0]["generated_tokens"] == make_trace("uniform", 8, None, 0, LengthSpec().fit(512)[0]
+                                                            ).num_generated_tokens
+
+
+def test_latencys_one_shape_is_fitted_to_the_context(capsys):
+    args = bench.build_parser().parse_args(["latency", "--model", "tiny-llama", "--input-len", "600"])
+    harness.fit_to_context(args)
+    assert (args.input_len, args.output_len) == (480, 32)
+    assert "--input-len 600 --output-len 32 shortened to 480 and 32" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_throughput_with_its_default_flags_runs_on_tiny_llama(tmp_path):
+    """`bench throughput --model tiny-llama` as the README gives it: the default dataset (512 requests),
+    the CPU's default batch shape, two runs; 4-8 minutes on 2 busy cores, compiling included."""
+    proc = _bench_in_child(["throughput", "--model", "tiny-llama", "--result-dir", str(tmp_path)],
+                           env=checkout_env(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache")))
+    assert "of the bound:" in proc.stdout
+    result = _result(tmp_path, "tiny-llama_throughput.json")
+    assert result["engine"]["max_num_batched_tokens"] == 512
+    (row,) = result["runs"]
+    assert row["max_num_seqs"] == 64 and len(row["runs"]) == 2
+    trace = make_trace("uniform", 512, None, 0, LengthSpec().fit(512)[0])
+    assert row["runs"][-1]["generated_tokens"] == trace.num_generated_tokens
+
+
 def test_the_served_engine_and_a_child_engine_are_the_in_process_engine():
     from orca_jax import serve
 
@@ -173,7 +217,7 @@ def test_report_reads_every_committed_results_dir(device, tmp_path):
     summary = (tmp_path / device / "summary.md").read_text()
     names = [n for n in os.listdir(tmp_path / device) if n.endswith(".json")]
     assert names and all(f"({name})" in summary for name in names) and "Not results" not in summary
-    if device == "h100":  # the README's figures
+    if device == "h100":  # docs/benchmarks.md's figures
         assert "| llama-8b | NVIDIA H100 80GB HBM3 | 5,594 | 0.664 | 605 | 9.24 | 0.915 | 5.96 | 5.52 |" in summary
 
 

@@ -95,3 +95,19 @@ def test_tcb_workload():
     assert np.all((budgets >= lengths) & (budgets <= 3 * lengths))  # proportional: slack U(1, 3) x l
     uniform = tcb_trace(500, 20.0, 1.0, 4, deadlines="uniform")
     assert all(20.0 <= r.deadline <= 80.0 for r in uniform.requests)
+
+
+def test_lengths_fit_a_context_prompts_first_and_say_which_flags():
+    spec, notes = LengthSpec().fit(512)
+    assert (spec.prompt_range, spec.gen_range) == ((32, 384), (1, 128))  # the outputs kept, the prompts shortened
+    assert spec.homogeneous == (128, 32) and spec.sharegpt_prompt_clip == (4, 256)
+    assert set(notes) == {TraceKind.UNIFORM, TraceKind.SHAREGPT_LIKE}
+    assert "--uniform-input-range 32:512" in notes[TraceKind.UNIFORM]
+    assert LengthSpec().fit(100_000) == (LengthSpec(), {})
+    for context in (2, 40, 128, 512, 1000):  # every request of every dataset fits
+        fitted, _ = LengthSpec().fit(context)
+        for kind in (TraceKind.UNIFORM, TraceKind.HOMOGENEOUS, TraceKind.SHAREGPT_LIKE):
+            trace = make_trace(kind, 200, None, 0, fitted)
+            assert max(r.prompt_len + r.max_tokens for r in trace.requests) <= context, (context, kind)
+    short = LengthSpec().fit(128)[0]  # past half the context the outputs give way too
+    assert (short.prompt_range, short.gen_range, short.homogeneous) == ((32, 64), (1, 64), (96, 32))

@@ -171,11 +171,13 @@ class FakeEngine:
         """Engine.precompile's contract: report each "program"; waits on `compile_gate` if one is set."""
         from orca_jax.worker.model_runner import PrecompileReport
 
+        from orca_jax.worker.precompile_progress import PrecompilePhase, PrecompileProgress
+
         for done in range(1, 4):
             if self.compile_gate is not None:
                 self.compile_gate.wait(10)
             if progress is not None:
-                progress(done, 3, ("forward", done), 0.0)
+                progress(PrecompileProgress(PrecompilePhase.COMPILING, done, 3, 0.0, ("forward", done)))
         return PrecompileReport(3, 0.0, 0.0)
 
     @property

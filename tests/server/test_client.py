@@ -142,3 +142,13 @@ def test_batch_mode_shows_a_progress_bar_on_a_terminal(served, tmp_path, monkeyp
     shown = terminal.getvalue()
     assert "3/3" in shown and "req" in shown and "tokens=6" in shown
     assert shown.splitlines()[-1].startswith("3 requests, 0 failed, 6 tokens generated in ")
+
+
+def test_help_shows_the_url_it_calls_and_the_other_defaults(capsys):
+    with pytest.raises(SystemExit):
+        client.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: http://127.0.0.1:8000)" in text and "(default: 600.0)" in text
+    with pytest.raises(SystemExit):
+        client.main(["batch", "--help"])
+    assert "(default: 256)" in " ".join(capsys.readouterr().out.split())  # --max-tokens

@@ -33,10 +33,12 @@ class SlowToCompile(FakeEngine):
     def precompile(self, progress=None):
         from orca_jax.worker.model_runner import PrecompileReport
 
+        from orca_jax.worker.precompile_progress import PrecompilePhase, PrecompileProgress
+
         for done in range(1, 4):
             time.sleep(0.3)
             if progress is not None:
-                progress(done, 3, ("forward", done), 0.3)
+                progress(PrecompileProgress(PrecompilePhase.COMPILING, done, 3, 0.3 * done, ("forward", done)))
         return PrecompileReport(3, 0.9, 0.0)
 
 

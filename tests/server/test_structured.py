@@ -355,3 +355,19 @@ async def test_tool_parsers_that_read_special_tokens_get_them_in_the_text(parser
         await client.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER]})
         await client.post("/v1/chat/completions", json={**CHAT, "tools": [WEATHER], "tool_choice": "none"})
     assert [s.skip_special_tokens for s in engine.samplings] == [not keeps, True]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.anyio
+async def test_a_constrained_output_cut_by_max_tokens_is_logged_with_what_to_do(caplog, stream):
+    """finish_reason "length" stays the answer's only sign (OpenAI's; the openai client's .parse() raises on
+    it); the server's log says which field's output was cut and how to avoid it. A free output is not logged."""
+    async with asgi_client(_app(FakeEngine(reply='{"name": "Ada", "age": 36}'))) as client:
+        with caplog.at_level(logging.WARNING, logger="orca_jax.server.serving"):
+            cut = await client.post("/v1/chat/completions", json={
+                **CHAT, "response_format": {"type": "json_object"}, "max_tokens": 5, "stream": stream})
+            free = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5, "stream": stream})
+    assert cut.status_code == free.status_code == 200
+    assert '"finish_reason":"length"' in cut.text.replace(" ", "")
+    (line,) = [r.getMessage() for r in caplog.records if "max_tokens=5 cut" in r.getMessage()]
+    assert "cut 1 of 1 choices short of the output response_format asks for" in line and "maxLength" in line

@@ -131,6 +131,30 @@ async def test_a_call_cut_by_max_tokens_is_a_call_with_finish_reason_length(stre
     assert name == "get_weather" and arguments == '{"city": "Paris", '  # the arguments written so far
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_required_cut_inside_the_next_calls_opener_sends_no_markup_as_content(stream):
+    """tool_choice "required" with max_tokens cutting the second call's `<tool_call>` at each character:
+    the first call comes back, finish_reason "length", and no piece of the opener in the content."""
+    reply = REPLY + "\n" + REPLY
+    second = len(REPLY) + 1
+    for cut in range(second, second + len("<tool_call>")):
+        _, app = _app(reply)
+        async with asgi_client(app) as client:
+            response = await client.post("/v1/chat/completions", json={
+                "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": cut, "stream": stream})
+        if stream:
+            events = [e for e in parse_sse(response.text) if e != "[DONE]" and e["choices"]]
+            pieces, finish = _stream_pieces(events)
+            calls = [p for p in pieces if p.get("id")]
+            content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+        else:
+            choice = response.json()["choices"][0]
+            calls, finish = choice["message"]["tool_calls"], choice["finish_reason"]
+            content = choice["message"]["content"] or ""
+        assert finish == "length" and content == "", (cut, content)
+        assert [call["function"]["name"] for call in calls] == ["get_weather"], cut
+
+
 def test_serve_flags_default_to_auto_with_the_templates_parser():
     from orca_jax.server.cli_args import parse_args, tool_call_settings_from_args
     from orca_jax.server.structured import ToolCallSettings

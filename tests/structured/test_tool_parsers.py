@@ -184,3 +184,53 @@ def test_long_arguments_stream_in_linear_time(parser, template):
     deltas = [stream.feed(char) for char in text] + [stream.finish()]
     assert time.perf_counter() - start < 5.0  # a rescan per character would take minutes
     assert assemble(deltas) == (None, [ToolCall("id0", "write", json.dumps({"text": json.loads(f'"{body}"')}))])
+
+
+# Two calls after some words, in each format: a text cut by max_tokens anywhere in it.
+LEAD = "Let me check both.\n"
+TWO_CALLS = {
+    "hermes": f"{LEAD}<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{ADD}\n</tool_call>",
+    "llama3_json": (f'{LEAD}<|python_tag|>{WEATHER.replace("arguments", "parameters")}; '
+                    f'{ADD.replace("arguments", "parameters")}'),
+    "mistral": f"{LEAD}[TOOL_CALLS][{WEATHER}, {ADD}]",
+}
+
+
+def _parse_streamed(parser: str, text: str, sizes: list[int], truncated: bool):
+    stream = get_tool_parser(parser).streaming(counter_ids())
+    deltas, at = [], 0
+    for size in sizes:
+        deltas.append(stream.feed(text[at:at + size]))
+        at += size
+    return assemble(deltas + [stream.finish(truncated)])
+
+
+@pytest.mark.parametrize("parser", sorted(TWO_CALLS))
+def test_a_text_cut_anywhere_in_a_call_or_its_opener_has_no_markup_in_its_content(parser):
+    """At every cut, streamed (one character at a time, and in pieces) and not: the content is the words
+    before the calls, never a piece of an opener or of a call; the calls are those written, the last
+    one's arguments as far as they got (or, cut before they could be read, no call)."""
+    full = TWO_CALLS[parser]
+    _, expected = get_tool_parser(parser).parse(full, counter_ids())
+    assert [c.name for c in expected] == ["get_weather", "add"]
+    rng = np.random.default_rng(0)
+    for cut in range(len(full) + 1):
+        text = full[:cut]
+        content, got = get_tool_parser(parser).parse(text, counter_ids(), truncated=True)
+        assert (content or "").strip() == LEAD[:cut].strip(), (cut, content)
+        assert [c.name for c in got] == [c.name for c in expected[:len(got)]], (cut, got)
+        for call, whole in zip(got, expected):
+            assert whole.arguments.replace(" ", "").startswith(call.arguments.replace(" ", "")), (cut, call)
+        for sizes in ([1] * cut, rng.integers(1, 6, size=cut).tolist()):
+            assert _parse_streamed(parser, text, sizes, truncated=True) == (content, got), (cut, sizes)
+
+
+@pytest.mark.parametrize("parser, opener", [("hermes", "<tool_call>"), ("llama3_json", "<|python_tag|>"),
+                                            ("mistral", "[TOOL_CALLS]")])
+def test_an_opener_cut_at_every_character_is_withheld_but_kept_when_the_model_ended_there(parser, opener):
+    for cut in range(1, len(opener)):
+        text = "Sure. " + opener[:cut]
+        assert get_tool_parser(parser).parse(text, truncated=True) == ("Sure. ", []), cut
+        assert _parse_streamed(parser, text, [1] * len(text), truncated=True) == ("Sure. ", []), cut
+        # The model's own end (finish_reason "stop"): what it wrote is content.
+        assert get_tool_parser(parser).parse(text) == (text, []), cut

@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "tensor x pipeline GPUs (replica r gets CUDA_VISIBLE_DEVICES' slice r), behind this one "
                      "front end; a request goes to the replica holding its prompt's prefix, else the least "
                      "loaded (implies --engine-process)")
+    api.add_argument("--api-server-count", type=int, default=None,
+                     help="API server processes (each its own event loop, tokenizer and HTTP handling) on the one "
+                     "port, each reaching every engine core (implies --engine-process); default: one per "
+                     "data-parallel replica where the machine has two CPU cores for each, else 1")
 
     tools = p.add_argument_group("tool calls")
     tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
@@ -301,6 +305,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """Flag errors no single flag's type can see; each exits through parser.error."""
     if args.default_max_tokens < 0:
         parser.error("--default-max-tokens must be 0 (the rest of the context) or more")
+    if args.api_server_count is not None and args.api_server_count < 1:
+        parser.error("--api-server-count must be at least 1")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):

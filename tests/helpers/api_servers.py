@@ -5,12 +5,14 @@ create_app over the cores it reaches, answering with an `x-api-server` header th
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
@@ -81,40 +83,44 @@ def fake_front_end(app_kwargs: dict, context: ApiServerContext) -> int:
 class RunningApiServers:
     url: str
     servers: ApiServers
-    exited: asyncio.Future  # the launcher's wait(): its exit status once every process has ended
-    client: httpx.AsyncClient  # one keep-alive connection: one API server, whichever accepted it
+    exited: concurrent.futures.Future  # the launcher's wait(): its exit status once every process has ended
+
+    def client(self, **kwargs) -> httpx.AsyncClient:
+        """A client of the server (its one keep-alive connection: one API server, whichever accepted it)."""
+        return httpx.AsyncClient(base_url=self.url, timeout=60, **kwargs)
 
     async def client_of(self, index: int, attempts: int = 200) -> httpx.AsyncClient:
         """A client whose connection API server `index` accepted (connections go to whichever accepts
         first: new ones until it is that one). Close it when done."""
         for _ in range(attempts):
-            client = httpx.AsyncClient(base_url=self.url, limits=httpx.Limits(max_connections=1), timeout=60)
+            client = self.client(limits=httpx.Limits(max_connections=1))
             if (await client.get("/health")).headers.get(API_SERVER_HEADER) == str(index):
                 return client
             await client.aclose()
         raise AssertionError(f"API server {index} accepted none of {attempts} connections")
 
+    async def wait_exited(self, timeout: float) -> int:
+        return await asyncio.wait_for(asyncio.wrap_future(self.exited), timeout)
 
-@contextlib.asynccontextmanager
-async def api_servers(engine_kwargs: dict | None = None, app_kwargs: dict | None = None, *, count: int = 2,
-                      replicas: int = 1, engine: Callable = ServingFakeEngine) -> AsyncIterator[RunningApiServers]:
+
+@contextlib.contextmanager
+def api_servers(engine_kwargs: dict | None = None, app_kwargs: dict | None = None, *, count: int = 2,
+                replicas: int = 1, engine: Callable = ServingFakeEngine) -> Iterator[RunningApiServers]:
     """`count` API servers over `replicas` fake cores (engine(**engine_kwargs) each), healthy; stopped
     (SIGTERM, as serve's launcher stops them) when the block ends."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=2048)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     servers = ApiServers([functools.partial(engine, **(engine_kwargs or {}))] * replicas, count,
                          functools.partial(fake_front_end, app_kwargs or {}), listener)
-    exited = asyncio.ensure_future(asyncio.to_thread(servers.wait))
-    client = httpx.AsyncClient(base_url=url, timeout=60)
+    exited = concurrent.futures.ThreadPoolExecutor(1).submit(servers.wait)
     try:
         while True:  # a test helper polls; the server itself never does
             assert not exited.done(), f"the API servers exited with {exited.result()} before they were ready"
             with contextlib.suppress(httpx.TransportError):
-                if (await client.get("/health")).status_code == 200:
+                if httpx.get(url + "/health", timeout=60).status_code == 200:
                     break
-            await asyncio.sleep(0.05)
-        yield RunningApiServers(url, servers, exited, client)
+            time.sleep(0.05)
+        yield RunningApiServers(url, servers, exited)
     finally:
-        await client.aclose()
         servers.stop()
-        await asyncio.wait_for(asyncio.shield(exited), 60)
+        exited.result(60)

@@ -27,6 +27,13 @@ pytestmark = pytest.mark.anyio
 ENGINE = {"step_seconds": 0.005, "max_model_len": 512, "num_pages": 1024}
 
 
+@pytest.fixture(scope="module")
+def two_replicas():
+    """Two API servers over two replicas, shared by the tests that leave it as they found it."""
+    with api_servers(ENGINE, {"served_model_name": "fake"}, replicas=2) as running:
+        yield running
+
+
 def _values(metrics_text: str, name: str) -> dict:
     """One metric's samples: {(sample name, frozenset of its labels but model_name): value}."""
     [family] = [f for f in text_string_to_metric_families(metrics_text) if f.name == PREFIX + name]
@@ -36,6 +43,19 @@ def _values(metrics_text: str, name: str) -> dict:
 
 def _value(metrics_text: str, name: str, sample: str | None = None, **labels) -> float:
     return _values(metrics_text, name)[(PREFIX + (sample or name), frozenset(labels.items()))]
+
+
+async def _totals(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's totals as one API server's /metrics gives them."""
+    text = (await client.get("/metrics")).text
+    return {"generated": _value(text, "generation_tokens", "generation_tokens_total", replica="all"),
+            "generation_sum": _value(text, "request_generation_tokens", "request_generation_tokens_sum"),
+            "finished": _value(text, "request_success", "request_success_total", finished_reason="length"),
+            "token_gaps": _value(text, "inter_token_latency_seconds", "inter_token_latency_seconds_count"),
+            "first_tokens": _value(text, "time_to_first_token_seconds", "time_to_first_token_seconds_count"),
+            "in_flight": _value(text, "num_requests_in_flight"),
+            "iterations": _value(text, "iterations", "iterations_total", replica="all"),
+            "iteration_seconds": _value(text, "iteration_seconds", "iteration_seconds_count")}
 
 
 async def _until(condition, timeout: float = 10.0):
@@ -53,105 +73,112 @@ def test_one_api_server_unless_replicas_have_cpu_cores_to_spare():
     assert default_api_server_count(2, 2) == 1
 
 
-async def test_a_conversation_s_turns_reach_one_replica_whichever_api_server_takes_them():
-    async with api_servers(ENGINE, {"served_model_name": "fake"}, replicas=2) as running:
-        clients = [await running.client_of(i) for i in range(2)]
+async def test_a_conversation_s_turns_reach_one_replica_whichever_api_server_takes_them(two_replicas):
+    clients = [await two_replicas.client_of(i) for i in range(2)]
+    metrics = two_replicas.client()
 
-        async def prompt_tokens_per_replica() -> list[float]:
-            text = (await running.client.get("/metrics")).text
-            return [_value(text, "prompt_tokens", "prompt_tokens_total", replica=str(r)) for r in range(2)]
+    async def prompt_tokens_per_replica() -> list[float]:
+        text = (await metrics.get("/metrics")).text
+        return [_value(text, "prompt_tokens", "prompt_tokens_total", replica=str(r)) for r in range(2)]
 
-        where = {}
-        turns = {"a": list(range(10, 22)), "b": list(range(40, 52))}  # 3 pages of 4 tokens each
-        for turn in range(4):
-            for chat, prompt in turns.items():
-                before = await prompt_tokens_per_replica()
-                client = clients[(turn + (chat == "b")) % 2]  # each chat alternates API servers
-                answer = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
-                assert answer.status_code == 200, answer.text
+    async def replica_of(send, prompt: list[int], before: list[float] | None = None) -> int:
+        """Which replica took the prompt `send()` sends (its prompt tokens counted there since `before`)."""
+        before = before or await prompt_tokens_per_replica()
+        await send()
 
-                async def counted():
-                    return sum(await prompt_tokens_per_replica()) == sum(before) + len(prompt)
+        async def counted() -> bool:
+            return sum(await prompt_tokens_per_replica()) == sum(before) + len(prompt)
 
-                await _until(counted)
-                after = await prompt_tokens_per_replica()
-                (replica,) = [r for r in range(2) if after[r] != before[r]]
-                assert where.setdefault(chat, replica) == replica, (chat, turn)
-                prompt += [7, 8, 9, 10, 11, 12]  # the reply and the next question: the same prefix, longer
-        assert where["a"] != where["b"]
-        for client in clients:
-            await client.aclose()
+        await _until(counted)
+        after = await prompt_tokens_per_replica()
+        (replica,) = [r for r in range(2) if after[r] != before[r]]
+        return replica
 
+    async def complete(client: httpx.AsyncClient, prompt: list[int]) -> None:
+        answer = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
 
-async def test_metrics_totals_are_what_the_clients_received_whichever_api_server_answers():
-    async with api_servers(ENGINE, {"served_model_name": "fake"}, replicas=2) as running:
-        clients = [await running.client_of(i) for i in range(2)]
-        received, requests = 0, 0
-        for index, client in enumerate(clients):
-            for max_tokens in (3, 5, 8):
-                streamed = await client.post("/v1/completions", json={
-                    "prompt": f"hello {index}", "max_tokens": max_tokens, "stream": True})
-                received += len([e for e in parse_sse(streamed.text)[:-1] if e["choices"][0]["text"]])
-                whole = await client.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
-                received += whole.json()["usage"]["completion_tokens"]
-                requests += 2
-        assert received == 2 * 2 * (3 + 5 + 8)
-        texts = []  # each API server's answer, once the engine's counters reached it (the cores' next report)
-        for client in clients:
-            async def settled() -> bool:
-                text = (await client.get("/metrics")).text
-                if _value(text, "generation_tokens", "generation_tokens_total", replica="all") != received:
-                    return False
-                texts.append(text)
-                return True
-
-            await _until(settled)
-        for text in texts:
-            assert _value(text, "request_generation_tokens", "request_generation_tokens_sum") == received
-            assert _value(text, "request_success", "request_success_total", finished_reason="length") == requests
-            assert _value(text, "inter_token_latency_seconds", "inter_token_latency_seconds_count") == received - requests
-            assert _value(text, "time_to_first_token_seconds", "time_to_first_token_seconds_count") == requests
-            assert _value(text, "num_requests_in_flight") == 0
-            iterations = _value(text, "iterations", "iterations_total", replica="all")
-            assert _value(text, "iteration_seconds", "iteration_seconds_count") == iterations  # observed once each
-        for client in clients:
-            await client.aclose()
+    turns = {"a": list(range(10, 22)), "b": list(range(40, 52))}  # 3 pages of 4 tokens each
+    body = {"prompt": turns["a"], "max_tokens": 300, "stream": True}
+    before = await prompt_tokens_per_replica()
+    async with clients[0].stream("POST", "/v1/completions", json=body) as streaming:  # in flight on its replica...
+        lines = streaming.aiter_lines()
+        where = {"a": await replica_of(lambda: anext(lines), turns["a"], before)}
+        # ... which counts in API server 1's routing: a new conversation goes to the other replica.
+        where["b"] = await replica_of(lambda: complete(clients[1], turns["b"]), turns["b"])
+        assert where["b"] != where["a"]
+    for turn in range(1, 5):
+        for chat, prompt in turns.items():
+            prompt += [7, 8, 9, 10, 11, 12]  # the reply and the next question: the same prefix, longer
+            client = clients[(turn + (chat == "b")) % 2]  # each chat alternates API servers
+            assert await replica_of(lambda: complete(client, prompt), prompt) == where[chat], (chat, turn)
+    for client in (*clients, metrics):
+        await client.aclose()
 
 
-async def test_adapters_and_prefix_cache_resets_reach_each_core_once_and_every_api_server_sees_them(tmp_path):
+async def test_metrics_totals_are_what_the_clients_received_whichever_api_server_answers(two_replicas):
+    clients = [await two_replicas.client_of(i) for i in range(2)]
+    before = await _totals(clients[0])
+    received, requests = 0, 0
+    for index, client in enumerate(clients):
+        for max_tokens in (3, 5, 8):
+            streamed = await client.post("/v1/completions", json={
+                "prompt": f"hello {index}", "max_tokens": max_tokens, "stream": True})
+            received += len([e for e in parse_sse(streamed.text)[:-1] if e["choices"][0]["text"]])
+            whole = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+            received += whole.json()["usage"]["completion_tokens"]
+            requests += 2
+    assert received == 2 * 2 * (3 + 5 + 8)
+    for client in clients:  # each answers for the server (the engine's counters: once the cores' next report came)
+        async def settled() -> bool:
+            return (await _totals(client))["generated"] - before["generated"] == received
+
+        await _until(settled)
+        after = await _totals(client)
+        assert after["generation_sum"] - before["generation_sum"] == received
+        assert after["finished"] - before["finished"] == requests
+        assert after["token_gaps"] - before["token_gaps"] == received - requests
+        assert after["first_tokens"] - before["first_tokens"] == requests
+        assert after["in_flight"] == 0
+        assert after["iteration_seconds"] == after["iterations"]  # each iteration observed once
+    for client in clients:
+        await client.aclose()
+
+
+async def test_adapters_and_prefix_cache_resets_reach_each_core_once_and_every_api_server_sees_them(
+        two_replicas, tmp_path):
     write_llama_adapter(tmp_path / "sql")
-    async with api_servers(ENGINE, {"served_model_name": "fake"}, replicas=2) as running:
-        first, second = [await running.client_of(i) for i in range(2)]
-        loaded = await first.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(tmp_path / "sql")})
-        assert loaded.status_code == 200, loaded.text  # a second add in any core would have been refused
+    first, second = [await two_replicas.client_of(i) for i in range(2)]
+    loaded = await first.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(tmp_path / "sql")})
+    assert loaded.status_code == 200, loaded.text  # a second add in any core would have been refused
 
-        async def listed_by_both() -> bool:
-            listed = [[m["id"] for m in (await c.get("/v1/models")).json()["data"]] for c in (first, second)]
-            return all("sql" in ids for ids in listed)
+    async def listed_by_both() -> bool:
+        listed = [[m["id"] for m in (await c.get("/v1/models")).json()["data"]] for c in (first, second)]
+        return all("sql" in ids for ids in listed)
 
-        await _until(listed_by_both)
-        answer = await second.post("/v1/completions", json={"model": "sql", "prompt": "a", "max_tokens": 2})
-        assert answer.status_code == 200 and answer.json()["model"] == "sql"
-        again = await second.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(tmp_path / "sql")})
-        assert again.status_code == 400 and again.json()["error"]["code"] == "lora_already_loaded"
-        assert (await second.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})).status_code == 200
+    await _until(listed_by_both)
+    answer = await second.post("/v1/completions", json={"model": "sql", "prompt": "a", "max_tokens": 2})
+    assert answer.status_code == 200 and answer.json()["model"] == "sql"
+    again = await second.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(tmp_path / "sql")})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "lora_already_loaded"
+    assert (await second.post("/v1/unload_lora_adapter", json={"lora_name": "sql"})).status_code == 200
 
-        async def gone_from_both() -> bool:
-            statuses = [(await c.post("/v1/completions", json={"model": "sql", "prompt": "a"})).status_code
-                        for c in (first, second)]
-            return statuses == [404, 404]
+    async def gone_from_both() -> bool:
+        statuses = [(await c.post("/v1/completions", json={"model": "sql", "prompt": "a"})).status_code
+                    for c in (first, second)]
+        return statuses == [404, 404]
 
-        await _until(gone_from_both)
-        reset = (await first.post("/reset_prefix_cache")).json()
-        assert reset["pages_forgotten"] == 2  # each of the two cores forgot its one page, once
-        for client in (first, second):
-            await client.aclose()
+    await _until(gone_from_both)
+    reset = (await first.post("/reset_prefix_cache")).json()
+    assert reset["pages_forgotten"] == 2  # each of the two cores forgot its one page, once
+    for client in (first, second):
+        await client.aclose()
 
 
 @pytest.mark.parametrize("victim", ["API server", "engine core"])
 async def test_a_dead_api_server_or_core_fails_health_and_the_server_exits_one_within_seconds(victim):
-    async with api_servers(ENGINE, {"served_model_name": "fake"}) as running:
+    with api_servers(ENGINE, {"served_model_name": "fake"}) as running:
         process = (running.servers.api_servers[1] if victim == "API server" else running.servers.cores[0])
         os.kill(process.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -164,7 +191,7 @@ async def test_a_dead_api_server_or_core_fails_health_and_the_server_exits_one_w
                 return True
 
         await _until(health_fails, timeout=10)
-        assert await asyncio.wait_for(asyncio.shield(running.exited), 10) == 1
+        assert await running.wait_exited(10) == 1
         assert time.monotonic() - killed_at < 10
 
 

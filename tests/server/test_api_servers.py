@@ -215,7 +215,8 @@ def test_serve_with_two_api_servers_over_two_tensor_parallel_replicas_of_fake_de
     two API servers: it serves, its metrics add up the two replicas, and SIGTERM drains everything."""
     port = free_port()
     process = _serve("--port", str(port), *TINY_SERVER, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
-                     "--api-server-count", "2", JAX_NUM_CPU_DEVICES="2")
+                     "--api-server-count", "2", "--log-level", "info", "--disable-uvicorn-access-log",
+                     JAX_NUM_CPU_DEVICES="2")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout=400)

@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import math
 import os
+import time
 
 from orca_jax.bench import serve_client
 from orca_jax.bench.datasets import DatasetName, add_dataset_arguments, lengths_from_args, make_trace
@@ -134,7 +135,10 @@ def _replays(config: ServeBenchConfig, args: argparse.Namespace) -> tuple[list[d
     runs, records = [], []
     for _ in range(args.num_runs):
         before = engine_counters(config.base_url)
+        cpu = time.process_time()
         summary, records = asyncio.run(serve_client.run(config, progress=not args.disable_tqdm))
+        # The load generator's own CPU: near the run's duration, it (one process) may be what limits it.
+        summary["client_cpu_s"] = time.process_time() - cpu
         after = engine_counters(config.base_url) if before is not None else None
         if after is not None:
             summary["engine"] = engine_side(before, after, summary["duration_s"])

@@ -299,23 +299,34 @@ class RequestTimer:
         self.finished = False
 
     def on_output(self, output: RequestOutput) -> None:
+        self.on_outputs((output,))
+
+    def on_outputs(self, outputs: Sequence[RequestOutput]) -> None:
+        """Outputs that reached the handler together (one wake-up): one clock read for all; the tokens
+        after the first of them came with no gap, counted in one observation."""
         now = time.monotonic()
         metrics = self._metrics
-        if output.queue_seconds is not None and not self._queue_time_seen:
-            self._queue_time_seen = True
-            metrics.request_queue_time.labels(model_name=metrics.labels["model_name"],
-                                              priority=self._priority).observe(output.queue_seconds)
-        num_new = len(output.new_token_ids)
-        if num_new:
-            if self._last_token_time is None:
-                metrics.time_to_first_token.observe(now - self._arrival)
-                self._first_token_time = now
-            else:
-                metrics.token_gaps.observe((now - self._last_token_time) / num_new, num_new)
-            self._num_tokens += num_new
-            self._last_token_time = now
-        if output.finished and not self.finished:
-            self._finish(output.finish_reason or "unknown", now)
+        zero_gaps = 0
+        for output in outputs:
+            if output.queue_seconds is not None and not self._queue_time_seen:
+                self._queue_time_seen = True
+                metrics.request_queue_time.labels(model_name=metrics.labels["model_name"],
+                                                  priority=self._priority).observe(output.queue_seconds)
+            count = len(output.new_token_ids)
+            if count:
+                if self._last_token_time is None:
+                    metrics.time_to_first_token.observe(now - self._arrival)
+                    self._first_token_time = now
+                elif self._last_token_time == now:
+                    zero_gaps += count
+                else:
+                    metrics.token_gaps.observe((now - self._last_token_time) / count, count)
+                self._num_tokens += count
+                self._last_token_time = now
+            if output.finished and not self.finished:
+                self._finish(output.finish_reason or "unknown", now)
+        if zero_gaps:
+            metrics.token_gaps.observe(0.0, zero_gaps)
 
     def on_abort(self) -> None:
         """The request ended without a final output (its client left): count it as aborted."""

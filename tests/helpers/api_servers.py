@@ -84,16 +84,18 @@ class RunningApiServers:
     url: str
     servers: ApiServers
     exited: concurrent.futures.Future  # the launcher's wait(): its exit status once every process has ended
+    api_key: str | None = None  # the app's: clients send it unless told not to
 
-    def client(self, **kwargs) -> httpx.AsyncClient:
+    def client(self, *, with_key: bool = True, **kwargs) -> httpx.AsyncClient:
         """A client of the server (its one keep-alive connection: one API server, whichever accepted it)."""
-        return httpx.AsyncClient(base_url=self.url, timeout=60, **kwargs)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key and with_key else {}
+        return httpx.AsyncClient(base_url=self.url, timeout=60, headers=headers, **kwargs)
 
-    async def client_of(self, index: int, attempts: int = 200) -> httpx.AsyncClient:
+    async def client_of(self, index: int, attempts: int = 200, *, with_key: bool = True) -> httpx.AsyncClient:
         """A client whose connection API server `index` accepted (connections go to whichever accepts
         first: new ones until it is that one). Close it when done."""
         for _ in range(attempts):
-            client = self.client(limits=httpx.Limits(max_connections=1))
+            client = self.client(with_key=with_key, limits=httpx.Limits(max_connections=1))
             if (await client.get("/health")).headers.get(API_SERVER_HEADER) == str(index):
                 return client
             await client.aclose()
@@ -120,7 +122,7 @@ def api_servers(engine_kwargs: dict | None = None, app_kwargs: dict | None = Non
                 if httpx.get(url + "/health", timeout=60).status_code == 200:
                     break
             time.sleep(0.05)
-        yield RunningApiServers(url, servers, exited)
+        yield RunningApiServers(url, servers, exited, (app_kwargs or {}).get("api_key"))
     finally:
         servers.stop()
         exited.result(60)

@@ -27,11 +27,27 @@ pytestmark = pytest.mark.anyio
 ENGINE = {"step_seconds": 0.005, "max_model_len": 512, "num_pages": 1024}
 
 
+MAX_BODY_BYTES = 20_000
+
+
 @pytest.fixture(scope="module")
 def two_replicas():
-    """Two API servers over two replicas, shared by the tests that leave it as they found it."""
-    with api_servers(ENGINE, {"served_model_name": "fake"}, replicas=2) as running:
+    """Two API servers over two replicas, behind a key, shared by the tests that leave it as they found it."""
+    with api_servers(ENGINE, {"served_model_name": "fake", "api_key": "k3y", "max_body_bytes": MAX_BODY_BYTES},
+                     replicas=2) as running:
         yield running
+
+
+async def test_the_key_and_the_body_limit_hold_in_every_api_server(two_replicas):
+    for index in range(2):
+        keyless = await two_replicas.client_of(index, with_key=False)
+        assert (await keyless.get("/v1/models")).status_code == 401
+        assert (await keyless.get("/health")).status_code == 200
+        await keyless.aclose()
+        client = await two_replicas.client_of(index)
+        too_big = await client.post("/v1/completions", json={"prompt": "x" * MAX_BODY_BYTES})
+        assert too_big.status_code == 413, too_big.text
+        await client.aclose()
 
 
 def _values(metrics_text: str, name: str) -> dict:

@@ -116,10 +116,9 @@ def connect_engine(context: ApiServerContext, arrays: SharedArrays, *, shutdown_
     in_flight = arrays["in_flight"][context.index]  # i64[replicas]: this API server's row
 
     def replica(r: int, conn: Connection, **hooks) -> ProcessEngine:
-        engine = ProcessEngine(core=ConnectedCore(conn), api_server=(context.index, context.count),
-                               shutdown_grace_seconds=shutdown_grace_seconds, precompile=True, **hooks)
-        engine.in_flight_listener = functools.partial(in_flight.__setitem__, r)
-        return engine
+        return ProcessEngine(core=ConnectedCore(conn), api_server=(context.index, context.count),
+                             shutdown_grace_seconds=shutdown_grace_seconds, precompile=True,
+                             on_in_flight=functools.partial(in_flight.__setitem__, r), **hooks)
 
     if context.num_replicas == 1:
         return replica(0, context.conns[0], on_ready=on_ready, on_failure=on_failure)

@@ -90,14 +90,16 @@ class ProcessEngine:
 
     With precompile=True the core compiles every program before serving (readiness says how far it
     got); `on_ready` runs on the reader thread once it has, `on_failure(error)` once the core died
-    and every request in flight got the error.
+    and every request in flight got the error; `on_in_flight(n)` on the event loop whenever the number
+    of requests in flight changes.
     """
 
     def __init__(self, build: Callable[[], Engine] | None = None, *, core: ConnectedCore | None = None,
                  api_server: tuple[int, int] = (0, 1), max_in_flight: int | None = None,
                  shutdown_grace_seconds: float = 0.0, precompile: bool = False,
                  on_ready: Callable[[], None] | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None, log_level: str = "warning"):
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 on_in_flight: Callable[[int], None] | None = None, log_level: str = "warning"):
         self.on_ready = on_ready
         self.on_failure = on_failure
         self.shutdown_grace_seconds = shutdown_grace_seconds
@@ -105,8 +107,7 @@ class ProcessEngine:
         self.error: BaseException | None = None
         self._iteration_listeners: list[Callable[[EngineStats], None]] = []
         self._lora_listeners: list[Callable[[list[LoRARequest]], None]] = []
-        # Called with the number of requests in flight whenever it changes (event loop only).
-        self.in_flight_listener: Callable[[int], None] | None = None
+        self._on_in_flight = on_in_flight
         self._live: dict[str, _Live] = {}  # event loop only
         self._calls: dict[int, asyncio.Future] = {}  # event loop only
         self._call_ids = itertools.count()
@@ -233,8 +234,8 @@ class ProcessEngine:
                 self._send(AbortRequest(request_id))
 
     def _in_flight_changed(self) -> None:
-        if self.in_flight_listener is not None:
-            self.in_flight_listener(len(self._live))
+        if self._on_in_flight is not None:
+            self._on_in_flight(len(self._live))
 
     def _send(self, message) -> None:
         self.core.send(message)

@@ -16,12 +16,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orca_jax.server.api_servers import default_api_server_count
+from orca_jax.server.app import create_app
 from orca_jax.server.metrics import PREFIX
 
 from tests.helpers.api_servers import api_servers
 from tests.helpers.lora import write_llama_adapter
 from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
-from tests.helpers.server import parse_sse
+from tests.helpers.server import FakeEngine, asgi_client, parse_sse
 
 pytestmark = pytest.mark.anyio
 ENGINE = {"step_seconds": 0.005, "max_model_len": 512, "num_pages": 1024}
@@ -158,6 +159,13 @@ async def test_metrics_totals_are_what_the_clients_received_whichever_api_server
         assert after["first_tokens"] - before["first_tokens"] == requests
         assert after["in_flight"] == 0
         assert after["iteration_seconds"] == after["iterations"]  # each iteration observed once
+    # The same series as one process gives (its *_created series aside: serve turns them off).
+    async with asgi_client(create_app(FakeEngine(), served_model_name="fake")) as alone:
+        one = {s.name for f in text_string_to_metric_families((await alone.get("/metrics")).text)
+               for s in f.samples if not s.name.endswith("_created")}
+    several = {s.name for f in text_string_to_metric_families((await clients[0].get("/metrics")).text)
+               for s in f.samples}
+    assert several == one, several ^ one
     for client in clients:
         await client.aclose()
 

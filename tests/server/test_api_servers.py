@@ -53,13 +53,13 @@ async def test_the_key_and_the_body_limit_hold_in_every_api_server(two_replicas)
 
 def _values(metrics_text: str, name: str) -> dict:
     """One metric's samples: {(sample name, frozenset of its labels but model_name): value}."""
-    [family] = [f for f in text_string_to_metric_families(metrics_text) if f.name == PREFIX + name]
     return {(s.name, frozenset((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
-            for s in family.samples}
+            for f in text_string_to_metric_families(metrics_text) if f.name == PREFIX + name for s in f.samples}
 
 
 def _value(metrics_text: str, name: str, sample: str | None = None, **labels) -> float:
-    return _values(metrics_text, name)[(PREFIX + (sample or name), frozenset(labels.items()))]
+    """A sample's value; 0 for a labelled series not yet counted (a counter by finish reason before any)."""
+    return _values(metrics_text, name).get((PREFIX + (sample or name), frozenset(labels.items())), 0.0)
 
 
 async def _totals(client: httpx.AsyncClient) -> dict[str, float]:
@@ -161,6 +161,7 @@ async def test_metrics_totals_are_what_the_clients_received_whichever_api_server
         assert after["iteration_seconds"] == after["iterations"]  # each iteration observed once
     # The same series as one process gives (its *_created series aside: serve turns them off).
     async with asgi_client(create_app(FakeEngine(), served_model_name="fake")) as alone:
+        assert (await alone.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})).status_code == 200
         one = {s.name for f in text_string_to_metric_families((await alone.get("/metrics")).text)
                for s in f.samples if not s.name.endswith("_created")}
     several = {s.name for f in text_string_to_metric_families((await clients[0].get("/metrics")).text)

@@ -54,7 +54,7 @@ async def _serving(mode: str, pool, **kwargs):
             yield client
         return
     engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
-    async with pool(engine_kwargs, kwargs).client() as client:
+    async with pool(engine_kwargs, kwargs).client(with_key=False) as client:  # the tests send their own
         yield client
 
 

@@ -5,7 +5,9 @@ a port in use ends the start in a second with one line, not after the model load
 compiled. On SIGTERM or Ctrl-C uvicorn stops accepting connections; we also tell the engine thread to
 stop, so in-flight requests end (finish_reason "abort" after the grace period), their streams close,
 uploads still coming in get 503, and the process exits 0. If the engine loop fails, requests in flight
-get its error, /health answers 503, and the process exits 1 within seconds.
+get its error, /health answers 503, and the process exits 1 within seconds. With --api-server-count N > 1
+this process only launches and watches N API server processes and the engine cores
+(server/api_servers.py); each API server runs run_api_server.
 """
 
 from __future__ import annotations
@@ -71,6 +73,29 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+class _Hooks:
+    """What the engine calls back, from its thread or its pipe's reader: once every program is compiled,
+    and once it failed. The app and the HTTP server they act on are made after the engine."""
+
+    def __init__(self, url: str, announce: bool = True):
+        self.url = url
+        self.announce = announce  # the one API server of several that logs "ready at" (once per server)
+        self.app = None
+        self.server: _Server | None = None
+
+    def on_ready(self) -> None:
+        from orca_jax.server import gc_and_gil
+
+        gc_and_gil.freeze_startup_heap()
+        self.app.state.preprocess.start()  # the grammar workers, so the first constrained request finds them up
+        log.log(logging.INFO if self.announce else logging.DEBUG, "ready at %s", self.url)
+
+    def on_failure(self, error: BaseException) -> None:  # after every request in flight got the error
+        log.critical("the engine loop failed (%r); the server exits", error)
+        if self.server is not None:
+            self.server.exit_soon()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -90,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(argv: list[str], listener: socket.socket | None) -> int:
     # Imported here, after the port is ours: the flags' module imports jax.
     from orca_jax.worker.kv_pool import XLA_MEM_FRACTION_ENV
-    from orca_jax.server.cli_args import (allowed_hosts_from_args, engine_config_from_args,
-                                          http_limits_from_args, parse_args, read_chat_template,
-                                          tool_call_settings_from_args)
-    from orca_jax.server.preprocess import frontend_limits_from_args
+    from orca_jax.server.cli_args import engine_config_from_args, http_limits_from_args, parse_args
 
     args = parse_args(argv)
     config = engine_config_from_args(args)
@@ -105,34 +127,45 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
     limits = http_limits_from_args(args)
     raise_open_file_limit(limits.max_connections + SPARE_FILE_DESCRIPTORS)
 
-    from orca_jax.server import gc_and_gil
-    url = f"{'https' if args.ssl_certfile else 'http'}://{_url_host(args.host)}:{args.port}"
-    server: _Server | None = None
-
-    def on_ready() -> None:
-        gc_and_gil.freeze_startup_heap()
-        app.state.preprocess.start()  # the grammar workers, so the first constrained request finds them up
-        log.info("ready at %s", url)
-
-    def on_failure(error: BaseException) -> None:  # after every request in flight got the error
-        log.critical("the engine loop failed (%r); the server exits", error)
-        if server is not None:
-            server.exit_soon()
+    import prometheus_client
+    prometheus_client.disable_created_metrics()  # the same series whatever --api-server-count is
 
     if args.data_parallel_size < 1:
         print(f"{PROG}: error: --data-parallel-size must be at least 1", file=sys.stderr)
         return 2
+    from orca_jax.server.api_servers import default_api_server_count
+    api_server_count = args.api_server_count or default_api_server_count(args.data_parallel_size)
+    if api_server_count > 1:
+        return _api_servers(argv, args, config, listener, api_server_count)
+    hooks = _Hooks(_url(args))
     if args.engine_process or args.data_parallel_size > 1:
-        async_engine = _engine_process(argv, args, config, on_ready, on_failure)
+        async_engine = _engine_process(argv, args, config, hooks.on_ready, hooks.on_failure)
         if isinstance(async_engine, int):
             return async_engine
         stop_workers = None
     else:
-        async_engine = _engine_thread(args, config, on_ready, on_failure)
+        async_engine = _engine_thread(args, config, hooks.on_ready, hooks.on_failure)
         if isinstance(async_engine, int):
             return async_engine
         stop_workers = async_engine.engine.runner.stop_workers
+    status = _run_http(args, async_engine, listener, hooks)
+    if stop_workers is not None:
+        stop_workers()
+    return status
+
+
+def _url(args) -> str:
+    return f"{'https' if args.ssl_certfile else 'http'}://{_url_host(args.host)}:{args.port}"
+
+
+def _run_http(args, async_engine, listener: socket.socket | None, hooks: _Hooks, shared_metrics=None) -> int:
+    """Serve the app over `async_engine` until a signal or the engine's failure; the exit status."""
     from orca_jax.server.app import CORSPolicy, create_app
+    from orca_jax.server.cli_args import (allowed_hosts_from_args, http_limits_from_args, read_chat_template,
+                                          tool_call_settings_from_args)
+    from orca_jax.server.preprocess import frontend_limits_from_args
+
+    limits = http_limits_from_args(args)
     cors = None if args.allowed_origins is None else CORSPolicy(
         args.allowed_origins, args.allowed_methods, args.allowed_headers)
     app = create_app(async_engine, api_key=args.api_key or os.environ.get("ORCA_API_KEY"),
@@ -143,7 +176,9 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
                      allowed_hosts=allowed_hosts_from_args(args), chat_template=read_chat_template(args.chat_template),
                      max_upload_bytes=args.max_upload_bytes, max_json_depth=args.max_json_depth,
                      log_requests=not args.disable_log_requests, cors=cors,
-                     tool_calls=tool_call_settings_from_args(args), frontend=frontend_limits_from_args(args))
+                     tool_calls=tool_call_settings_from_args(args), frontend=frontend_limits_from_args(args),
+                     shared_metrics=shared_metrics)
+    hooks.app = app
     uvicorn_config = uvicorn.Config(app, host=args.host, port=args.port,
                                     log_level=args.uvicorn_log_level or args.log_level,
                                     access_log=not args.disable_uvicorn_access_log,
@@ -155,14 +190,62 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
     # these make that a no-op, so a graceful SIGTERM (or Ctrl-C) exits 0 instead of dying by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _already_handled)
-    server = _Server(uvicorn_config, on_exit=async_engine.begin_shutdown)
+    hooks.server = server = _Server(uvicorn_config, on_exit=async_engine.begin_shutdown)
     server.run(sockets=None if listener is None else [listener])
-    if stop_workers is not None:
-        stop_workers()
     if async_engine.error is not None:
         log.error("exiting with status %d: the engine loop failed", EXIT_ENGINE_FAILED)
         return EXIT_ENGINE_FAILED
     return 0
+
+
+def _api_servers(argv, args, config, listener, count: int) -> int:
+    """--api-server-count N > 1: this process launches the engine cores and N API server processes
+    (run_api_server), and watches them until they have all exited."""
+    from orca_jax.engine.replicas import replica_device_slices
+    from orca_jax.server.api_servers import ApiServers, api_servers_refusal
+    from orca_jax.server.engine_factory import ServedEngineFactory
+
+    refusal = api_servers_refusal(config)
+    if refusal is not None:
+        print(f"{PROG}: error: {refusal}", file=sys.stderr)
+        return 2
+    try:
+        slices = ([None] if args.data_parallel_size == 1
+                  else replica_device_slices(config.parallel, args.data_parallel_size))
+    except ValueError as error:  # too few GPUs for the replicas
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    log.info("loading %s in %d engine core process(es), served by %d API server processes", args.model,
+             len(slices), count)
+    servers = ApiServers([ServedEngineFactory(tuple(argv), s) for s in slices], count, run_api_server, listener,
+                         argv=argv, log_level=args.log_level, grace_seconds=args.shutdown_grace_seconds)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: servers.stop())
+    return servers.wait()
+
+
+def run_api_server(context) -> int:
+    """One API server process of several (server/api_servers.py's front end): serve's HTTP over the
+    engine cores the launcher started, on its listening socket; the exit status."""
+    from orca_jax.engine.core_client import EngineStartError
+    from orca_jax.server.api_servers import connect_engine
+    from orca_jax.server.cli_args import parse_args
+
+    args = parse_args(list(context.argv))
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s [api server {context.index}]: %(message)s")
+    import prometheus_client
+    prometheus_client.disable_created_metrics()
+    hooks = _Hooks(_url(args), announce=context.index == 0)
+    arrays = context.arrays()
+    try:
+        async_engine = connect_engine(context, arrays, shutdown_grace_seconds=args.shutdown_grace_seconds,
+                                      on_ready=hooks.on_ready, on_failure=hooks.on_failure)
+    except EngineStartError as error:  # a model the cores cannot read: one line, from one API server
+        if context.index == 0:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    return _run_http(args, async_engine, context.listener, hooks, context.shared_metrics(arrays))
 
 
 def _engine_thread(args, config, on_ready, on_failure):

@@ -27,6 +27,7 @@ from orca_jax.config import (KVCacheDtype, Quantization, AttentionBackend, Cache
                              SchedulerConfig, SchedulingPolicy)
 from orca_jax.bench.datasets import int_list, requested_lengths
 from orca_jax.core.kv.manager import KVCacheManager
+from orca_jax.engine.defaults import SERVER_SCHEDULING
 from orca_jax.core.request import Request
 from orca_jax.engine.defaults import UsageContext
 from orca_jax.sampling_params import SamplingParams
@@ -132,15 +133,19 @@ def _on_off_list(text: str) -> list[bool]:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama-8b",
-                         lists: bool = False) -> None:
+                         lists: bool = False, server_defaults: bool = False) -> None:
     """The engine's flags, named as `python -m orca_jax.serve`'s; defaults are the device's and model's
     batch shape (engine/defaults.py, as `LLM` takes it: 64 sequences and 512 tokens per iteration on a
     CPU), bf16 random weights, and the library's scheduling (fcfs, ORCA's reservation). With lists,
     --max-num-seqs, --max-in-flight, --scheduling-policy and --async-scheduling take comma lists (every
-    combination runs on one engine built for the largest)."""
+    combination runs on one engine built for the largest). With server_defaults, the batch and the
+    scheduling are serve's own where not given (None until resolve_server_defaults fills them for the
+    device)."""
     from orca_jax.models.presets import describe_presets
 
     many = " (a comma list runs each)" if lists else ""
+    served = " (default: what serve picks for the model and device)" if server_defaults else ""
+    parser.set_defaults(server_defaults=server_defaults)
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=model, help=f"a preset ({describe_presets()}) or a model path")
     group.add_argument("--load-format", choices=["dummy", "auto"], default="dummy",
@@ -152,13 +157,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
                        help="fp8: e4m3 projection weights (models/fp8.py)")
     group.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto",
                        help="fp8: e4m3 KV pages")
-    shape = " (default: the device's and model's, engine/defaults.py: {} on a CPU, {} on a GPU)"
+    shape = served or " (default: the device's and model's, engine/defaults.py: {} on a CPU, {} on a GPU)"
     group.add_argument("--max-num-seqs", type=str if lists else int, default=None,
                        help="requests per iteration" + many + shape.format(64, "128-256"))
     group.add_argument("--max-num-batched-tokens", type=str if lists else int, default=None,
                        help="tokens per iteration" + (" (a comma list builds an engine for each)" if lists else "")
                        + shape.format(512, "2048-8192"))
-    group.add_argument("--max-waiting", type=int, default=4096, help="requests queued at most")
+    group.add_argument("--max-waiting", type=int, default=None if server_defaults else 4096,
+                       help="requests queued at most" + served)
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context in tokens (default: the model's); the dataset's lengths are fitted to it")
     group.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -171,10 +177,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
                        default=AttentionBackend.AUTO.value, help="the ragged attention's implementation")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices each layer is split over")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
-    group.add_argument("--scheduling-policy", default=SchedulingPolicy.FCFS.value,
-                       help=", ".join(p.value for p in SchedulingPolicy) + many)
-    group.add_argument("--kv-allocation", choices=[k.value for k in KVAllocation], default=KVAllocation.RESERVE.value,
-                       help="reserve: ORCA's, a request's whole KV when it starts; on_demand: as it grows")
+    group.add_argument("--scheduling-policy", default=None if server_defaults else SchedulingPolicy.FCFS.value,
+                       help=", ".join(p.value for p in SchedulingPolicy) + many + served)
+    group.add_argument("--kv-allocation", choices=[k.value for k in KVAllocation],
+                       default=None if server_defaults else KVAllocation.RESERVE.value,
+                       help="reserve: ORCA's, a request's whole KV when it starts; on_demand: as it grows" + served)
     group.add_argument("--async-scheduling", type=_on_off_list, default=[True],
                        help="plan iteration k+1 while k runs: on, off" + (" or on,off" if lists else ""))
     if lists:
@@ -243,22 +250,31 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None,
     """The EngineConfig the flags describe; max_num_seqs: the largest a later run asks for;
     max_num_batched_tokens: this engine's of a list of budgets. Open batch flags take the device's defaults."""
     fill_batch_defaults(args)
-    seqs = max_num_seqs or max(int_list(args.max_num_seqs))
+    seqs = max_num_seqs or largest_int(args.max_num_seqs)
     cache_dir = args.compilation_cache_dir
+    budget = max_num_batched_tokens or first_int(args.max_num_batched_tokens)
+    # serve's own scheduling (resolve_server_defaults filled the rest): its cap on a prompt's share and
+    # priority preemption; the bench's own: no cap, none.
+    served = {"long_prefill_token_threshold": SERVER_SCHEDULING.long_prefill_token_threshold(None, budget),
+              "priority_preemption": SERVER_SCHEDULING.priority_preemption} if args.server_defaults else {}
     return EngineConfig(
         model=args.model, dtype=model_dtype(args),
         cache=CacheConfig(page_size=args.page_size, num_pages=args.num_kv_pages, kv_memory_gib=args.kv_cache_memory_gib,
                           enable_prefix_caching=args.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens or first_int(args.max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget,
                                   max_waiting=args.max_waiting, async_scheduling=args.async_scheduling[0],
                                   policy=SchedulingPolicy(args.scheduling_policy.split(",")[0]),
-                                  kv_allocation=KVAllocation(args.kv_allocation)),
+                                  kv_allocation=KVAllocation(args.kv_allocation), **served),
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size, tensor_parallel=args.tensor_parallel_size),
         attention=AttentionBackend(args.attention_backend), max_model_len=args.max_model_len, seed=args.engine_seed,
         quantization=None if args.quantization is None else Quantization(args.quantization),
         kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
         compilation_cache_dir=None if cache_dir == "none" else cache_dir, **overrides)
+
+
+def largest_int(value: int | str) -> int:
+    """An int flag's value, or the largest of a comma list."""
+    return value if isinstance(value, int) else max(int(x) for x in str(value).split(","))
 
 
 def first_int(value: int | str) -> int:
@@ -310,17 +326,18 @@ def measured_engine(args: argparse.Namespace, results: Results, peaks=None, **ov
 
 
 def _engine_flags(args: argparse.Namespace) -> list[str]:
-    """The flags the bench and the server share, for the engine these flags build (first of any list)."""
-    seqs, tokens = args.max_num_seqs, args.max_num_batched_tokens  # open ones stay open: the child picks its own
+    """The flags the bench and the server share, for the engine these flags build (first of any list);
+    with server_defaults, only those given."""
+    seqs, budget, policy = args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy
     values = [("--model", args.model), ("--dtype", model_dtype(args)),
-              ("--max-num-seqs", None if seqs is None else max(int_list(seqs))),
-              ("--max-num-batched-tokens", None if tokens is None else first_int(tokens)),
-              ("--max-waiting", args.max_waiting),
+              ("--max-num-seqs", None if seqs is None else largest_int(seqs)),
+              ("--max-num-batched-tokens", None if budget is None else first_int(budget)), ("--max-waiting", args.max_waiting),
               ("--max-model-len", args.max_model_len), ("--page-size", args.page_size),
               ("--num-kv-pages", args.num_kv_pages), ("--kv-cache-memory-gib", args.kv_cache_memory_gib),
               ("--attention-backend", args.attention_backend), ("--tensor-parallel-size", args.tensor_parallel_size),
               ("--pipeline-parallel-size", args.pipeline_parallel_size),
-              ("--scheduling-policy", args.scheduling_policy.split(",")[0]), ("--kv-allocation", args.kv_allocation),
+              ("--scheduling-policy", None if policy is None else policy.split(",")[0]),
+              ("--kv-allocation", args.kv_allocation),
               ("--compilation-cache-dir", args.compilation_cache_dir)]
     switches = ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
     return [str(x) for flag, value in values if value is not None for x in (flag, value)] + switches
@@ -333,13 +350,13 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def serve_flags(args: argparse.Namespace, port: int) -> list[str]:
-    """`python -m orca_jax.serve`'s flags for the engine the same flags build in process (the server's
-    own defaults differ: priority scheduling, on-demand KV, a cap on long prompts' chunks; here they are the
-    bench's). The server loads the model as `--load-format auto` would: random weights for every preset but
-    SmolLM2."""
-    return _engine_flags(args) + ["--port", str(port), "--seed", str(args.engine_seed), "--no-priority-preemption",
-                                  "--long-prefill-token-threshold", "0", "--log-level", "warning"] + (
-        [] if args.async_scheduling[0] else ["--no-async-scheduling"])
+    """`python -m orca_jax.serve`'s flags for the engine the same flags build in process: the bench's
+    scheduling (the server's own defaults differ: priority scheduling, on-demand KV, a cap on long prompts'
+    chunks), or with server_defaults the server's own and only the flags given. The server loads the model
+    as `--load-format auto` would: random weights for every preset but SmolLM2."""
+    bench_scheduling = [] if args.server_defaults else ["--no-priority-preemption", "--long-prefill-token-threshold", "0"]
+    return _engine_flags(args) + ["--port", str(port), "--seed", str(args.engine_seed), "--log-level", "warning",
+                                  *bench_scheduling] + ([] if args.async_scheduling[0] else ["--no-async-scheduling"])
 
 
 # ---- a launched server --------------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 Streamed requests (serve_client.py) from a dataset or a JSONL of prompts, at --request-rate (Gamma
 arrivals of --burstiness; inf: all at once); requests/s, output tokens/s, TTFT, TPOT, inter-token
 latency, and goodput under --goodput SLOs. --launch first starts `python -m orca_jax.serve` with the
-engine flags (the bench's scheduling defaults, not the server's), waits until /health says every
-program is compiled, and checks that serving compiled nothing more. --compare-in-process then runs the
-same requests through the same engine in this process (after the server has exited, so each has the
-GPU to itself), twice, and reports the last HTTP run's output tokens/s over the last in-process run's.
+engine flags given (the rest are what serve picks for the model and device, so the numbers are what a
+user of serve gets), waits until /health says every program is compiled, and checks that serving
+compiled nothing more. --compare-in-process then runs the same requests through the same engine (serve's
+settings, resolved for this device) in this process (after the server has exited, so each has the GPU
+to itself), twice, and reports the last HTTP run's output tokens/s over the last in-process run's.
 
 docs/benchmarks.md's HTTP replay (the ORCA trace, twice through the server, against in-process):
   python -m orca_jax.bench serve --model llama-8b --launch --compare-in-process --num-runs 2 \
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import math
 import os
+import time
 
 from orca_jax.bench import serve_client
 from orca_jax.bench.datasets import DatasetName, add_dataset_arguments, lengths_from_args, make_trace
@@ -32,7 +35,7 @@ from orca_jax.bench.serve_stats import Slo, format_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)  # --model is also the model name requests carry
+    add_engine_arguments(parser, server_defaults=True)  # --model is also the model name requests carry
     add_dataset_arguments(parser, lists=False, names=(DatasetName.UNIFORM, DatasetName.HOMOGENEOUS,
                                                       DatasetName.SHAREGPT_LIKE))
     parser.add_argument("--dataset-path", default=None, help=f'--dataset-name {CUSTOM}: a JSONL of '
@@ -46,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="launch the server with its engine core in its own process (serve --engine-process)")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="launch the server with this many engine replicas (serve --data-parallel-size)")
+    parser.add_argument("--api-server-count", type=int, default=None,
+                        help="launch the server with this many API server processes (default: serve's)")
     parser.add_argument("--endpoint", choices=[e.value for e in Endpoint], default=Endpoint.COMPLETIONS.value)
     parser.add_argument("--prompt-format", choices=[p.value for p in PromptFormat], default=None,
                         help="dataset prompts as token ids (completions' default) or words (chat's)")
@@ -131,13 +136,36 @@ def _replays(config: ServeBenchConfig, args: argparse.Namespace) -> tuple[list[d
     runs, records = [], []
     for _ in range(args.num_runs):
         before = engine_counters(config.base_url)
+        cpu = time.process_time()
         summary, records = asyncio.run(serve_client.run(config, progress=not args.disable_tqdm))
+        # The load generator's own CPU: near the run's duration, it (one process) may be what limits it.
+        summary["client_cpu_s"] = time.process_time() - cpu
         after = engine_counters(config.base_url) if before is not None else None
         if after is not None:
             summary["engine"] = engine_side(before, after, summary["duration_s"])
         print(format_summary(summary), flush=True)
         runs.append(summary)
     return runs, serve_client.records_json(records)
+
+
+def resolve_server_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with what serve picks where they leave it open (the batch for the model and this process's
+    first device, serve's scheduling): the engine a launched server ran. Starts jax."""
+    from orca_jax.config import SchedulerConfig
+    from orca_jax.engine.defaults import LARGE_MODEL_PARAMS, SERVER_SCHEDULING, UsageContext, batch_defaults
+    from orca_jax.models.presets import PRESETS
+
+    resolved = copy.copy(args)
+    if args.max_num_seqs is None or args.max_num_batched_tokens is None:
+        batch = batch_defaults(UsageContext.SERVER,
+                               PRESETS[args.model].num_params if args.model in PRESETS else LARGE_MODEL_PARAMS)
+        resolved.max_num_seqs = args.max_num_seqs or batch.max_num_seqs
+        resolved.max_num_batched_tokens = args.max_num_batched_tokens or batch.max_num_batched_tokens
+    scheduler = {f.name: f.default for f in dataclasses.fields(SchedulerConfig)}
+    resolved.max_waiting = args.max_waiting or scheduler["max_waiting"]
+    resolved.scheduling_policy = args.scheduling_policy or SERVER_SCHEDULING.policy.value
+    resolved.kv_allocation = args.kv_allocation or SERVER_SCHEDULING.kv_allocation.value
+    return resolved
 
 
 def in_process(args: argparse.Namespace) -> list[dict]:
@@ -160,7 +188,8 @@ def run(args: argparse.Namespace) -> Results:
     if args.launch:
         log = os.path.join(args.result_dir, f"{args.model}_server.log") if args.result_dir else None
         flags = (serve_flags(args, args.port) + (["--engine-process"] if args.engine_process else [])
-                 + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else []))
+                 + (["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else [])
+                 + (["--api-server-count", str(args.api_server_count)] if args.api_server_count else []))
         with launched_server(flags, args.port, log, args.timeout_s) as server:
             config = config_from_args(args, server["base_url"])
             server["programs_at_ready"] = compiled_programs(server["base_url"])
@@ -176,7 +205,10 @@ def run(args: argparse.Namespace) -> Results:
     if local:
         results.update(device_info())
     if args.compare_in_process:
-        local_runs = in_process(args)
+        resolved = resolve_server_defaults(args)
+        results.section("in_process_engine", {key: getattr(resolved, key) for key in (
+            "max_num_seqs", "max_num_batched_tokens", "max_waiting", "scheduling_policy", "kv_allocation")})
+        local_runs = in_process(resolved)
         results.section("in_process", local_runs)
         results.section("http_over_in_process", runs[-1]["output_throughput"] / local_runs[-1]["tokens_per_s"])
         print(f"HTTP / in-process: {results['http_over_in_process']:.3f} ({runs[-1]['output_throughput']:,.0f} vs "

@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from orca_jax.config import KVAllocation, SchedulingPolicy
+
 
 class UsageContext(enum.Enum):
     """Who builds the engine: the offline LLM API, or the HTTP server."""
@@ -44,6 +46,29 @@ class BatchDefaults:
     max_num_batched_tokens: int
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerScheduling:
+    """What `serve` schedules by where its flags leave it open; the library keeps ORCA as published
+    (FCFS, KV reserved up front, no cap on a prompt's share of an iteration). `bench serve --launch
+    --compare-in-process` builds its in-process engine from these too, so both run the same engine."""
+
+    policy: SchedulingPolicy = SchedulingPolicy.PRIORITY  # interactive chat may overtake batch jobs
+    # Chats without max_tokens then share the pool instead of running one at a time (notes/policy.md).
+    kv_allocation: KVAllocation = KVAllocation.ON_DEMAND
+    priority_preemption: bool = True
+    # A long prompt takes at most this share of an iteration it shares with others (vLLM's default is
+    # 4% of the context: 327 of 8,192).
+    long_prefill_share: int = 4
+
+    def long_prefill_token_threshold(self, given: int | None, max_num_batched_tokens: int) -> int | None:
+        """--long-prefill-token-threshold's value: None (not given) is 1/long_prefill_share of the
+        budget, 0 no cap."""
+        if given is None:
+            return max(1, max_num_batched_tokens // self.long_prefill_share)
+        return given or None
+
+
+SERVER_SCHEDULING = ServerScheduling()
 LARGE_GPU_GIB = 40.0
 LARGE_MODEL_PARAMS = 3e9
 _TABLE: tuple[tuple[str, float, float, BatchDefaults, BatchDefaults], ...] = (

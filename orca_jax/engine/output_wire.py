@@ -67,10 +67,12 @@ class Received:
 
     def decode(self, row: Row) -> RequestOutput:
         request_id, new_ids, new_text, ids_kept, ids_tail, text_kept, text_tail, *rest = row
-        del self.ids[ids_kept:]
-        self.ids += new_ids if ids_tail is None else ids_tail
-        self.text = self.text[:text_kept] + text_tail
-        return RequestOutput(request_id, new_ids, new_text, list(self.ids), self.text, *rest)
+        ids, text = self.ids, self.text
+        if ids_kept != len(ids):  # a stop string cut the last step's tokens
+            del ids[ids_kept:]
+        ids += new_ids if ids_tail is None else ids_tail
+        self.text = text = (text if text_kept == len(text) else text[:text_kept]) + text_tail
+        return RequestOutput(request_id, new_ids, new_text, ids[:], text, *rest)
 
 
 def request_id_of(row: Row) -> str:

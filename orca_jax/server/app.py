@@ -23,7 +23,7 @@ from orca_jax.server.errors import APIError, install_error_handlers
 from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, FineTuningJobsCollector,
                                          FineTuningRoutes, install_fine_tuning_routes)
 from orca_jax.server.lora import ServedModels, install_lora_routes
-from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics
+from orca_jax.server.metrics import CONTENT_TYPE, ServerMetrics, SharedMetrics
 from orca_jax.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
 from orca_jax.server.preprocess import FrontendLimits, Preprocessor
 from orca_jax.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -112,7 +112,8 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
                log_requests: bool = False, cors: CORSPolicy | None = None,
                max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
                tool_calls: ToolCallSettings = ToolCallSettings(),
-               frontend: FrontendLimits = FrontendLimits(), max_json_depth: int = DEFAULT_MAX_DEPTH) -> FastAPI:
+               frontend: FrontendLimits = FrontendLimits(), max_json_depth: int = DEFAULT_MAX_DEPTH,
+               shared_metrics: SharedMetrics | None = None) -> FastAPI:
     """An OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread.
 
     A bare Engine is wrapped in an AsyncEngine; an EngineClient (AsyncEngine, or ProcessEngine with the
@@ -125,14 +126,16 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
     `tool_calls`: the tool-call parser and whether "auto" tool choice is on. `frontend`: the grammar
     workers' time limit and number (app.state.preprocess starts them at the first constrained
     request, or at its start()). `max_json_depth`: how deeply a body may nest JSON arrays and objects
-    (deeper: 400).
+    (deeper: 400). `shared_metrics`: this app's process is one of several API server processes of one
+    server (server/api_servers.py), whose /metrics answer for all of them.
     """
     async_engine = engine if isinstance(engine, EngineClient) else AsyncEngine(engine)
     served_model_name = served_model_name or async_engine.engine.config.model
     replicated = isinstance(async_engine, ReplicatedEngineClient)
     metrics = ServerMetrics(lambda: async_engine.latest_stats, lambda: async_engine.num_in_flight,
                             model_name=served_model_name,
-                            replica_stats=(lambda: async_engine.replica_stats) if replicated else None)
+                            replica_stats=(lambda: async_engine.replica_stats) if replicated else None,
+                            shared=shared_metrics)
     async_engine.add_iteration_listener(metrics.observe_iteration)
     # The base and its LoRA adapters (those the engine holds now, and later loads over HTTP).
     models = ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
@@ -186,7 +189,7 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
     install_lora_routes(v1, models)
     if async_engine.engine.fine_tuning is not None:
         install_fine_tuning_routes(v1, FineTuningRoutes(async_engine, served_model_name))
-        metrics.registry.register(FineTuningJobsCollector(async_engine.engine.fine_tuning, served_model_name))
+        metrics.add_collector(FineTuningJobsCollector(async_engine.engine.fine_tuning, served_model_name))
 
     app.include_router(v1)
 

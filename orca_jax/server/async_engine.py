@@ -161,6 +161,9 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def add_lora_listener(self, listener) -> None:
+        """Never called back: only this process's app changes this engine's adapters (EngineClient's)."""
+
     def add_iteration_listener(self, listener: Callable[[EngineStats], None]) -> None:
         """Call `listener(stats)` on the engine thread after every iteration (e.g. for metrics)."""
         self._iteration_listeners.append(listener)

@@ -102,8 +102,7 @@ class ChoiceStreams:
         if len(self.streams) == 1:  # the common case needs no pumping
             stream, timer = self.streams[0], self.timers[0]
             while outputs := await stream.next_outputs():
-                for output in outputs:
-                    timer.on_output(output)
+                timer.on_outputs(outputs)
                 yield 0, outputs
             return
         queue: asyncio.Queue[tuple[int, list[RequestOutput] | BaseException | None]] = asyncio.Queue()
@@ -126,8 +125,7 @@ class ChoiceStreams:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    for output in item:
-                        self.timers[index].on_output(output)
+                    self.timers[index].on_outputs(item)
                     yield index, item
         finally:
             for task in tasks:

@@ -16,7 +16,7 @@ import jinja2
 
 from orca_jax.config import (KVCacheDtype, Quantization, DTYPES, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, LoRAConfig,
                              ParallelConfig, SamplingConfig, SchedulerConfig, SchedulingPolicy)
-from orca_jax.engine.defaults import BatchDefaults, UsageContext, batch_defaults_for
+from orca_jax.engine.defaults import SERVER_SCHEDULING, BatchDefaults, UsageContext, batch_defaults_for
 from orca_jax.json_limits import DEFAULT_MAX_DEPTH, MAX_DEPTH_LIMIT
 from orca_jax.models import presets
 from orca_jax.server.app import DEFAULT_MAX_BODY_BYTES, LOCAL_HOSTS
@@ -30,12 +30,11 @@ from orca_jax.structured.tool_parsers import TOOL_PARSERS
 
 PROG = "python -m orca_jax.serve"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# Not given, --long-prefill-token-threshold is this share of the token budget: a long prompt then takes
-# at most a quarter of an iteration it shares (vLLM's default is 4% of the context: 327 of 8,192).
-LONG_PREFILL_SHARE = 4
+# Not given, --long-prefill-token-threshold is this share of the token budget (engine/defaults.py).
+LONG_PREFILL_SHARE = SERVER_SCHEDULING.long_prefill_share
 # The server's default, unlike the library's (RESERVE, ORCA as published): chats without max_tokens
 # then share the pool instead of running one at a time (measured: notes/policy.md, docs/scheduling.md).
-SERVE_KV_ALLOCATION = KVAllocation.ON_DEMAND
+SERVE_KV_ALLOCATION = SERVER_SCHEDULING.kv_allocation
 
 
 def _default(config_class: type, field_name: str):
@@ -125,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--max-waiting", type=int, default=_default(SchedulerConfig, "max_waiting"),
                        help="requests queued beyond the running batch; more get 503 + Retry-After")
     sched.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy] + ["deadline"],
-                       default=SchedulingPolicy.PRIORITY.value,
+                       default=SERVER_SCHEDULING.policy.value,
                        help="priority lets interactive chat (high 'priority') overtake batch jobs; das is "
                        "TCB's deadline-aware scheduler (requests' deadline_ms); sjf and edf for comparison")
     sched.add_argument("--kv-allocation", choices=[k.value for k in KVAllocation],
@@ -134,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "lowest-ranked request when the pool runs dry; reserve: ORCA's up-front reservation "
                        "of prompt + max_tokens, which never preempts but runs requests with a large "
                        "max_tokens few at a time")
-    sched.add_argument("--priority-preemption", action=argparse.BooleanOptionalAction, default=True,
+    sched.add_argument("--priority-preemption", action=argparse.BooleanOptionalAction,
+                       default=SERVER_SCHEDULING.priority_preemption,
                        help="under --scheduling-policy priority, a request that does not fit preempts running "
                        "requests it outranks (recomputed later, nothing lost)")
     sched.add_argument("--priority-aging-s", type=float, default=_default(SchedulerConfig, "priority_aging_s"),
@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "tensor x pipeline GPUs (replica r gets CUDA_VISIBLE_DEVICES' slice r), behind this one "
                      "front end; a request goes to the replica holding its prompt's prefix, else the least "
                      "loaded (implies --engine-process)")
+    api.add_argument("--api-server-count", type=int, default=None,
+                     help="API server processes (each its own event loop, tokenizer and HTTP handling) on the one "
+                     "port, each reaching every engine core (implies --engine-process); default: one per "
+                     "data-parallel replica where the machine has two CPU cores for each, else 1")
 
     tools = p.add_argument_group("tool calls")
     tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
@@ -307,6 +311,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """Flag errors no single flag's type can see; each exits through parser.error."""
     if args.default_max_tokens < 0:
         parser.error("--default-max-tokens must be 0 (the rest of the context) or more")
+    if args.api_server_count is not None and args.api_server_count < 1:
+        parser.error("--api-server-count must be at least 1")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
@@ -365,9 +371,7 @@ def http_limits_from_args(args: argparse.Namespace) -> HTTPLimits:
 
 def long_prefill_token_threshold(given: int | None, max_num_batched_tokens: int) -> int | None:
     """The flag's value: None (not given) is a 1/LONG_PREFILL_SHARE of the budget, 0 no cap."""
-    if given is None:
-        return max(1, max_num_batched_tokens // LONG_PREFILL_SHARE)
-    return given or None
+    return SERVER_SCHEDULING.long_prefill_token_threshold(given, max_num_batched_tokens)
 
 
 def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | None = None) -> EngineConfig:

@@ -5,7 +5,12 @@ A request goes to the replica the router picks (engine/router.py: the replica ho
 prefix of its prompt, unless it is busier than the least loaded by more than the router's imbalance;
 else the least loaded). What the server reads of one engine it reads of all: readiness is every
 replica's, the stats are summed (the last iteration's time and the peak in flight are the largest), a
-replica that fails fails the server, and a prefix-cache reset or an adapter load goes to every one.
+replica that fails fails the server, and a prefix-cache reset or an adapter load goes to every one
+(an adapter some replica refuses is unloaded from those that took it, so all serve the same ones).
+
+Behind several API server processes (`serve --api-server-count N`) each has one of these over the
+same cores; they route as one router would: the prefix map is shared (`owners`) and the loads are
+every API server's requests in flight (`loads`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from orca_jax.engine import EngineStats
-from orca_jax.engine.router import ReplicaRouter, adapter_salt
+from orca_jax.engine.router import PrefixOwners, ReplicaRouter, adapter_salt
+from orca_jax.lora.request import LoRARequest
 from orca_jax.server.async_engine import Readiness
 from orca_jax.server.process_engine import ProcessEngine
 
@@ -36,14 +42,20 @@ def start_replicas(builders: Sequence[Callable[[], ProcessEngine]]) -> list[Proc
 
 
 class DataParallelEngine:
-    """N engine cores behind one EngineClient (server/engine_client.py)."""
+    """N engine cores behind one EngineClient (server/engine_client.py). `owners`: the router's prefix
+    map (its own when None); `loads`: each replica's requests in flight (this front end's when None);
+    `first_replica`: where the router's ties start."""
 
     def __init__(self, replicas: Sequence[ProcessEngine], *, imbalance: int = 8,
                  on_ready: Callable[[], None] | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None):
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 owners: PrefixOwners | None = None, loads: Callable[[], Sequence[int]] | None = None,
+                 first_replica: int = 0):
         self.replicas = list(replicas)
         self.engine = self.replicas[0].engine  # the same model, config and tokenizer in each
-        self.router = ReplicaRouter(len(self.replicas), self.engine.config.cache.page_size, imbalance)
+        self.router = ReplicaRouter(len(self.replicas), self.engine.config.cache.page_size, imbalance,
+                                    owners=owners, first=first_replica)
+        self._loads = loads or (lambda: [r.num_in_flight for r in self.replicas])
         self.max_in_flight = sum(r.max_in_flight for r in self.replicas)
         self._on_ready, self._on_failure = on_ready, on_failure
         self._lock = threading.Lock()
@@ -118,12 +130,14 @@ class DataParallelEngine:
         for replica in self.replicas:
             replica.add_iteration_listener(listener)
 
+    def add_lora_listener(self, listener: Callable[[list[LoRARequest]], None]) -> None:
+        self.replicas[0].add_lora_listener(listener)  # every replica registers the same adapters
+
     # ---- requests -------------------------------------------------------------------------------
 
     def route(self, prompt_token_ids: Sequence[int], lora_request=None) -> int:
         """The replica a request with this prompt goes to now (its adapter salts the prefix)."""
-        return self.router.route(prompt_token_ids, [r.num_in_flight for r in self.replicas],
-                                 adapter_salt(lora_request))
+        return self.router.route(prompt_token_ids, self._loads(), adapter_salt(lora_request))
 
     async def submit(self, prompt_token_ids, sampling, *, request_id, priority=0, deadline=None,
                      lora_request=None, grammar=None):
@@ -135,7 +149,14 @@ class DataParallelEngine:
         return sum(await asyncio.gather(*(r.reset_prefix_cache() for r in self.replicas)))
 
     async def add_lora(self, lora_request, adapter) -> None:
-        await asyncio.gather(*(r.add_lora(lora_request, adapter) for r in self.replicas))
+        results = await asyncio.gather(*(r.add_lora(lora_request, adapter) for r in self.replicas),
+                                       return_exceptions=True)
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:  # all or none: the replicas that took it let it go again
+            await asyncio.gather(*(r.remove_lora(lora_request.lora_int_id)
+                                   for r, result in zip(self.replicas, results) if not isinstance(result, BaseException)),
+                                 return_exceptions=True)
+            raise errors[0]
 
     async def remove_lora(self, lora_int_id: int) -> bool:
         return all(await asyncio.gather(*(r.remove_lora(lora_int_id) for r in self.replicas)))

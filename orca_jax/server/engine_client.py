@@ -42,6 +42,10 @@ class EngineClient(Protocol):
 
     def add_iteration_listener(self, listener: Callable[[EngineStats], None]) -> None: ...
 
+    def add_lora_listener(self, listener: Callable[[list[LoRARequest]], None]) -> None:
+        """Call `listener(adapters)` on the event loop with the engine's registered adapters whenever
+        another front end loaded or unloaded one (engines driven by several API server processes)."""
+
     @property
     def is_running(self) -> bool: ...
 

@@ -9,6 +9,7 @@ feeds it each delta, so calls go out as `delta.tool_calls` once their JSON is co
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=False) without its encoder object
 
 from orca_jax.outputs import PromptLogprobs, RequestOutput, TokenLogprob
 from orca_jax.server import responses
@@ -53,19 +54,32 @@ class _ChunkFrame:
 
     Each token of each stream is one chunk. Building and serializing pydantic models for it took
     more of the event loop than anything else we control, and that loop shares the GIL with the
-    engine thread; the per-token choices are now written as strings into this frame instead.
-    tests/server/test_formatting.py checks that the result equals the models' JSON byte for byte.
+    engine thread; the per-token choices are now written as strings into this frame instead, and a
+    chunk of text that finishes nothing (almost every one) is two strings kept per choice around the
+    text's JSON. tests/server/test_formatting.py checks that the result equals the models' JSON byte
+    for byte.
     """
 
-    def __init__(self, chunk_without_choices_json: str):
+    def __init__(self, chunk_without_choices_json: str, text_choice: str):
         head, hole, tail = chunk_without_choices_json.partition('"choices":[]')
         if not hole:
             raise ValueError(f"no empty choices list in {chunk_without_choices_json!r}")
         self.head = head + '"choices":['
         self.tail = "]" + tail
+        # The choice of a text chunk, {index} and {text} its holes: split once per choice, on first use.
+        self._text_choice = text_choice
+        self._around_text: dict[int, tuple[str, str]] = {}
 
     def around(self, choice_json: str) -> str:
         return self.head + choice_json + self.tail
+
+    def text_chunk(self, index: int, text: str) -> str:
+        """The chunk of choice `index` carrying `text` and finishing nothing."""
+        around = self._around_text.get(index)
+        if around is None:
+            before, _, after = self._text_choice.replace("{index}", str(index)).partition("{text}")
+            around = self._around_text[index] = (self.head + before, after + self.tail)
+        return around[0] + encode_basestring(text) + around[1]
 
 
 class _Formatter:
@@ -109,7 +123,8 @@ class CompletionFormatter(_Formatter):
                  prompt_ids: list[list[int]] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._text_offsets: dict[int, int] = {}  # choice -> where its next token's text starts
-        self._frame = _ChunkFrame(self._response([], usage=None).model_dump_json())
+        self._frame = _ChunkFrame(self._response([], usage=None).model_dump_json(),
+                                  '{"index":{index},"text":{text},"logprobs":null,"finish_reason":null,"stop_reason":null}')
         self._echo_texts = echo_texts
         self._unechoed = set(range(len(echo_texts))) if echo_texts else set()  # streamed choices yet to echo
         self._echo_logprobs = echo_logprobs
@@ -163,6 +178,8 @@ class CompletionFormatter(_Formatter):
             text = self._echo_texts[index] + text
         if not (text or output.finished or logprobs):
             return []  # text held back (a stop string may be forming): nothing to say yet
+        if not output.finished and logprobs is None and not echoing:
+            return [self._frame.text_chunk(index, text)]
         finish_reason, stop_reason = _ends(output)
         if logprobs is None and not (echoing and self._echo_logprobs is not None):
             # the common case, written by hand: see _ChunkFrame
@@ -198,7 +215,9 @@ class ChatFormatter(_Formatter):
     def __init__(self, *args, tools: ToolPlan | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._frame = _ChunkFrame(ChatCompletionChunk(id=self.response_id, created=self.created,
-                                                      model=self.model, choices=[]).model_dump_json())
+                                                      model=self.model, choices=[]).model_dump_json(),
+                                  '{"index":{index},"delta":{"content":{text}},"logprobs":null,"finish_reason":null,'
+                                  '"stop_reason":null}')
         self._tools = tools
         self._parsers: dict[int, StreamingToolParser] = {}  # streamed choice -> its tool-call parser
         self._num_calls: dict[int, int] = {}  # streamed choice -> calls sent so far
@@ -224,6 +243,8 @@ class ChatFormatter(_Formatter):
             return self._tool_chunks(index, output)
         if not (output.new_text or output.finished or output.new_logprobs):
             return []
+        if not output.finished and output.new_logprobs is None:  # text, and nothing else: see _ChunkFrame
+            return [self._frame.text_chunk(index, output.new_text)]
         finish_reason, stop_reason = _ends(output)
         if output.new_logprobs is None:  # the common case, written by hand: see _ChunkFrame
             delta = f'{{"content":{_json(output.new_text)}}}' if output.new_text else "{}"

@@ -109,8 +109,13 @@ class ServedModels:
         # Registered before the engine thread started (--lora-modules), so read here without it.
         self._adapters: dict[str, LoRARequest] = {lora.lora_name: lora for lora in engine.list_loras()}
         self._loading: set[str] = set()
+        # Another API server process of this server may load or unload one: the core tells every one.
+        async_engine.add_lora_listener(self._follow)
         # Adapters fine-tuning jobs made (finished on the engine thread; read here under its lock).
         self._fine_tuned = dict if engine.fine_tuning is None else engine.fine_tuning.served
+
+    def _follow(self, loras: list[LoRARequest]) -> None:
+        self._adapters = {lora.lora_name: lora for lora in loras}
 
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model); 404 for anything else."""

@@ -6,16 +6,29 @@ so a dashboard built for vLLM needs only the prefix changed. Engine-wide numbers
 waiting requests, KV pages, token totals) are read from the latest EngineStats at scrape time;
 latencies are observed per request on the event loop; iteration time and batch size by the engine
 thread after each iteration (prometheus_client is thread-safe).
+
+With several API server processes (`serve --api-server-count N`) whichever one a scrape reaches answers
+for the server: the same series and totals as one process would give. Engine-wide numbers come from
+the cores, which report to every API server; each process's latencies and counts are kept in
+prometheus_client's multiprocess mode (a file per process, summed at the scrape), the token-gap
+histogram and the in-flight count in rows of arrays they all map (SharedMetrics); iterations are
+observed by API server 0 alone, since every one hears of every iteration.
 """
 
 from __future__ import annotations
 
+import array
 import bisect
+import dataclasses
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -30,6 +43,19 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# The token-gap histogram's numbers: a count per bucket (and +Inf), then the sum of the gaps.
+TOKEN_GAP_CELLS = len(_LATENCY_BUCKETS) + 2
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client reads it once, when it is imported
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SharedMetrics:
+    """One API server's part in the metrics of a server of several (server/api_servers.py)."""
+
+    index: int  # this API server's row
+    multiprocess_dir: str  # prometheus_client's multiprocess directory (MULTIPROC_DIR_ENV, set before import)
+    token_gaps: np.ndarray  # f64[api servers, TOKEN_GAP_CELLS]
+    in_flight: np.ndarray  # i64[api servers, replicas]: requests each has in flight on each replica
 
 
 def kv_cache_usage(stats: EngineStats) -> float:
@@ -139,36 +165,58 @@ class _TokenGapHistogram(Collector):
     prometheus_client's Histogram walks its buckets in Python and takes a lock per observation, and
     vLLM's two names for this histogram made that two per token: after the socket write itself, the
     event loop's largest cost per token. Here one output's tokens are one bisect, whatever the names.
+    `rows`: every API server's cells (counts, then the sum), this process's at `index`; one row of
+    this process's own when None.
     """
 
-    def __init__(self, names: tuple[tuple[str, str], ...], buckets: tuple[float, ...], model_name: str):
+    def __init__(self, names: tuple[tuple[str, str], ...], buckets: tuple[float, ...], model_name: str,
+                 rows: np.ndarray | None = None, index: int = 0):
         self._names = names  # (name, documentation)
         self._bounds = (*buckets, math.inf)
-        self._counts = [0] * len(self._bounds)
-        self._sum = 0.0
+        assert len(self._bounds) + 1 == TOKEN_GAP_CELLS or rows is None
+        self._rows = [memoryview(row) for row in rows] if rows is not None else [
+            memoryview(array.array("d", bytes(8 * (len(self._bounds) + 1))))]
+        self._cells = self._rows[index]  # counts per bucket, then the sum; written by this process only
+        self._sum_cell = len(self._bounds)
         self._model_name = model_name
 
     def observe(self, seconds: float, count: int = 1) -> None:
         """`count` gaps of `seconds` each."""
-        self._counts[bisect.bisect_left(self._bounds, seconds)] += count  # le: seconds <= bound
-        self._sum += seconds * count
+        cells = self._cells
+        bucket = bisect.bisect_left(self._bounds, seconds)  # le: seconds <= bound
+        cells[bucket] += count
+        cells[self._sum_cell] += seconds * count
 
     def collect(self) -> Iterator[Metric]:
-        buckets = [(floatToGoString(bound), count)
-                   for bound, count in zip(self._bounds, itertools.accumulate(self._counts))]
+        cells = [sum(column) for column in zip(*self._rows)]
+        buckets = [(floatToGoString(bound), int(count))
+                   for bound, count in zip(self._bounds, itertools.accumulate(cells[:self._sum_cell]))]
         for name, documentation in self._names:
             family = HistogramMetricFamily(PREFIX + name, documentation, labels=("model_name",))
-            family.add_metric((self._model_name,), buckets, self._sum)
+            family.add_metric((self._model_name,), buckets, cells[self._sum_cell])
             yield family
 
 
 class ServerMetrics:
     """All metrics of one app; `render()` gives the Prometheus text format. `replica_stats`: each
-    data-parallel replica's latest stats (None: one engine), exported per replica too."""
+    data-parallel replica's latest stats (None: one engine), exported per replica too. `shared`: this
+    process's part in a server of several API server processes (None: the only one)."""
 
     def __init__(self, latest_stats: Callable[[], EngineStats], num_in_flight: Callable[[], int], *,
-                 model_name: str, replica_stats: Callable[[], Sequence[EngineStats]] | None = None):
+                 model_name: str, replica_stats: Callable[[], Sequence[EngineStats]] | None = None,
+                 shared: SharedMetrics | None = None):
+        # Where this process records; with `shared`, a scrape renders every process's records instead.
         self.registry = CollectorRegistry(auto_describe=True)
+        self._rendered = self.registry
+        self.observes_iterations = shared is None or shared.index == 0
+        if shared is not None:
+            if os.environ.get(MULTIPROC_DIR_ENV) != shared.multiprocess_dir:
+                raise RuntimeError(f"{MULTIPROC_DIR_ENV} must be {shared.multiprocess_dir} before prometheus_client "
+                                   "is imported, in every API server process")
+            self._rendered = CollectorRegistry(auto_describe=True)
+            MultiProcessCollector(self._rendered, path=shared.multiprocess_dir)
+            in_flight = shared.in_flight
+            num_in_flight = lambda: int(in_flight.sum())  # noqa: E731 - every API server's
         self.labels = {"model_name": model_name}
 
         def histogram(name: str, documentation: str, buckets: tuple) -> Histogram:
@@ -183,8 +231,9 @@ class ServerMetrics:
             # vLLM's older name for the same observations; dashboards still use it.
             ("time_per_output_token_seconds", "Between consecutive generated tokens of one request "
              "(the same as inter_token_latency_seconds)"),
-        ), _LATENCY_BUCKETS, model_name)
-        self.registry.register(self.token_gaps)
+        ), _LATENCY_BUCKETS, model_name, None if shared is None else shared.token_gaps,
+            0 if shared is None else shared.index)
+        self._rendered.register(self.token_gaps)
         self.request_time_per_output_token = histogram(
             "request_time_per_output_token_seconds", "One request's mean time per token after its first",
             _LATENCY_BUCKETS)
@@ -213,10 +262,16 @@ class ServerMetrics:
         self.requests_rejected = Counter(
             PREFIX + "requests_rejected", "Requests the engine refused (pool full, not running, too big), "
             "by HTTP status", labelnames=("status", "model_name"), registry=self.registry)
-        self.registry.register(_EngineStatsCollector(latest_stats, num_in_flight, model_name, replica_stats))
+        self._rendered.register(_EngineStatsCollector(latest_stats, num_in_flight, model_name, replica_stats))
+
+    def add_collector(self, collector: Collector) -> None:
+        """Export `collector`'s metrics too (read at each scrape)."""
+        self._rendered.register(collector)
 
     def observe_iteration(self, stats: EngineStats) -> None:
         """Called on the engine thread after every iteration."""
+        if not self.observes_iterations:
+            return
         self.iteration_time.observe(stats.last_iteration_seconds)
         self.batch_size.observe(stats.last_batch_size)
         self.iteration_tokens.observe(stats.last_num_tokens)
@@ -227,7 +282,7 @@ class ServerMetrics:
         return RequestTimer(self, priority)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._rendered)
 
 
 class RequestTimer:
@@ -244,23 +299,34 @@ class RequestTimer:
         self.finished = False
 
     def on_output(self, output: RequestOutput) -> None:
+        self.on_outputs((output,))
+
+    def on_outputs(self, outputs: Sequence[RequestOutput]) -> None:
+        """Outputs that reached the handler together (one wake-up): one clock read for all; the tokens
+        after the first of them came with no gap, counted in one observation."""
         now = time.monotonic()
         metrics = self._metrics
-        if output.queue_seconds is not None and not self._queue_time_seen:
-            self._queue_time_seen = True
-            metrics.request_queue_time.labels(model_name=metrics.labels["model_name"],
-                                              priority=self._priority).observe(output.queue_seconds)
-        num_new = len(output.new_token_ids)
-        if num_new:
-            if self._last_token_time is None:
-                metrics.time_to_first_token.observe(now - self._arrival)
-                self._first_token_time = now
-            else:
-                metrics.token_gaps.observe((now - self._last_token_time) / num_new, num_new)
-            self._num_tokens += num_new
-            self._last_token_time = now
-        if output.finished and not self.finished:
-            self._finish(output.finish_reason or "unknown", now)
+        zero_gaps = 0
+        for output in outputs:
+            if output.queue_seconds is not None and not self._queue_time_seen:
+                self._queue_time_seen = True
+                metrics.request_queue_time.labels(model_name=metrics.labels["model_name"],
+                                                  priority=self._priority).observe(output.queue_seconds)
+            count = len(output.new_token_ids)
+            if count:
+                if self._last_token_time is None:
+                    metrics.time_to_first_token.observe(now - self._arrival)
+                    self._first_token_time = now
+                elif self._last_token_time == now:
+                    zero_gaps += count
+                else:
+                    metrics.token_gaps.observe((now - self._last_token_time) / count, count)
+                self._num_tokens += count
+                self._last_token_time = now
+            if output.finished and not self.finished:
+                self._finish(output.finish_reason or "unknown", now)
+        if zero_gaps:
+            metrics.token_gaps.observe(0.0, zero_gaps)
 
     def on_abort(self) -> None:
         """The request ended without a final output (its client left): count it as aborted."""

@@ -23,7 +23,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING
 
 from orca_jax.core.sched.interface import QueueFullError
-from orca_jax.engine.core_client import STOP_JOIN_SECONDS, CoreProcess
+from orca_jax.engine.core_client import STOP_JOIN_SECONDS, ConnectedCore, CoreProcess
 from orca_jax.engine.core_process import (AbortRequest, AddRequest, CoreCall, CoreCallKind, CoreFailed,
                                           CoreIteration, CoreProgress, CoreReady, CoreStopped, Shutdown)
 from orca_jax.engine.output_wire import Received, Row, request_id_of
@@ -44,13 +44,15 @@ logger = logging.getLogger(__name__)
 
 
 class LoRAIds:
-    """The front end's side of the core's LoRAManager: its config, and new lora_int_ids. Only the front
-    end names adapters once the core runs (no fine-tuning here), so a count past those registered at
-    start never repeats one, a removed one included."""
+    """The front end's side of the core's LoRAManager: its config, and new lora_int_ids. Only front ends
+    name adapters once the core runs (no fine-tuning here), so a count past those registered at start
+    never repeats one, a removed one included; API server `index` of `count` takes every count-th id
+    from its own start, so no two front ends of one server ever give out the same one."""
 
-    def __init__(self, config: LoRAConfig, registered: list[LoRARequest]):
+    def __init__(self, config: LoRAConfig, registered: list[LoRARequest], index: int = 0, count: int = 1):
         self.config = config
-        self._ids = itertools.count(max((lora.lora_int_id for lora in registered), default=0) + 1)
+        first = max((lora.lora_int_id for lora in registered), default=0) + 1
+        self._ids = itertools.count(first + index, count)
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -83,22 +85,29 @@ class _Live:
 class ProcessEngine:
     """Spawns the engine core (`build()` runs in the child: a picklable callable returning an Engine)
     and waits until its engine is built; then behaves as AsyncEngine (see server/engine_client.py).
+    Or, given `core` (a ConnectedCore: one this process did not spawn, `--api-server-count N`), drives
+    that one; `api_server` is then (this front end's index, how many the core serves).
 
     With precompile=True the core compiles every program before serving (readiness says how far it
     got); `on_ready` runs on the reader thread once it has, `on_failure(error)` once the core died
-    and every request in flight got the error.
+    and every request in flight got the error; `on_in_flight(n)` on the event loop whenever the number
+    of requests in flight changes.
     """
 
-    def __init__(self, build: Callable[[], Engine], *, max_in_flight: int | None = None,
+    def __init__(self, build: Callable[[], Engine] | None = None, *, core: ConnectedCore | None = None,
+                 api_server: tuple[int, int] = (0, 1), max_in_flight: int | None = None,
                  shutdown_grace_seconds: float = 0.0, precompile: bool = False,
                  on_ready: Callable[[], None] | None = None,
-                 on_failure: Callable[[BaseException], None] | None = None, log_level: str = "warning"):
+                 on_failure: Callable[[BaseException], None] | None = None,
+                 on_in_flight: Callable[[int], None] | None = None, log_level: str = "warning"):
         self.on_ready = on_ready
         self.on_failure = on_failure
         self.shutdown_grace_seconds = shutdown_grace_seconds
         self.readiness = Readiness(ready=not precompile)
         self.error: BaseException | None = None
         self._iteration_listeners: list[Callable[[EngineStats], None]] = []
+        self._lora_listeners: list[Callable[[list[LoRARequest]], None]] = []
+        self._on_in_flight = on_in_flight
         self._live: dict[str, _Live] = {}  # event loop only
         self._calls: dict[int, asyncio.Future] = {}  # event loop only
         self._call_ids = itertools.count()
@@ -106,13 +115,14 @@ class ProcessEngine:
         self._reader: threading.Thread | None = None
         self._stop_requested = False
         self._stopped = False  # the core said it stopped (a clean end, not a death)
-        self.core = CoreProcess(build, precompile=precompile, log_level=log_level)
-        self.process = self.core.process  # the core's process (callers read its pid and exit code)
+        self.core = core if core is not None else CoreProcess(build, precompile=precompile, log_level=log_level)
+        self.process = self.core.process  # the core's process, when ours (callers read its pid and exit code)
         info = self.core.wait_built()
         grammar_compiler = None if info.grammar_vocab_size is None else GrammarCompiler(
             info.tokenizer, info.grammar_vocab_size, limits=info.config.grammar_limits)
         self.engine = EngineView(info.config, info.model_config, info.max_model_len, info.tokenizer,
-                                 grammar_compiler, None if info.config.lora is None else LoRAIds(info.config.lora, info.loras),
+                                 grammar_compiler,
+                                 None if info.config.lora is None else LoRAIds(info.config.lora, info.loras, *api_server),
                                  tuple(info.loras))
         self.latest_stats: EngineStats = info.stats
         scheduler = info.config.scheduler
@@ -146,9 +156,14 @@ class ProcessEngine:
         """Call `listener(stats)` on the reader thread after every iteration the core reports."""
         self._iteration_listeners.append(listener)
 
+    def add_lora_listener(self, listener: Callable[[list[LoRARequest]], None]) -> None:
+        """Call `listener(adapters)` on the event loop with the core's registered adapters whenever a
+        load or unload changed them (another front end's included)."""
+        self._lora_listeners.append(listener)
+
     @property
     def is_running(self) -> bool:
-        return (self._reader is not None and self.process.is_alive() and not self._stop_requested
+        return (self._reader is not None and self.core.is_alive() and not self._stop_requested
                 and self.error is None)
 
     @property
@@ -176,6 +191,7 @@ class ProcessEngine:
         stream = RequestStream(request_id, len(prompt_token_ids), loop, self._abort)
         accepted = loop.create_future()
         self._live[request_id] = _Live(stream, accepted)
+        self._in_flight_changed()
         self._send(AddRequest(request_id, list(prompt_token_ids), sampling, priority, deadline, lora_request))
         try:
             error = await accepted
@@ -212,8 +228,14 @@ class ProcessEngine:
         return result
 
     def _abort(self, request_id: str) -> None:
-        if self._live.pop(request_id, None) is not None and self.error is None:
-            self._send(AbortRequest(request_id))
+        if self._live.pop(request_id, None) is not None:
+            self._in_flight_changed()
+            if self.error is None:
+                self._send(AbortRequest(request_id))
+
+    def _in_flight_changed(self) -> None:
+        if self._on_in_flight is not None:
+            self._on_in_flight(len(self._live))
 
     def _send(self, message) -> None:
         self.core.send(message)
@@ -224,7 +246,7 @@ class ProcessEngine:
         failed: CoreFailed | None = None
         try:
             while True:
-                ready = wait([self.core.conn, self.process.sentinel])
+                ready = wait([self.core.conn, *self.core.sentinels])
                 if self.core.conn not in ready and not self.core.conn.poll(0):
                     break  # the process ended and left nothing more to read
                 message = self.core.conn.recv()
@@ -251,11 +273,10 @@ class ProcessEngine:
                     break
         except (EOFError, OSError):
             pass
-        if self._stop_requested and self.process.exitcode == 0:
+        if self._stop_requested and self.core.exited_cleanly():
             return
-        self.process.join(1.0)
         cause = (f"engine loop failed: {failed.cause}" if failed is not None
-                 else f"the engine core process died (exit code {self.process.exitcode})")
+                 else f"the engine core process died ({self.core.end_reason()})")
         logger.critical("%s; failing every request in flight", cause)
         error = EngineDeadError(cause)
         self.error = error
@@ -278,12 +299,16 @@ class ProcessEngine:
     # ---- on the event loop ----------------------------------------------------------------------
 
     def _deliver(self, message: CoreIteration) -> None:
+        if message.loras is not None:  # before the call results: a load's caller finds it registered
+            for listener in self._lora_listeners:
+                listener(message.loras)
         for request_id, error in message.accepted:
             live = self._live.get(request_id)
             if live is None:
                 continue
             if error is not None:
                 del self._live[request_id]
+                self._in_flight_changed()
                 if not isinstance(error, (ValueError, QueueFullError)):
                     error = EngineUnavailableError(str(error))
             if not live.accepted.done():
@@ -303,6 +328,7 @@ class ProcessEngine:
         output = live.received.decode(row)
         if output.finished:
             del self._live[request_id]
+            self._in_flight_changed()
         live.stream.put(output)
 
     def _end(self, finals: list[Row]) -> None:
@@ -317,6 +343,7 @@ class ProcessEngine:
             else:
                 live.stream.put(error)
         self._live.clear()
+        self._in_flight_changed()
         for done in self._calls.values():
             if not done.done():
                 done.set_result((None, error))

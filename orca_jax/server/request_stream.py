@@ -23,10 +23,13 @@ class RequestStream:
         # None ends the stream (abort). A deque and one waiter rather than an asyncio.Queue, whose
         # bookkeeping (task counts, putters) is paid per token on the event loop.
         self._pending: collections.deque[RequestOutput | BaseException | None] = collections.deque()
+        self._num_ends = 0  # pending items that are not outputs (None, errors): taken one at a time
         self._waiter: asyncio.Future | None = None
 
     def put(self, item: RequestOutput | BaseException | None) -> None:
         """Event-loop side of a delivery from the engine thread."""
+        if type(item) is not RequestOutput:
+            self._num_ends += 1
         self._pending.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -60,6 +63,12 @@ class RequestStream:
         if self.finished and not self._pending:
             return []
         await self._wait_for_delivery()
+        if not self._num_ends:  # outputs only (almost always): all at once
+            outputs = list(self._pending)
+            self._pending.clear()
+            if outputs[-1].finished:
+                self.finished = True
+            return outputs
         outputs = []
         while self._pending and not (outputs and isinstance(self._pending[0], BaseException)):
             output = self._take()  # raises a delivered error that comes first
@@ -79,6 +88,8 @@ class RequestStream:
     def _take(self) -> RequestOutput | None:
         """The next delivery: an output, None at the end (abort), or its error raised."""
         item = self._pending.popleft()
+        if type(item) is not RequestOutput:
+            self._num_ends -= 1
         if isinstance(item, BaseException):
             self.finished = True
             raise item

@@ -364,14 +364,14 @@ class OpenAIServing:
                 yield f"data: {payload}\n\n"
             async for index, outputs in streams.merged():
                 # One event per output as ever, but all that queued up go out in one send.
-                events = []
+                payloads = []
                 for output in outputs:
                     if output.finish_reason == DEADLINE:
                         break
-                    events.extend(f"data: {payload}\n\n" for payload in formatter.chunks(index, output))
+                    payloads += formatter.chunks(index, output)
                     finals[index] = output
-                if events:
-                    yield "".join(events)
+                if payloads:
+                    yield "data: " + "\n\ndata: ".join(payloads) + "\n\n"
                 if outputs[-1].finish_reason == DEADLINE:  # OpenAI streams report errors as an error event
                     body = error_body(504, DEADLINE_MESSAGE.format(deadline_seconds),
                                       param="deadline_ms", code="deadline_exceeded")

@@ -105,6 +105,31 @@ def test_the_served_engine_and_a_child_engine_are_the_in_process_engine():
     assert engine_config(child) == engine_config(args)
 
 
+def test_bench_serve_launches_serve_s_own_engine_and_compares_with_that_engine():
+    """Engine flags not given are serve's own choice for the model and device, in the launched server and
+    in the in-process comparison alike; flags given override them in both."""
+    from orca_jax import serve
+    from orca_jax.bench.serve import resolve_server_defaults
+    from orca_jax.engine.defaults import UsageContext, batch_defaults
+
+    def served_config(args):
+        served_args = serve.build_parser().parse_args(serve_flags(args, 8000))
+        return serve.engine_config_from_args(
+            served_args, batch_defaults(UsageContext.SERVER, get_preset("tiny-llama").num_params))
+
+    bare = bench.build_parser().parse_args(["serve", "--model", "tiny-llama", "--num-kv-pages", "128", "--launch"])
+    flags = serve_flags(bare, 8000)
+    assert not {"--max-num-seqs", "--max-num-batched-tokens", "--scheduling-policy", "--kv-allocation",
+                "--no-priority-preemption", "--long-prefill-token-threshold"} & set(flags)
+    assert served_config(bare) == engine_config(resolve_server_defaults(bare))
+    assert engine_config(resolve_server_defaults(bare)).scheduler.policy.value == "priority"
+    given = bench.build_parser().parse_args(["serve", "--model", "tiny-llama", "--max-num-seqs", "8",
+                                             "--scheduling-policy", "fcfs", "--kv-allocation", "reserve"])
+    resolved = engine_config(resolve_server_defaults(given))
+    assert served_config(given) == resolved
+    assert (resolved.scheduler.max_num_seqs, resolved.scheduler.policy.value) == (8, "fcfs")
+
+
 def test_throughput_interleaved_over_budgets(tmp_path):
     """--interleave: both budgets' engines alive, every point run once per round; medians reported."""
     argv = ["throughput", *ENGINE[:4], "--max-num-batched-tokens", "16,32", "--kv-cache-memory-gib", "0.01", *SHORT,
@@ -222,7 +247,7 @@ def test_report_reads_every_committed_results_dir(device, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process"])
+@pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process", "--api-server-count=2"])
 def test_serve_launches_our_server_and_compares_with_in_process(tmp_path, engine_flag):
     # In a child process: the engine's compilation cache is a process-wide jax setting.
     _bench_in_child(["serve", *ENGINE, "--dtype", "float32", *SHORT, "--num-prompts", "8", "--launch", "--port", "8791",

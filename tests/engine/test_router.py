@@ -59,3 +59,48 @@ def test_the_map_is_bounded():
 def test_one_replica_is_refused_below_one():
     with pytest.raises(ValueError, match="num_replicas"):
         ReplicaRouter(num_replicas=0, page_size=16)
+
+
+def _shared_owners(tmp_path, slots: int = 1024):
+    from orca_jax.engine.router import SharedPrefixOwners
+    from orca_jax.engine.shared_arrays import ArraySpec, SharedArrays
+
+    specs = (ArraySpec("keys", "int64", (slots,)), ArraySpec("owners", "int64", (slots,)))
+    path = str(tmp_path / "routing")
+    SharedArrays.create(path, specs)
+    # Two attachments of one file, as two API server processes map it.
+    return [SharedPrefixOwners(SharedArrays.attach(path, specs)["keys"], SharedArrays.attach(path, specs)["owners"])
+            for _ in range(2)]
+
+
+def test_routers_sharing_a_map_send_a_chat_s_turns_to_one_replica_whichever_routes_them(tmp_path):
+    first_owners, second_owners = _shared_owners(tmp_path)
+    routers = [ReplicaRouter(num_replicas=2, page_size=4, owners=first_owners),
+               ReplicaRouter(num_replicas=2, page_size=4, owners=second_owners)]
+    rng = random.Random(1)
+    chats = {c: [rng.randrange(1000) for _ in range(12)] for c in range(6)}
+    loads, first = [0, 0], {}
+    for c, history in chats.items():  # all in flight at once, the loads every API server's together
+        first[c] = routers[c % 2].route(history, loads)
+        loads[first[c]] += 1
+    assert loads == [3, 3]
+    for turn in range(3):
+        for c, history in chats.items():
+            history += [rng.randrange(1000) for _ in range(9)]
+            assert routers[(c + turn + 1) % 2].route(history, [0, 0]) == first[c], (c, turn)
+    assert routers[0].affinity_hits + routers[1].affinity_hits == 18
+
+
+def test_prefix_keys_are_the_same_in_another_process():
+    import json
+    import subprocess
+    import sys
+
+    from orca_jax.engine.router import adapter_salt
+    from orca_jax.lora.request import LoRARequest
+
+    code = ("import json; from orca_jax.engine.router import prefix_keys, adapter_salt; "
+            "from orca_jax.lora.request import LoRARequest; "
+            "print(json.dumps(prefix_keys(list(range(40)), 16, adapter_salt(LoRARequest('sql', 1, '/a')))))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(other.stdout) == prefix_keys(list(range(40)), 16, adapter_salt(LoRARequest("sql", 1, "/a")))

@@ -1,6 +1,7 @@
 """The HTTP API over the fake engine: bodies, errors, auth, limits, health and metrics."""
 
 import asyncio
+import contextlib
 import functools
 import json
 import threading
@@ -11,9 +12,11 @@ from orca_jax.server.app import create_app
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.process_engine import ProcessEngine
 
+from tests.helpers.api_servers import api_servers
 from tests.helpers.server import FakeEngine, asgi_client, expected_text, parse_sse, wait_until
 
 pytestmark = pytest.mark.anyio
+_ENGINE_KWARGS = ("max_num_seqs", "max_waiting", "max_model_len", "step_seconds", "num_pages", "fail_at_iteration")
 
 
 @pytest.fixture(params=["thread", "process"])
@@ -22,10 +25,41 @@ def mode(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=["thread", "process", "api_servers"])
+def any_mode(request) -> str:
+    """mode's, and two API server processes over the engine core (`serve --api-server-count 2`)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def api_servers_pool():
+    """Running API servers by their settings, started at first use and shared by the tests that use the same."""
+    running = {}
+    with contextlib.ExitStack() as stack:
+        def get(engine_kwargs: dict, app_kwargs: dict):
+            key = json.dumps([engine_kwargs, app_kwargs], sort_keys=True)
+            if key not in running:
+                running[key] = stack.enter_context(api_servers(engine_kwargs, app_kwargs, engine=FakeEngine))
+            return running[key]
+
+        yield get
+
+
+@contextlib.asynccontextmanager
+async def _serving(mode: str, pool, **kwargs):
+    """A client of _app(mode, **kwargs); in "api_servers" mode, of two API server processes over the
+    same engine core, as serve runs them (one connection: requests in sequence reach one of them)."""
+    if mode != "api_servers":
+        async with asgi_client(_app(mode, **kwargs)) as client:
+            yield client
+        return
+    engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
+    async with pool(engine_kwargs, kwargs).client(with_key=False) as client:  # the tests send their own
+        yield client
+
+
 def _app(mode: str = "thread", *, max_in_flight: int | None = None, **kwargs):
-    engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in
-                     ("max_num_seqs", "max_waiting", "max_model_len", "step_seconds", "num_pages",
-                      "fail_at_iteration")}
+    engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_KWARGS}
     if mode == "process":
         engine = ProcessEngine(functools.partial(FakeEngine, **engine_kwargs), max_in_flight=max_in_flight)
     else:
@@ -47,8 +81,8 @@ def _assert_openai_error(response, status, param=None):
         assert error["param"] == param, error
 
 
-async def test_completion_text_usage_and_finish_reason(mode):
-    async with asgi_client(_app(mode)) as client:
+async def test_completion_text_usage_and_finish_reason(any_mode, api_servers_pool):
+    async with _serving(any_mode, api_servers_pool) as client:
         response = await client.post("/v1/completions", json={"model": "fake", "prompt": "hello",
                                                               "max_tokens": 5, "temperature": 0})
     assert response.status_code == 200, response.text
@@ -66,8 +100,8 @@ async def test_completion_accepts_token_ids_and_a_one_prompt_list(mode):
     assert by_ids.json()["choices"][0]["text"] == by_list.json()["choices"][0]["text"] == "def"
 
 
-async def test_stop_string_finishes_with_stop(mode):
-    async with asgi_client(_app(mode)) as client:
+async def test_stop_string_finishes_with_stop(any_mode, api_servers_pool):
+    async with _serving(any_mode, api_servers_pool) as client:
         response = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 10, "stop": ["e"]})
     choice = response.json()["choices"][0]
     assert choice["text"] == "bcd" and choice["finish_reason"] == "stop"
@@ -96,8 +130,8 @@ async def test_chat_default_max_tokens_fills_the_context(mode):
     assert usage["total_tokens"] == 64 and response.json()["choices"][0]["finish_reason"] == "length"
 
 
-async def test_streamed_completion_chunks_and_usage(mode):
-    async with asgi_client(_app(mode)) as client:
+async def test_streamed_completion_chunks_and_usage(any_mode, api_servers_pool):
+    async with _serving(any_mode, api_servers_pool) as client:
         response = await client.post("/v1/completions", json={
             "prompt": "hello", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}})
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -110,8 +144,8 @@ async def test_streamed_completion_chunks_and_usage(mode):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
 
 
-async def test_streamed_chat_follows_openai_chunk_format(mode):
-    async with asgi_client(_app(mode)) as client:
+async def test_streamed_chat_follows_openai_chunk_format(any_mode, api_servers_pool):
+    async with _serving(any_mode, api_servers_pool) as client:
         response = await client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
     events = parse_sse(response.text)
@@ -125,8 +159,8 @@ async def test_streamed_chat_follows_openai_chunk_format(mode):
     assert len("".join(c["choices"][0]["delta"].get("content", "") for c in chunks)) == 3
 
 
-async def test_logprobs_in_both_endpoints(mode):
-    async with asgi_client(_app(mode)) as client:
+async def test_logprobs_in_both_endpoints(any_mode, api_servers_pool):
+    async with _serving(any_mode, api_servers_pool) as client:
         completion = (await client.post("/v1/completions", json={
             "prompt": "a", "max_tokens": 2, "logprobs": 2})).json()
         chat = (await client.post("/v1/chat/completions", json={
@@ -280,8 +314,8 @@ async def test_body_limit_is_413_before_parsing():
         assert ok.status_code == 200
 
 
-async def test_api_key_guards_v1_but_not_health(mode):
-    async with asgi_client(_app(mode, api_key="s3cret")) as client:
+async def test_api_key_guards_v1_but_not_health(any_mode, api_servers_pool):
+    async with _serving(any_mode, api_servers_pool, api_key="s3cret") as client:
         body = {"prompt": "x", "max_tokens": 1}
         _assert_openai_error(await client.post("/v1/completions", json=body), 401)
         _assert_openai_error(await client.post("/v1/completions", json=body,
@@ -299,8 +333,8 @@ async def test_metrics_can_require_the_key():
         assert (await client.get("/metrics", headers={"Authorization": "Bearer k"})).status_code == 200
 
 
-async def test_metrics_report_engine_and_latencies(mode):
-    async with asgi_client(_app(mode, served_model_name="m")) as client:
+async def test_metrics_report_engine_and_latencies(any_mode, api_servers_pool):
+    async with _serving(any_mode, api_servers_pool, served_model_name="m") as client:
         await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
         text = (await client.get("/metrics")).text
     # vLLM's names with our prefix, every series labelled with the model.
@@ -341,10 +375,12 @@ async def test_two_apps_keep_separate_metrics():
     assert 'orca_jax:generation_tokens_total{model_name="fake"} 0.0' in text
 
 
-async def test_queue_full_is_503_with_retry_after(mode):
+async def test_queue_full_is_503_with_retry_after(any_mode, api_servers_pool):
     # The engine's own bound decides.
-    app = _app(mode, max_num_seqs=1, max_waiting=1, step_seconds=0.05, max_in_flight=100)
-    async with asgi_client(app) as client:
+    # (API server processes bound their own in flight at the engine's pool, max_waiting + max_num_seqs.)
+    kwargs = {} if any_mode == "api_servers" else {"max_in_flight": 100}
+    async with _serving(any_mode, api_servers_pool, max_num_seqs=1, max_waiting=1, step_seconds=0.05,
+                        **kwargs) as client:
         responses = await asyncio.gather(*(
             client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}) for _ in range(6)))
     statuses = sorted(r.status_code for r in responses)
@@ -376,8 +412,8 @@ async def test_health_follows_the_engine_loop(mode):
         _assert_openai_error(await client.post("/v1/completions", json={"prompt": "x"}), 503)
 
 
-async def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(mode):
-    async with asgi_client(_app(mode, fail_at_iteration=2)) as client:
+async def test_engine_failure_mid_stream_ends_the_stream_with_an_error_event(any_mode, api_servers_pool):
+    async with _serving(any_mode, api_servers_pool, fail_at_iteration=2) as client:
         response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "stream": True})
     events = parse_sse(response.text)
     assert [e["choices"][0]["text"] for e in events[:2]] == ["y", "z"]

@@ -26,6 +26,7 @@ def test_completion_chunks_match_the_models(text, finish, index):
     formatter = CompletionFormatter("cmpl-1", MODEL, 1700000000, ByteTokenizer(), include_usage=False)
     finished, reason = finish
     chunks = formatter.chunks(index, _output(text, finished, reason))
+    assert formatter.chunks(index, _output(text, finished, reason)) == chunks  # the choice's frame, kept
     if not text and not finished:
         assert chunks == []
         return
@@ -39,6 +40,7 @@ def test_chat_chunks_match_the_models(text, finish, index):
     formatter = ChatFormatter("chatcmpl-1", MODEL, 1700000000, ByteTokenizer(), include_usage=False)
     finished, reason = finish
     chunks = formatter.chunks(index, _output(text, finished, reason))
+    assert formatter.chunks(index, _output(text, finished, reason)) == chunks  # the choice's frame, kept
     if not text and not finished:
         assert chunks == []
         return

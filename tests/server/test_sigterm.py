@@ -31,7 +31,7 @@ def _answer(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-@pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process"])
+@pytest.mark.parametrize("engine_flag", ["--no-engine-process", "--engine-process", "--api-server-count=2"])
 def test_sigterm_mid_stream_ends_the_stream_and_exits_zero(engine_flag):
     port = free_port()
     # page size 128 keeps every sequence in one page-table bucket: no compile mid-stream.

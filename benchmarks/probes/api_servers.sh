@@ -35,9 +35,13 @@ launch() {  # launch NAME FLAGS...: one bench serve --launch, results under $wor
   echo "   exit $?; $(grep -E 'output token throughput|HTTP / in-process' "$work/$name/bench.log" | tail -2 | tr '\n' ' ')"
 }
 
-for model in llama-8b llama-1b; do  # the most wanted first: a launch past the budget is skipped
-  launch ${model}_dp1_thread --model $model --num-prompts 1024 --compare-in-process  # serve's default: in-thread
-  launch ${model}_dp4_api4 --model $model --num-prompts 1024 --data-parallel-size 4 --api-server-count 4
+# The must-shows first (a launch past the budget is skipped): llama-8b one replica over HTTP against in
+# process, llama-8b's and llama-1b's four replicas behind four API servers; then the rest.
+launch llama-8b_dp1_thread --model llama-8b --num-prompts 1024 --compare-in-process  # serve's default: in-thread
+launch llama-8b_dp4_api4 --model llama-8b --num-prompts 1024 --data-parallel-size 4 --api-server-count 4
+launch llama-1b_dp4_api4 --model llama-1b --num-prompts 1024 --data-parallel-size 4 --api-server-count 4 \
+  --compare-in-process
+for model in llama-8b llama-1b; do
   launch ${model}_dp4_api1 --model $model --num-prompts 1024 --data-parallel-size 4 --api-server-count 1
   launch ${model}_dp1_api4 --model $model --num-prompts 1024 --api-server-count 4
   launch ${model}_dp1_process --model $model --num-prompts 1024 --engine-process --api-server-count 1

@@ -23,8 +23,16 @@ budget=${BUDGET_S:-480}; start=$SECONDS
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -4
 echo "python $(python3 -c 'import sys; print(sys.version.split()[0])'), $(nproc) CPUs"
 
+gpus=$(nvidia-smi -L | wc -l)
 launch() {  # launch NAME FLAGS...: one bench serve --launch, results under $work/NAME
   local name=$1; shift
+  local dp=1 tp=1 prev=
+  for a in "$@"; do
+    [ "$prev" = --data-parallel-size ] && dp=$a
+    [ "$prev" = --tensor-parallel-size ] && tp=$a
+    prev=$a
+  done
+  if (( dp * tp > gpus )); then echo "== $name: skipped, needs $(( dp * tp )) GPUs"; return; fi
   local elapsed=$(( SECONDS - start ))
   if (( elapsed > budget )); then echo "== $name: skipped, $elapsed s in"; return; fi
   echo "== $name ($elapsed s in): $*"

@@ -133,8 +133,11 @@ def _serve(argv: list[str], listener: socket.socket | None) -> int:
     if args.data_parallel_size < 1:
         print(f"{PROG}: error: --data-parallel-size must be at least 1", file=sys.stderr)
         return 2
-    from orca_jax.server.api_servers import default_api_server_count
-    api_server_count = args.api_server_count or default_api_server_count(args.data_parallel_size)
+    from orca_jax.server.api_servers import api_servers_refusal, default_api_server_count
+    from orca_jax.worker.xla_setup import gpu_expected
+    # A combination several API servers cannot serve keeps one unless the flag asks (then refused below).
+    api_server_count = args.api_server_count or (1 if api_servers_refusal(config) else default_api_server_count(
+        args.data_parallel_size, gpu=gpu_expected() and args.engine_process is not False))
     if api_server_count > 1:
         return _api_servers(argv, args, config, listener, api_server_count)
     hooks = _Hooks(_url(args))

@@ -68,7 +68,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default where it has one to show; a None default's meaning is in the help."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if isinstance(action, argparse.BooleanOptionalAction) and "%(default)" not in action.help:
+        if isinstance(action, argparse.BooleanOptionalAction) and "%(default)" not in action.help \
+                and action.default is not None:
             return action.help + " (default: %(default)s)"
         if action.default is None or action.nargs == 0:  # a plain switch is off unless given
             return action.help
@@ -205,9 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "tokens; only for trusted callers, who can then forge conversation turns")
     api.add_argument("--shutdown-grace-seconds", type=float, default=0.0,
                      help="on SIGTERM, let in-flight requests run this long before aborting them")
-    api.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
-                     help="run the engine core in its own process, fed over a pipe, so the HTTP event loop and "
-                     "the engine loop do not share one GIL (not yet with fine-tuning jobs or several processes)")
+    api.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                     help="run the engine core in its own process, fed over a pipe, so the HTTP event loop and the "
+                     "engine loop do not share one GIL (not yet with fine-tuning jobs or several processes); "
+                     "default: on where --api-server-count's default is above 1, else off")
     api.add_argument("--data-parallel-size", type=int, default=1,
                      help="N whole replicas of the engine, each an engine core process on its own "
                      "tensor x pipeline GPUs (replica r gets CUDA_VISIBLE_DEVICES' slice r), behind this one "
@@ -216,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--api-server-count", type=int, default=None,
                      help="API server processes (each its own event loop, tokenizer and HTTP handling) on the one "
                      "port, each reaching every engine core (implies --engine-process); default: one per "
-                     "data-parallel replica where the machine has two CPU cores for each, else 1")
+                     "data-parallel replica where the machine has two CPU cores for each; one engine on a GPU "
+                     "4 where there are 4 cores for each (--no-engine-process keeps it on the one API server's "
+                     "thread); else 1")
 
     tools = p.add_argument_group("tool calls")
     tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,

@@ -85,6 +85,8 @@ async def _until(condition, timeout: float = 10.0):
 
 def test_one_api_server_unless_replicas_have_cpu_cores_to_spare():
     assert default_api_server_count(1, 64) == 1
+    assert default_api_server_count(1, 16, gpu=True) == 4  # one engine on a GPU: measured 0.97 of in-process
+    assert default_api_server_count(1, 6, gpu=True) == 1
     assert default_api_server_count(4, 64) == 4
     assert default_api_server_count(4, 4) == 2
     assert default_api_server_count(2, 2) == 1

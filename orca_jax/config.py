@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 DTYPES = ("float32", "bfloat16", "float16")  # what weights, activations and the KV cache may be
 
@@ -331,12 +332,29 @@ class SamplingConfig:
     # Requests may ask for prompt_logprobs (vLLM's SamplingParams field): one more program per prompt
     # length bucket (worker/prompt_logprobs.py), compiled at start-up only when this is on.
     enable_prompt_logprobs: bool = False
+    # Stop strings one request may give, and their characters together. Matching costs the same
+    # whatever their number (engine/stop_strings.py's automaton reads each output character once);
+    # building the automaton, at intake on the engine's thread, costs ~1-2 us per character.
+    max_stop_strings: int = 256
+    max_stop_chars: int = 4096
 
     def __post_init__(self):
         if self.max_logprobs < 0:
             raise ValueError(f"SamplingConfig.max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.logit_table_width <= 0:
-            raise ValueError(f"SamplingConfig.logit_table_width must be positive, got {self.logit_table_width}")
+        for name in ("logit_table_width", "max_stop_strings", "max_stop_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SamplingConfig.{name} must be positive, got {getattr(self, name)}")
+
+    def check_stop(self, stop: Sequence[str]) -> None:
+        """ValueError naming SamplingParams.stop when a request's stop strings pass max_stop_strings or
+        max_stop_chars (the server answers it with a 400 before tokenizing anything)."""
+        if len(stop) > self.max_stop_strings:
+            raise ValueError(f"SamplingParams.stop has {len(stop)} strings; at most {self.max_stop_strings} are "
+                             "allowed (SamplingConfig.max_stop_strings, --max-stop-strings)")
+        num_chars = sum(map(len, stop))
+        if num_chars > self.max_stop_chars:
+            raise ValueError(f"SamplingParams.stop has {num_chars} characters in all; at most {self.max_stop_chars} "
+                             "are allowed (SamplingConfig.max_stop_chars, --max-stop-chars)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

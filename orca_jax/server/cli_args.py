@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0, help="seed of random weights and unseeded sampling")
     model.add_argument("--max-logprobs", type=int, default=_default(SamplingConfig, "max_logprobs"),
                        help="the most logprobs (top_logprobs) a request may ask for; sizes the sampling programs")
+    model.add_argument("--max-stop-strings", type=int, default=_default(SamplingConfig, "max_stop_strings"),
+                       help="the most stop strings one request may give (more: 400)")
+    model.add_argument("--max-stop-chars", type=int, default=_default(SamplingConfig, "max_stop_chars"),
+                       help="the most characters one request's stop strings may hold together (more: 400); "
+                       "each request's are built into one automaton when it is added, ~1-2 us a character")
     model.add_argument("--enable-prompt-logprobs", action="store_true",
                        help="let requests ask for prompt_logprobs (and completions for echo with logprobs): one "
                        "more forward over the prompt of each request that asks, and one more program per "
@@ -393,7 +398,8 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
                                 coordinator_address=args.coordinator_address,
                                 num_processes=args.num_processes, process_id=args.process_id,
                                 control_port=args.control_port, peer_timeout_s=args.peer_timeout_s),
-        sampling=SamplingConfig(max_logprobs=args.max_logprobs, enable_prompt_logprobs=args.enable_prompt_logprobs),
+        sampling=SamplingConfig(max_logprobs=args.max_logprobs, enable_prompt_logprobs=args.enable_prompt_logprobs,
+                                max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,

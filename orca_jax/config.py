@@ -361,7 +361,7 @@ class SamplingConfig:
 class GrammarLimits:
     """What one structured-output grammar may cost, at compile and per output token: llguidance's
     LLParserLimits, named as there (speeds from its documentation). A compile or a token's mask that
-    passes one stops with an error (a request then ends with it). Wall-clock time and crashes are the
+    passes one stops with an error (a request then ends with it). CPU time and crashes are the
     server's grammar workers' to bound (structured/sandbox.py): these limits do not bound everything
     (a Lark grammar of 10,000 chained rules ran for minutes before its size check; 3,000 overflowed
     the stack)."""

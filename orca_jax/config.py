@@ -217,8 +217,14 @@ class ParallelConfig:
     # port + 1.
     control_port: int | None = None
     # Seconds after which jax's heartbeat declares a silent process dead (a closed connection is
-    # noticed at once, see multihost.py); also how long a process exiting waits for the others.
-    peer_timeout_s: float = 10.0
+    # noticed at once, see multihost.py, so this only catches a frozen host): long enough that a
+    # loaded host's stall is not taken for a death.
+    peer_timeout_s: float = 60.0
+    # How long a process that finished waits at exit for the others to finish too (jax.distributed's
+    # shutdown barrier, which aborts the process past it): 10 s aborted a finished process (SIGABRT,
+    # "Barrier timed out") while its peer was still printing its results on a busy 2-core machine.
+    # A peer that is gone ends the others at once, barrier or not (multihost.py).
+    shutdown_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.num_stages <= 0 or self.tensor_parallel <= 0:
@@ -228,8 +234,9 @@ class ParallelConfig:
                              f"({self.num_processes})")
         if self.num_processes > 1 and not self.coordinator_address:
             raise ValueError("ParallelConfig with several processes needs coordinator_address (host:port)")
-        if self.peer_timeout_s <= 0:
-            raise ValueError(f"ParallelConfig.peer_timeout_s must be positive, got {self.peer_timeout_s}")
+        for name in ("peer_timeout_s", "shutdown_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ParallelConfig.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,9 +12,10 @@ step in flight on the GPUs, so no process could dispatch step k+1 before step k 
 Processes fail together. Each worker holds a second connection to process 0 that nobody writes to
 (its liveness line); a watchdog thread at both ends waits on those lines, and when one closes (its
 process exited, crashed or was killed) it logs which process is gone and ends this one with status 1
-within a second: a collective waiting for a dead peer would hang forever, and jax's shutdown barrier
-would wait minutes. jax's own heartbeat (ParallelConfig.peer_timeout_s) backs this up for a peer
-that hangs with its sockets open.
+within a second, without jax's shutdown barrier: a collective waiting for a dead peer would hang
+forever, and the barrier would wait for it (ParallelConfig.shutdown_timeout_s, long: a finished
+process on a busy host waits there for its slower peers, and exits 0 with them). jax's own heartbeat
+(ParallelConfig.peer_timeout_s) backs this up for a host that freezes with its sockets open.
 
 A message is a fixed-size int32 header (what, the payload's length, the batch's shape key and
 counts) followed by the payload's int32s, so a receiver always knows the shape to expect.
@@ -65,10 +66,11 @@ def initialize(parallel: ParallelConfig) -> None:
         return
     # Cross-process collectives on CPU (tests) need gloo; GPUs use NCCL.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeout = max(1, round(parallel.peer_timeout_s))
+    # Both by name: jax 0.10.2 to 0.12 take them (ints, seconds).
     jax.distributed.initialize(coordinator_address=parallel.coordinator_address,
                                num_processes=parallel.num_processes, process_id=parallel.process_id,
-                               heartbeat_timeout_seconds=timeout, shutdown_timeout_seconds=timeout)
+                               heartbeat_timeout_seconds=max(1, round(parallel.peer_timeout_s)),
+                               shutdown_timeout_seconds=max(1, round(parallel.shutdown_timeout_s)))
 
 
 def is_leader() -> bool:

@@ -27,11 +27,17 @@ def test_a_job_with_only_n_epochs_succeeds_on_the_default_server(tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "orca_jax.serve", "--model", "smollm2-135m", "--enable-fine-tuning",
                "--port", str(port)]
-    process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(ORCA_JAX_FINE_TUNING_DIR=str(tmp_path)),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its output to a file: a pipe nobody reads while the test waits would fill and stop the server.
+    log = open(tmp_path / "serve.log", "w+")
+    process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(ORCA_JAX_FINE_TUNING_DIR=str(tmp_path / "ft")),
+                               stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, process, timeout=1200)
+        try:
+            wait_healthy(url, process, timeout=1800)
+        except AssertionError:
+            log.seek(0)
+            raise AssertionError("the server did not start:\n" + log.read()[-5000:]) from None
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         uploaded = client.files.create(file=("chats.jsonl", io.BytesIO(DATASET)), purpose="fine-tune")
         job = client.fine_tuning.jobs.create(model="smollm2-135m", training_file=uploaded.id,
@@ -49,8 +55,11 @@ def test_a_job_with_only_n_epochs_succeeds_on_the_default_server(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         try:
-            output = process.communicate(timeout=120)[0]
+            process.wait(timeout=120)
         except subprocess.TimeoutExpired:
             process.kill()
-            output = process.communicate()[0]
+            process.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
     assert process.returncode == 0, output[-5000:]

@@ -249,7 +249,8 @@ class FineTuner:
                                   should_stop=lambda: job.status.finished or self._stopping.is_set())
             hp = job.hyperparameters
             # No micro_batch_tokens: the most the server allows, shrunk to fit when compiled (sizing.py).
-            micro_batch_tokens = hp.micro_batch_tokens or min(DEFAULT_MICRO_BATCH_TOKENS, self.config.max_micro_batch_tokens)
+            micro_batch_tokens = hp.micro_batch_tokens or min(DEFAULT_MICRO_BATCH_TOKENS,
+                                                              self.config.max_micro_batch_tokens)
             plan = TrainingPlan.make(examples, hp.batch_size, hp.n_epochs, hp.seed, micro_batch_tokens, self._max_len)
         except ValidationStopped:  # cancelled, or the engine stops
             return

@@ -5,8 +5,9 @@ messages, a 1.9 MB prompt, a choice of 10^5 strings); on the event loop they sta
 every other client for as long. Here they run on a few threads of their own, and a constraint is
 tried first in a grammar worker process (structured/sandbox.py), so one that crashes the grammar
 library, or spends more than --grammar-timeout-s of CPU time, is refused with a 400 before anything
-is queued (a host too busy to give it that time answers 503: retry); then it is compiled on one of these threads with the engine's own compiler, and the engine gets the
-compiled grammar with the request (its thread compiles nothing).
+is queued (a host too busy to give it that time answers 503: retry); then it is compiled on one of
+these threads with the engine's own compiler, and the engine gets the compiled grammar with the
+request (its thread compiles nothing).
 """
 
 from __future__ import annotations

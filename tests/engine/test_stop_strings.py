@@ -47,7 +47,8 @@ def test_the_automaton_finds_what_searching_every_string_finds():
     the automaton reports the match a search of every string reports, piece by piece."""
     rng = random.Random(0)
     for _ in range(300):
-        stop = tuple({"".join(rng.choice("ab😀") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 6))})
+        stop = tuple({"".join(rng.choice("ab😀") for _ in range(rng.randint(1, 4)))
+                      for _ in range(rng.randint(1, 6))})
         automaton, state, text = StopStringAutomaton(stop), 0, ""
         while len(text) < 30:
             piece = "".join(rng.choice("abc😀") for _ in range(rng.randint(0, 4)))
@@ -84,7 +85,7 @@ def test_stop_string_limits_are_clear_errors():
     limits.check_stop(("a", "bb", "cccc"))
     with pytest.raises(ValueError, match=r"SamplingParams.stop has 4 strings; at most 3 .*--max-stop-strings"):
         limits.check_stop(("a", "b", "c", "d"))
-    with pytest.raises(ValueError, match=r"SamplingParams.stop has 11 characters in all; at most 10 .*--max-stop-chars"):
+    with pytest.raises(ValueError, match=r"SamplingParams.stop has 11 characters in all; at most 10 .*max-stop-chars"):
         limits.check_stop(("a" * 5, "b" * 6))
     with pytest.raises(ValueError, match="max_stop_chars must be positive"):
         SamplingConfig(max_stop_chars=0)

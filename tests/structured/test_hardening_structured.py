@@ -65,7 +65,8 @@ def test_a_grammar_past_the_cpu_time_limit_is_refused_and_its_worker_replaced():
     it that: the clock's bound here is 10 minutes, and the verdict is the grammar's."""
     box = GrammarSandbox(TOKENIZER, 256, num_workers=1, timeout_s=0.5, wall_clock_s=600)
     try:
-        with pytest.raises(GrammarRefused, match=r"did not compile within 0.5 s of CPU time \(the server's --grammar-timeout-s\)"):
+        with pytest.raises(GrammarRefused, match=r"did not compile within 0.5 s of CPU time \(the server's "
+                                                 r"--grammar-timeout-s\)"):
             box.check(functools.partial(kind_constraint, ConstraintKind.CHOICE,
                                         tuple(f"option {k}" for k in range(100_000)), PLAIN))
         assert (box.num_timed_out, box.num_crashed, box.num_busy) == (1, 0, 0)

@@ -48,6 +48,11 @@ _HEADER_LEN = 15
 _ARRAYS = FORWARD_ARRAYS + SAMPLING_ARRAYS  # a batch's arrays in the payload's order
 _CONTROL, _LIVENESS = 0, 1  # the two connections a worker opens, in this order
 CONTROL_KEY_ENV = "ORCA_JAX_CONTROL_KEY"
+# How long the processes wait for each other's control connections. They reach this point after
+# jax.distributed joined them, each after building its own runner: 120 s ran out while process 0 was
+# still building on a loaded 2-core machine. A process that dies meanwhile is noticed by jax's
+# heartbeat or its closed coordinator connection, so this only bounds a process that hangs.
+CONNECT_TIMEOUT_S = 900.0
 
 
 class _Kind(enum.IntEnum):
@@ -158,7 +163,7 @@ class Mirror:
     `on_lost(message)`, when set, runs (for up to 2 s) before a lost peer ends this process.
     """
 
-    def __init__(self, parallel: ParallelConfig, connect_timeout_s: float = 120.0):
+    def __init__(self, parallel: ParallelConfig, connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.is_leader = is_leader()
         self.on_lost: Callable[[str], None] | None = None
         self._stopping = False

@@ -1,6 +1,7 @@
-"""Hostile constraints and inputs over HTTP, on a tiny real engine: each is answered 4xx within 2 s
-(or served within its max_tokens), while /health stays quick and another client's first token comes
-as fast as when idle; a grammar worker killed mid-compile fails only its request."""
+"""Hostile constraints and inputs over HTTP, on a tiny real engine: each is answered 4xx (or 503 from a
+host too busy to check it) within the grammar workers' bound, or served within its max_tokens, while
+/health stays quick and another client's first token comes as fast as when idle; a grammar worker
+killed mid-compile fails only its request; each cause of a failed check has one answer."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def _tool(k: int) -> dict:
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-# (name, path, body): each must be answered 4xx within 2 s, or served within its max_tokens.
+# (name, path, body): each must be answered 4xx (503 if the host is too busy to check it) in bounded
+# time, or served within its max_tokens.
 HOSTILE = [
     ("chain of 3,000 rules", COMPLETIONS, {**PLAIN, "structured_outputs": {"grammar": _chain(3_000)}}),
     ("chain of 10,000 rules", COMPLETIONS, {**PLAIN, "structured_outputs": {"grammar": _chain(10_000)}}),
@@ -91,7 +93,10 @@ def _first_token_seconds(client: httpx.Client) -> float:
 
 
 def test_hostile_constraints_are_answered_quickly_and_stall_nobody(served):
-    server, _ = served
+    server, app = served
+    # A grammar worker's limit is CPU time, so a busy host stretches a check by the clock up to the
+    # sandbox's wall-clock bound (then 503); idle, each answer took under 2 s.
+    bound = app.state.preprocess.sandbox.wall_clock_s + 2.0
     with httpx.Client(base_url=server.url, timeout=60) as client:
         idle = statistics.median(_first_token_seconds(client) for _ in range(7))
     stop = threading.Event()
@@ -135,7 +140,7 @@ def test_hostile_constraints_are_answered_quickly_and_stall_nobody(served):
         busy = response.status_code == 503 and response.headers.get("retry-after") == "1"
         assert 400 <= response.status_code < 500 or served_in_full or busy, (name, response.status_code,
                                                                               response.text[:300])
-        assert seconds < 2.0 or busy, (name, seconds, response.text[:300])
+        assert seconds < bound, (name, seconds, response.text[:300])
     health.sort()
     print(f"/health p99 {health[int(0.99 * (len(health) - 1))]:.3f} s over {len(health)}; first token: idle "
           f"{idle:.3f} s, loaded median {statistics.median(loaded):.3f} s over {len(loaded)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 DTYPES = ("float32", "bfloat16", "float16")  # what weights, activations and the KV cache may be
 
@@ -273,8 +274,14 @@ class ParallelConfig:
     # port + 1.
     control_port: int | None = None
     # Seconds after which jax's heartbeat declares a silent process dead (a closed connection is
-    # noticed at once, see multihost.py); also how long a process exiting waits for the others.
-    peer_timeout_s: float = 10.0
+    # noticed at once, see multihost.py, so this only catches a frozen host): long enough that a
+    # loaded host's stall is not taken for a death.
+    peer_timeout_s: float = 60.0
+    # How long a process that finished waits at exit for the others to finish too (jax.distributed's
+    # shutdown barrier, which aborts the process past it): 10 s aborted a finished process (SIGABRT,
+    # "Barrier timed out") while its peer was still printing its results on a busy 2-core machine.
+    # A peer that is gone ends the others at once, barrier or not (multihost.py).
+    shutdown_timeout_s: float = 300.0
 
     def __post_init__(self):
         if self.num_stages <= 0 or self.tensor_parallel <= 0:
@@ -284,8 +291,9 @@ class ParallelConfig:
                              f"({self.num_processes})")
         if self.num_processes > 1 and not self.coordinator_address:
             raise ValueError("ParallelConfig with several processes needs coordinator_address (host:port)")
-        if self.peer_timeout_s <= 0:
-            raise ValueError(f"ParallelConfig.peer_timeout_s must be positive, got {self.peer_timeout_s}")
+        for name in ("peer_timeout_s", "shutdown_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ParallelConfig.{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -388,19 +396,36 @@ class SamplingConfig:
     # Requests may ask for prompt_logprobs (vLLM's SamplingParams field): one more program per prompt
     # length bucket (worker/prompt_logprobs.py), compiled at start-up only when this is on.
     enable_prompt_logprobs: bool = False
+    # Stop strings one request may give, and their characters together. Matching costs the same
+    # whatever their number (engine/stop_strings.py's automaton reads each output character once);
+    # building the automaton, at intake on the engine's thread, costs ~1-2 us per character.
+    max_stop_strings: int = 256
+    max_stop_chars: int = 4096
 
     def __post_init__(self):
         if self.max_logprobs < 0:
             raise ValueError(f"SamplingConfig.max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.logit_table_width <= 0:
-            raise ValueError(f"SamplingConfig.logit_table_width must be positive, got {self.logit_table_width}")
+        for name in ("logit_table_width", "max_stop_strings", "max_stop_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SamplingConfig.{name} must be positive, got {getattr(self, name)}")
+
+    def check_stop(self, stop: Sequence[str]) -> None:
+        """ValueError naming SamplingParams.stop when a request's stop strings pass max_stop_strings or
+        max_stop_chars (the server answers it with a 400 before tokenizing anything)."""
+        if len(stop) > self.max_stop_strings:
+            raise ValueError(f"SamplingParams.stop has {len(stop)} strings; at most {self.max_stop_strings} are "
+                             "allowed (SamplingConfig.max_stop_strings, --max-stop-strings)")
+        num_chars = sum(map(len, stop))
+        if num_chars > self.max_stop_chars:
+            raise ValueError(f"SamplingParams.stop has {num_chars} characters in all; at most {self.max_stop_chars} "
+                             "are allowed (SamplingConfig.max_stop_chars, --max-stop-chars)")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GrammarLimits:
     """What one structured-output grammar may cost, at compile and per output token: llguidance's
     LLParserLimits, named as there (speeds from its documentation). A compile or a token's mask that
-    passes one stops with an error (a request then ends with it). Wall-clock time and crashes are the
+    passes one stops with an error (a request then ends with it). CPU time and crashes are the
     server's grammar workers' to bound (structured/sandbox.py): these limits do not bound everything
     (a Lark grammar of 10,000 chained rules ran for minutes before its size check; 3,000 overflowed
     the stack)."""

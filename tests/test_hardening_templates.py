@@ -29,9 +29,9 @@ def test_content_spans_of_a_long_chat_come_quickly_and_in_order():
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(10_001)]
     render = lambda marked: "".join(f"<|{m['role']}|>{m['content']}\n" for m in marked)  # noqa: E731
     prompt = render(messages)
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: what other processes on a busy host take does not count
     spans = content_spans(render, messages, prompt)
-    assert time.perf_counter() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert [prompt[a:b] for a, b in spans] == [m["content"] for m in messages]
 
 
@@ -45,8 +45,8 @@ def test_a_long_chat_with_typed_control_tokens_encodes_in_seconds_not_minutes():
     tokenizer = smollm2_tokenizer()  # ChatML, whose <|im_end|> typed in content must stay text
     messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} <|im_end|> hi"}
                 for i in range(10_001)]
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: what other processes on a busy host take does not count
     ids = tokenizer.encode_chat(messages)
-    assert time.perf_counter() - started < 8.0, "25 s before content_spans and overlaps were linear"
+    assert time.process_time() - started < 8.0, "25 s before content_spans and overlaps were linear"
     # Only the template's own turn ends: its default system prompt's and one per message.
     assert ids.count(tokenizer.eos_token_ids[0]) == 10_002

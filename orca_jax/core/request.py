@@ -108,6 +108,12 @@ class Request:
     # advanced by stop_status over every output token; None: unconstrained.
     grammar: GrammarMatcher | None = None
     error: RequestError | None = None  # why the engine ended it, with FINISHED_ERROR
+    # SamplingParams.stop_token_ids as a set: stop_status looks each output token up in it, and a
+    # request may list the whole vocabulary.
+    stop_token_set: frozenset[int] = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.stop_token_set = frozenset(self.sampling.stop_token_ids)
 
     @property
     def kv_salt(self) -> tuple[int, str | None]:
@@ -175,7 +181,7 @@ def stop_status(request: Request) -> RequestStatus | None:
     sampling = request.sampling
     token = ids[-1]
     hit_stop_token = len(ids) >= sampling.min_tokens and (
-        token in sampling.stop_token_ids or (not sampling.ignore_eos and token in request.eos_token_ids))
+        token in request.stop_token_set or (not sampling.ignore_eos and token in request.eos_token_ids))
     hit_stop_string = False
     if request.detokenizer is not None:
         hit_stop_string = request.detokenizer.add(ids[:-1] if hit_stop_token else ids,

@@ -7,6 +7,7 @@ requests arrive. Every refusal is a ValueError naming the SamplingParams field (
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import zlib
@@ -14,9 +15,14 @@ import zlib
 from orca_jax.config import EngineConfig, ModelConfig
 from orca_jax.core.request import Request
 from orca_jax.engine.detokenizer import IncrementalDetokenizer
+from orca_jax.engine.stop_strings import StopStringAutomaton
 from orca_jax.lora.request import LoRARequest
 from orca_jax.sample.rules import LogitsRules
 from orca_jax.sampling_params import SamplingParams
+
+# Stop-string automata kept for reuse: the n choices of one request (and a client's repeated list)
+# build theirs once.
+NUM_REMEMBERED_STOP_LISTS = 16
 
 
 class InputProcessor:
@@ -28,12 +34,14 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.logits_width = logits_width  # V of the logits: the vocabulary padded for tensor parallelism
         self._ids = itertools.count()  # request ids for those given none (numbered once accepted here)
+        self._stop_automaton = functools.lru_cache(NUM_REMEMBERED_STOP_LISTS)(StopStringAutomaton)
 
     def process(self, prompt: str | list[int], sampling: SamplingParams, request_id: str | None = None, *,
                 priority: int = 0, deadline: float | None = None, arrival_time: float | None = None,
                 lora_request: LoRARequest | None = None) -> Request:
         """The Request for a prompt (text, or token ids); ValueError for what the engine cannot honour.
         arrival_time None: now (time.monotonic)."""
+        self.config.sampling.check_stop(sampling.stop)  # before anything costs in proportion to it
         token_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
@@ -48,7 +56,8 @@ class InputProcessor:
                        arrival_time=time.monotonic() if arrival_time is None else arrival_time,
                        priority=priority, deadline=deadline,
                        eos_token_ids=tuple(self.tokenizer.eos_token_ids), seed=self.seed(sampling, request_id),
-                       detokenizer=IncrementalDetokenizer(self.tokenizer, sampling.stop,
+                       detokenizer=IncrementalDetokenizer(self.tokenizer,
+                                                          self._stop_automaton(sampling.stop) if sampling.stop else (),
                                                           sampling.include_stop_str_in_output,
                                                           sampling.skip_special_tokens),
                        logits_rules=rules)

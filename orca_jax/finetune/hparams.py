@@ -45,6 +45,7 @@ def resolve_targets(targets: tuple[str, ...] | None, family: ModelFamily) -> tup
 
 # Bounds every job is held to whatever the server allows: finite numbers in ranges no LoRA recipe
 # leaves (a NaN learning rate trained an adapter of NaN that emptied every request once served).
+DEFAULT_MICRO_BATCH_TOKENS = 2048  # a job's micro-batch when it names none and this fits its memory
 MAX_LEARNING_RATE_MULTIPLIER = 100.0  # of base_learning_rate (2e-4): a peak rate of 0.02
 MAX_SEED = 2**63 - 1
 
@@ -104,15 +105,19 @@ class TrainingHyperparameters:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # clipped by global norm; 0: no clipping
-    micro_batch_tokens: int = 2048  # rows x row length of one fine-tuning iteration
+    # rows x row length of one fine-tuning iteration; None: the most, up to DEFAULT_MICRO_BATCH_TOKENS,
+    # that fit the memory fine-tuning may use (compiled sizes measured: sizing.py)
+    micro_batch_tokens: int | None = None
     seed: int = 0  # data order and the adapter's initial A
     checkpoint_every: int = 0  # steps between checkpoints; 0: at the end of each epoch only
 
     def __post_init__(self):
         # How large a job may be (epochs, batch, micro-batch) is the server's to say (FineTuningConfig);
         # here every value is finite and in the range its meaning allows.
-        for name in ("n_epochs", "batch_size", "micro_batch_tokens"):
+        for name in ("n_epochs", "batch_size"):
             _positive_int(name, getattr(self, name))
+        if self.micro_batch_tokens is not None:
+            _positive_int("micro_batch_tokens", self.micro_batch_tokens)
         _in_range("learning_rate_multiplier", self.learning_rate_multiplier, 0, MAX_LEARNING_RATE_MULTIPLIER,
                   low_open=True)
         _in_range("base_learning_rate", self.base_learning_rate, 0, 1, low_open=True)

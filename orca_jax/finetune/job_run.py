@@ -70,19 +70,27 @@ class JobRun:
         """Once compiled: why its memory cannot fit the `memory_gib` `source` (lent by / held back from
         the KV pool) gives fine-tuning; else None, after an event saying what it needs."""
         memory: TrainerMemory = self.compiled.result()
+        sized = self.job.hyperparameters.micro_batch_tokens is None  # the rows were chosen to fit
         if memory.total_bytes > memory_gib * GIB:
+            lower = "the LoRA rank" if sized else "micro_batch_tokens or the LoRA rank"
             return (f"the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
                     f"({memory.state_bytes / GIB:.2f} GiB adapter and optimizer state, "
-                    f"{memory.temp_bytes / GIB:.2f} GiB activations of one iteration) but "
+                    f"{memory.temp_bytes / GIB:.2f} GiB activations of one iteration of "
+                    f"{memory.rows} x {self.plan.length} tokens) but "
                     f"{memory_gib:.2f} GiB is {source} for fine-tuning (--fine-tuning-memory-gib); "
-                    "lower micro_batch_tokens or the LoRA rank, or raise --fine-tuning-memory-gib")
+                    f"lower {lower}, or raise --fine-tuning-memory-gib")
+        # The plan's micro-batches take the rows compiled (sizing may have chosen fewer than planned):
+        # a step's gradient is the same whatever their number.
+        self.plan = dataclasses.replace(self.plan, rows=memory.rows)
         self.context.store.add_event(
             self.job.id, f"Compiled; the job needs {memory.total_bytes / GIB:.2f} GiB of device memory "
                          f"({memory.state_bytes / GIB:.2f} GiB state, {memory.temp_bytes / GIB:.2f} GiB activations, "
                          f"{'recomputed' if memory.remat else 'kept'} for the backward) of the "
-                         f"{memory_gib:.2f} GiB {source}",
+                         f"{memory_gib:.2f} GiB {source}; micro-batches of {memory.rows} x {self.plan.length} tokens"
+                         + (" (the most that fit)" if sized else ""),
             data={"state_bytes": memory.state_bytes, "temp_bytes": memory.temp_bytes,
-                  "batch_bytes": memory.batch_bytes, "remat": memory.remat})
+                  "batch_bytes": memory.batch_bytes, "remat": memory.remat,
+                  "micro_batch_tokens": memory.rows * self.plan.length})
         self.memory_checked = True
         return None
 

@@ -27,6 +27,7 @@ from orca_jax.finetune.adapter_params import module_shapes
 from orca_jax.finetune.flat import FlatLayout
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters
 from orca_jax.finetune.model import TrainBatch, grad_fn, model_shapes
+from orca_jax.finetune.sizing import fit_rows
 from orca_jax.models.decoder import Decoder
 
 
@@ -54,6 +55,7 @@ class TrainerMemory:
     temp_bytes: int  # the micro step's temporaries (activations, recomputed layer, loss chunk)
     batch_bytes: int  # one micro-batch's inputs
     remat: bool = True  # whether the backward recomputes each layer's activations
+    rows: int = 1  # the micro-batch's rows (B) it was compiled for
 
     @property
     def total_bytes(self) -> int:
@@ -94,7 +96,9 @@ class LoRATrainer:
         adapter and batches go (the stage's replicated sharding). `remat`: recompute each layer's
         activations in the backward (True), keep them (False), or None: keep them if the job's memory
         then fits `memory_bytes`, else recompute (on an H100, llama-8b, 512 tokens: 41.3 ms per micro
-        step kept vs 54.7 ms recomputed; benchmarks/probes/coserving_cost.json)."""
+        step kept vs 54.7 ms recomputed; benchmarks/probes/coserving_cost.json). When hp names no
+        micro_batch_tokens, micro_batch_shape's rows are the most: compiling then keeps the most rows
+        that fit `memory_bytes` (sizing.py), and micro_batch_shape says which."""
         self.spec, self.hp, self.total_steps = spec, hp, total_steps
         self.micro_batch_shape = micro_batch_shape  # (rows B, row length L)
         self._params = params
@@ -131,30 +135,39 @@ class LoRATrainer:
     def _spec(self, shape, dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding)
 
-    def _specs(self):
-        adapter = self._spec((self._layout.size,), jnp.float32)
-        opt = jax.tree_util.tree_map(lambda s: self._spec(s.shape, s.dtype), jax.eval_shape(self._tx.init, adapter))
-        b, l = self.micro_batch_shape
-        batch = TrainBatch(*(self._spec((b, l), jnp.int32) for _ in range(4)), self._spec((b, l), jnp.float32))
-        params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                        self._params)
-        return adapter, opt, batch, params
+    def _batch_spec(self, rows: int) -> TrainBatch:
+        shape = (rows, self.micro_batch_shape[1])
+        return TrainBatch(*(self._spec(shape, jnp.int32) for _ in range(4)), self._spec(shape, jnp.float32))
 
     def start_compiling(self) -> concurrent.futures.Future:
         """Compile both programs on a thread of their own; the future gives TrainerMemory."""
-        adapter, opt, batch, params = self._specs()
+        adapter = self._spec((self._layout.size,), jnp.float32)
+        opt = jax.tree_util.tree_map(lambda s: self._spec(s.shape, s.dtype), jax.eval_shape(self._tx.init, adapter))
+        params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                        self._params)
         scalar = self._spec((), jnp.float32)
+        compiled: dict[tuple[int, bool], tuple] = {}  # (rows, remat) -> (micro step, TrainerMemory)
+
+        def micro_at(rows: int, remat: bool) -> TrainerMemory:
+            if (rows, remat) not in compiled:
+                batch = self._batch_spec(rows)
+                program = self._micro_fn.lower(adapter, adapter, params, batch, remat).compile()
+                temp = int(getattr(program.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+                compiled[rows, remat] = program, TrainerMemory(2 * _nbytes(adapter) + _nbytes(opt), temp,
+                                                               _nbytes(batch), remat, rows)
+            return compiled[rows, remat][1]
 
         def compile_both() -> TrainerMemory:
-            choices = (False, True) if self.remat is None else (self.remat,)
-            for remat in choices:  # kept activations first: recomputed only if those do not fit
-                self._micro = self._micro_fn.lower(adapter, adapter, params, batch, remat).compile()
-                stats = self._micro.memory_analysis()
-                temp = int(getattr(stats, "temp_size_in_bytes", 0) or 0)
-                memory = TrainerMemory(2 * _nbytes(adapter) + _nbytes(opt), temp, _nbytes(batch), remat)
+            max_rows = self.micro_batch_shape[0]
+            for remat in (False, True) if self.remat is None else (self.remat,):  # kept first: recomputed if too big
+                rows = max_rows
+                if self.hp.micro_batch_tokens is None:
+                    rows = fit_rows(lambda r: micro_at(r, remat).total_bytes, max_rows, self._memory_bytes)
+                memory = micro_at(rows, remat)
                 if self._memory_bytes is None or memory.total_bytes <= self._memory_bytes:
                     break
-            self.remat = remat
+            self._micro = compiled[rows, remat][0]
+            self.remat, self.micro_batch_shape = remat, (rows, self.micro_batch_shape[1])
             self._apply = self._apply_fn.lower(adapter, opt, adapter, scalar, self._spec((), jnp.int32)).compile()
             return memory
 

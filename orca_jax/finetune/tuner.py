@@ -26,7 +26,7 @@ from orca_jax.core.request import Request
 from orca_jax.finetune.adapter_params import read_peft
 from orca_jax.finetune.data import TrainingPlan, ValidationStopped, read_jsonl
 from orca_jax.finetune.deferral import DeferralPolicy
-from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters, resolve_targets
+from orca_jax.finetune.hparams import DEFAULT_MICRO_BATCH_TOKENS, LoRASpec, TrainingHyperparameters, resolve_targets
 from orca_jax.finetune.job_run import GIB, JobRun, RunContext
 from orca_jax.finetune.jobs import FineTuningJob, JobStatus, JobStore, fine_tuned_model_name, new_id
 from orca_jax.finetune.kv_loan import KVLoan
@@ -144,7 +144,7 @@ class FineTuner:
         for name, limit, flag in (("n_epochs", config.max_epochs, "max-epochs"),
                                   ("batch_size", config.max_batch_size, "max-batch-size"),
                                   ("micro_batch_tokens", config.max_micro_batch_tokens, "max-micro-batch-tokens")):
-            if getattr(hp, name) > limit:
+            if getattr(hp, name) is not None and getattr(hp, name) > limit:
                 raise ValueError(f"hyperparameters.{name} must be at most {limit} on this server "
                                  f"(--fine-tuning-{flag}), got {getattr(hp, name)}")
 
@@ -248,7 +248,10 @@ class FineTuner:
                                   max_messages=self.config.max_example_messages,
                                   should_stop=lambda: job.status.finished or self._stopping.is_set())
             hp = job.hyperparameters
-            plan = TrainingPlan.make(examples, hp.batch_size, hp.n_epochs, hp.seed, hp.micro_batch_tokens, self._max_len)
+            # No micro_batch_tokens: the most the server allows, shrunk to fit when compiled (sizing.py).
+            micro_batch_tokens = hp.micro_batch_tokens or min(DEFAULT_MICRO_BATCH_TOKENS,
+                                                              self.config.max_micro_batch_tokens)
+            plan = TrainingPlan.make(examples, hp.batch_size, hp.n_epochs, hp.seed, micro_batch_tokens, self._max_len)
         except ValidationStopped:  # cancelled, or the engine stops
             return
         except Exception as error:
@@ -282,8 +285,8 @@ class FineTuner:
             self._loan.prepare().add_done_callback(lambda _: self._wakeup())
         self._run = JobRun(job, plan, trainer, compiled, self._context)
         self._set(job, JobStatus.RUNNING)
-        self.store.add_event(job.id, f"Fine-tuning job started ({plan.rows} rows x {plan.length} tokens "
-                                     "per iteration)")
+        self.store.add_event(job.id, f"Fine-tuning job started ({'up to ' if hp.micro_batch_tokens is None else ''}"
+                                     f"{plan.rows} rows x {plan.length} tokens per iteration)")
 
     def _loan_prepared(self) -> bool:
         return self._loan is None or self._loan.prepare().done()

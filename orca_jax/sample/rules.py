@@ -68,6 +68,9 @@ class LogitsRules:
                 raise ValueError(f"SamplingParams.{field} must be token ids in [0, {vocab_size}), got {bad[:8]}")
 
         bias = sampling.logit_bias or ()
+        if len(bias) + len(sampling.bad_words) > table_width:  # each takes an entry: refused before tokenizing
+            raise ValueError(f"SamplingParams.logit_bias and bad_words give {len(bias)} + {len(sampling.bad_words)} "
+                             f"entries; the engine allows {table_width} (SamplingConfig.logit_table_width)")
         check("logit_bias", [t for t, _ in bias])
         words = bad_word_token_ids(sampling.bad_words, tokenizer)
         check("bad_words", [t for word in words for t in word])
@@ -104,7 +107,9 @@ class LogitsRules:
         for word in self.bad_word_sequences:
             prefix = word[:-1]
             known = prefix[:-1] if pending else prefix  # the part the host must match itself
-            if len(outputs) < len(known) or (known and tuple(outputs[-len(known):]) != known):
+            # The last token first: a word's tokens are compared only once its end matches.
+            if len(outputs) < len(known) or (known and (outputs[-1] != known[-1]
+                                                        or tuple(outputs[-len(known):]) != known)):
                 continue
             ids.append(word[-1])
             values.append(-math.inf)

@@ -67,9 +67,10 @@ _RUNTIME_RULES = (
     "allowed_token_ids naming a token outside the vocabulary (code token_id_out_of_range); more logprobs "
     "than the server's --max-logprobs (param logprobs; param top_logprobs in a chat); min_tokens above "
     "max_tokens (param min_tokens); more logit_bias and bad_words entries than the engine's logit table "
-    "holds (param logit_bias); prompt_logprobs, or echo with logprobs, on a server started without "
-    "--enable-prompt-logprobs, or prompt_logprobs above --max-logprobs (param prompt_logprobs; param echo); a JSON "
-    "schema, regex or grammar the grammar library cannot compile, or more than one of "
+    "holds (param logit_bias); more stop strings, or characters in them, than the server's --max-stop-strings "
+    "or --max-stop-chars (code too_many_stop_strings); prompt_logprobs, or echo with logprobs, on a server "
+    "started without --enable-prompt-logprobs, or prompt_logprobs above --max-logprobs (param prompt_logprobs; "
+    "param echo); a JSON schema, regex or grammar the grammar library cannot compile, or more than one of "
     f"response_format, structured_outputs and guided_* (code {INVALID}). Fields the server does not "
     "know are ignored (and logged once per name).")
 _CHAT_RULES = (" The model's chat template may refuse a conversation, e.g. roles out of order "

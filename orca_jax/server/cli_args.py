@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--seed", type=int, default=0, help="seed of random weights and unseeded sampling")
     model.add_argument("--max-logprobs", type=int, default=_default(SamplingConfig, "max_logprobs"),
                        help="the most logprobs (top_logprobs) a request may ask for; sizes the sampling programs")
+    model.add_argument("--max-stop-strings", type=int, default=_default(SamplingConfig, "max_stop_strings"),
+                       help="the most stop strings one request may give (more: 400)")
+    model.add_argument("--max-stop-chars", type=int, default=_default(SamplingConfig, "max_stop_chars"),
+                       help="the most characters one request's stop strings may hold together (more: 400); "
+                       "each request's are built into one automaton when it is added, ~1-2 us a character")
     model.add_argument("--enable-prompt-logprobs", action="store_true",
                        help="let requests ask for prompt_logprobs (and completions for echo with logprobs): one "
                        "more forward over the prompt of each request that asks, and one more program per "
@@ -169,9 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--control-port", type=int, default=None,
                      help="where process 0 takes the other processes' control connections (default: the "
                      "coordinator's port + 1); $ORCA_JAX_CONTROL_KEY, when set on every process, is their secret")
-    par.add_argument("--peer-timeout-s", type=float, default=10.0,
+    par.add_argument("--peer-timeout-s", type=float, default=_default(ParallelConfig, "peer_timeout_s"),
                      help="a process silent this long is taken for dead and every process exits (one that "
                      "exits or crashes is noticed at once)")
+    par.add_argument("--peer-shutdown-timeout-s", type=float, default=_default(ParallelConfig, "shutdown_timeout_s"),
+                     help="how long a process that finished waits at exit for the others to finish too")
     par.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
                      default=AttentionBackend.AUTO.value, help="auto: the Pallas kernel on GPU, jnp elsewhere")
     par.add_argument("--compilation-cache-dir", default="auto",
@@ -406,8 +413,10 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
                                 tensor_parallel=args.tensor_parallel_size,
                                 coordinator_address=args.coordinator_address,
                                 num_processes=args.num_processes, process_id=args.process_id,
-                                control_port=args.control_port, peer_timeout_s=args.peer_timeout_s),
-        sampling=SamplingConfig(max_logprobs=args.max_logprobs, enable_prompt_logprobs=args.enable_prompt_logprobs),
+                                control_port=args.control_port, peer_timeout_s=args.peer_timeout_s,
+                                shutdown_timeout_s=args.peer_shutdown_timeout_s),
+        sampling=SamplingConfig(max_logprobs=args.max_logprobs, enable_prompt_logprobs=args.enable_prompt_logprobs,
+                                max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         quantization=None if args.quantization is None else Quantization(args.quantization),

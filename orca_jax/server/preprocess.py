@@ -4,9 +4,10 @@ Chat templates, tokenizing and grammar compiles can take seconds on a big input 
 messages, a 1.9 MB prompt, a choice of 10^5 strings); on the event loop they stalled /health and
 every other client for as long. Here they run on a few threads of their own, and a constraint is
 tried first in a grammar worker process (structured/sandbox.py), so one that crashes the grammar
-library, or runs past --grammar-timeout-s, is refused with a 400 before anything is queued; then it
-is compiled on one of these threads with the engine's own compiler, and the engine gets the
-compiled grammar with the request (its thread compiles nothing).
+library, or spends more than --grammar-timeout-s of CPU time, is refused with a 400 before anything
+is queued (a host too busy to give it that time answers 503: retry); then it is compiled on one of
+these threads with the engine's own compiler, and the engine gets the compiled grammar with the
+request (its thread compiles nothing).
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FrontendLimits:
-    """The server's --grammar-timeout-s and --grammar-workers, and its threads for front-end work."""
+    """The server's --grammar-timeout-s (CPU seconds a grammar worker may spend on one constraint) and
+    --grammar-workers, and its threads for front-end work."""
 
     grammar_timeout_s: float = DEFAULT_TIMEOUT_S
     grammar_workers: int = DEFAULT_NUM_WORKERS
     num_threads: int = DEFAULT_NUM_THREADS
+    # Seconds by the clock a check may take before the host counts as too busy for it (503); None:
+    # structured/sandbox.py's BUSY_FACTOR times grammar_timeout_s.
+    grammar_wall_clock_s: float | None = None
 
     def __post_init__(self):
         if not self.grammar_timeout_s > 0:
@@ -65,7 +70,8 @@ class Preprocessor:
         self.tokenizer = tokenizer
         self.compiler = compiler
         self.sandbox = GrammarSandbox(tokenizer, vocab_size, GrammarLimits() if compiler is None else compiler.limits,
-                                      num_workers=limits.grammar_workers, timeout_s=limits.grammar_timeout_s)
+                                      num_workers=limits.grammar_workers, timeout_s=limits.grammar_timeout_s,
+                                      wall_clock_s=limits.grammar_wall_clock_s)
         self._threads = concurrent.futures.ThreadPoolExecutor(limits.num_threads, thread_name_prefix="orca-frontend")
         self._passed: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -76,7 +82,8 @@ class Preprocessor:
 
     async def constraint(self, request: ConstraintRequest) -> tuple[Constraint, CompiledGrammar | None]:
         """The constraint built and compiled, after a worker passed it; APIError 400 (the library's
-        reason, or its crash or time limit) or 503 (no worker came free)."""
+        reason, its crash, or its CPU time limit) or 503 with Retry-After (the server could not check
+        it now: no worker came free, the host gave it too little CPU, or its worker was stopped)."""
         return await self.run(self._prepare, request)
 
     def _prepare(self, request: ConstraintRequest) -> tuple[Constraint, CompiledGrammar | None]:
@@ -95,7 +102,7 @@ class Preprocessor:
         except GrammarWorkersBusy as busy:
             raise APIError(503, f"server overloaded: {busy}", code="server_overloaded",
                            headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
-        except ValueError as error:  # a GrammarRefused, with the library's reason, its crash or its time limit
+        except ValueError as error:  # a GrammarRefused, with the library's reason, its crash or its CPU limit
             raise APIError(400, f"{request.param}: {error}", param=request.param, code=INVALID) from None
         return constraint, compiled
 
@@ -112,9 +119,11 @@ def add_grammar_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that bound a structured-output grammar's cost (FrontendLimits, GrammarLimits)."""
     group = parser.add_argument_group(
         "structured outputs (a request's grammar is tried first in a worker process: one that fails there, "
-        "crashes it or runs past the time gets 400; llguidance's limits also bound each token's mask)")
+        "crashes it or spends more than its CPU time gets 400; llguidance's limits also bound each token's mask)")
     group.add_argument("--grammar-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-                       help="seconds a worker may take to build, compile and mask a request's constraint")
+                       help="seconds of CPU time a worker may spend to build, compile and mask a request's "
+                       "constraint (more: 400); a worker the busy host does not give that within 10 times as "
+                       "long by the clock: 503, retry")
     group.add_argument("--grammar-workers", type=int, default=DEFAULT_NUM_WORKERS,
                        help="worker processes trying grammars at once (one that dies or times out is replaced)")
     defaults = GrammarLimits()

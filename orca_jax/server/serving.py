@@ -95,6 +95,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.max_logprobs = engine.config.sampling.max_logprobs
+        self.sampling_limits = engine.config.sampling
         self.enable_prompt_logprobs = engine.config.sampling.enable_prompt_logprobs
         self.page_size = engine.config.cache.page_size
 
@@ -226,6 +227,10 @@ class OpenAIServing:
             raise APIError(400, f"{name} must be at most {self.max_logprobs} (the server's --max-logprobs), "
                            f"got {logprobs}", param=name)
         self._check_prompt_logprobs(body)
+        try:
+            self.sampling_limits.check_stop(body.stop_strings)  # once for all n choices, before any is built
+        except ValueError as error:
+            raise APIError(400, str(error), param="stop", code="too_many_stop_strings") from None
         for name, ids in (("logit_bias", [int(t) for t in body.logit_bias or ()]),
                           ("allowed_token_ids", body.allowed_token_ids or ())):
             self._check_token_ids(ids, param=name)

@@ -5,9 +5,19 @@ rules overflows its stack (the process dies with SIGSEGV, no Python exception), 
 for minutes, and a choice of 10^5 strings panicked after 23 s. So before a server compiles a
 request's constraint in its own process, a worker process builds the same Constraint, compiles it
 for the same tokenizer within the same GrammarLimits, and computes its first mask, all within a
-wall-clock limit. A worker that dies or runs out of time is killed and replaced, and only that
+limit of CPU time. A worker that dies or runs out of time is killed and replaced, and only that
 request is refused; one that succeeds tells the server that the same work is safe in-process
 (deterministic, same code path: the worker runs it on a thread of the default stack size too).
+
+The limit is the worker's CPU time, not the clock's, so a grammar's verdict does not depend on how
+busy the host is: a wall-clock limit of 1.5 s refused a 5,000-property schema after 12.3 s on a
+loaded machine that an idle one accepted, and a grammar that crashes the library was a timeout on
+one server and a crash on a busier one. The kernel ends a worker that spends the limit (its CPU
+timer's SIGPROF; no Python code needs the GIL for it). Each cause has one answer, whatever the
+server kind: past the CPU time, or a crash of the library (SIGSEGV, an abort, an exit), refuse the
+grammar (GrammarRefused: 400); a worker that got too little CPU to finish within BUSY_FACTOR times
+the limit of wall-clock time, or that something outside stopped (SIGKILL: the OOM killer, an
+operator), is the server's trouble (GrammarWorkersBusy: 503, retry).
 
 A request's constraint reaches the worker as a picklable `build(tokenizer) -> Constraint` (a
 functools.partial of the functions below), so even building it (the library validates a
@@ -41,10 +51,17 @@ from orca_jax.tokenizer import BaseTokenizer
 log = logging.getLogger(__name__)
 
 ConstraintBuild = Callable[[BaseTokenizer], Constraint]  # picklable: a partial of the builders below
-DEFAULT_TIMEOUT_S = 1.5
+DEFAULT_TIMEOUT_S = 1.5  # seconds of a worker's CPU time
 DEFAULT_NUM_WORKERS = 2
 START_TIMEOUT_S = 60.0  # a worker's own start (imports, the tokenizer's trie) is not the request's time
-BUSY_WAIT_S = 1.0  # beyond the time limit, how long a check waits for a worker to come free
+# A check that has not ended within this many times its CPU limit of wall-clock time had less than
+# that share of a core: the host is overloaded (503), not the grammar too costly.
+BUSY_FACTOR = 10
+BUSY_WAIT_S = 1.0  # beyond a check's wall-clock bound, how long a check waits for a worker to come free
+# How a worker's end reads: our CPU timer's signal is the grammar's cost; these come from outside
+# the worker (the kernel's OOM killer, an operator, a shutdown) and say nothing of the grammar.
+_CPU_LIMIT_SIGNAL = signal.SIGPROF
+_STOPPED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 _FRAME_HEADER = struct.Struct(">Q")
 MAX_VERDICT_BYTES = 1 << 16  # more from a worker is treated as its crash
 _PASSED = b"\0passed"  # a worker's verdict when all went well (a refusal is its reason, as text)
@@ -52,11 +69,12 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 class GrammarRefused(ValueError):
-    """The constraint cannot be served: invalid, past a limit, too slow, or it broke a worker."""
+    """The constraint cannot be served: invalid, past a limit, past its CPU time, or it broke a worker."""
 
 
 class GrammarWorkersBusy(RuntimeError):
-    """Every worker stayed busy for as long as one check may take (the client may retry)."""
+    """The server could not check the constraint now: every worker stayed busy, the host gave the
+    check too little CPU, or its worker was stopped from outside (the client may retry)."""
 
 
 # ---- what a request's constraint is built from (picklable with functools.partial) ----------------
@@ -83,14 +101,21 @@ class GrammarSandbox:
     """A few worker processes that try constraints first; `check` is blocking and thread-safe.
 
     Workers start on the first check (or `start()`), each with the tokenizer, the logits' width and
-    the limits the server's own compiler uses."""
+    the limits the server's own compiler uses. `timeout_s`: the CPU seconds one check may take;
+    `wall_clock_s`: the seconds by the clock, past which the host counts as too busy (None: BUSY_FACTOR
+    times timeout_s)."""
 
     def __init__(self, tokenizer: BaseTokenizer, vocab_size: int, limits: GrammarLimits = GrammarLimits(), *,
-                 num_workers: int = DEFAULT_NUM_WORKERS, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 num_workers: int = DEFAULT_NUM_WORKERS, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 wall_clock_s: float | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        # The longest a check may take by the clock before the host counts as too busy for it.
+        self.wall_clock_s = BUSY_FACTOR * timeout_s if wall_clock_s is None else wall_clock_s
+        if not self.wall_clock_s >= timeout_s:
+            raise ValueError(f"wall_clock_s must be at least timeout_s ({timeout_s}), got {wall_clock_s}")
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._limits = limits
@@ -106,7 +131,7 @@ class GrammarSandbox:
         self._workers: set[_Worker] = set()
         self._closed = False
         # Counters, for logs and tests.
-        self.num_checks = self.num_refused = self.num_crashed = self.num_timed_out = 0
+        self.num_checks = self.num_refused = self.num_crashed = self.num_timed_out = self.num_busy = 0
 
     def start(self) -> None:
         """Start the workers now (idempotent, and after close() too); each gets ready on its own while
@@ -114,7 +139,7 @@ class GrammarSandbox:
         with self._lock:
             self._closed = False
             if self._setup is None:
-                self._setup = pickle.dumps((self._tokenizer, self._vocab_size, self._limits),
+                self._setup = pickle.dumps((self._tokenizer, self._vocab_size, self._limits, self.timeout_s),
                                            protocol=pickle.HIGHEST_PROTOCOL)
             while len(self._workers) < self.num_workers:
                 worker = _Worker(self._setup)
@@ -125,24 +150,35 @@ class GrammarSandbox:
 
     def check(self, build: ConstraintBuild) -> None:
         """Build, compile and mask the constraint in a worker; GrammarRefused (a ValueError) with the
-        reason when it cannot be served, GrammarWorkersBusy when no worker came free in time."""
+        reason when it cannot be served, GrammarWorkersBusy when the server could not check it now."""
         self.start()
         task = pickle.dumps(build, protocol=pickle.HIGHEST_PROTOCOL)
         worker = self._deliver(task)
         try:
-            verdict = worker.receive(self.timeout_s)
-        except TimeoutError:
+            verdict = worker.receive(self.wall_clock_s)
+        except TimeoutError:  # its CPU limit would have ended it: the host gave it too little CPU
             with self._lock:
-                self.num_timed_out += 1
-            self._replace(worker, "ran past the time limit")
-            raise GrammarRefused(f"the grammar did not compile within {self.timeout_s:g} s "
-                                 "(the server's --grammar-timeout-s)") from None
+                self.num_busy += 1
+            self._replace(worker, f"had too little CPU to finish within {self.wall_clock_s:g} s")
+            raise GrammarWorkersBusy(f"the host is too busy to check the grammar: its worker did not get "
+                                     f"{self.timeout_s:g} s of CPU time within {self.wall_clock_s:g} s") from None
         except (EOFError, OSError) as error:
+            died = worker.exit_signal()
+            self._replace(worker, f"died on a grammar ({worker.describe_exit()})", error)
+            if died == _CPU_LIMIT_SIGNAL:
+                with self._lock:
+                    self.num_timed_out += 1
+                raise GrammarRefused(f"the grammar did not compile within {self.timeout_s:g} s of CPU time "
+                                     "(the server's --grammar-timeout-s)") from None
+            if died in _STOPPED_FROM_OUTSIDE:
+                with self._lock:
+                    self.num_busy += 1
+                raise GrammarWorkersBusy(f"the grammar's worker process was stopped from outside "
+                                         f"({signal.Signals(died).name}: out of memory, or the system)") from None
             with self._lock:
                 self.num_crashed += 1
-            self._replace(worker, f"died on a grammar ({worker.describe_exit()})", error)
-            raise GrammarRefused("the grammar library failed on this grammar (its worker process died); "
-                                 "simplify it or split it up") from None
+            raise GrammarRefused(f"the grammar library failed on this grammar (its worker process died: "
+                                 f"{worker.describe_exit()}); simplify it or split it up") from None
         self._give_back(worker)
         if verdict is not None:
             with self._lock:
@@ -167,7 +203,7 @@ class GrammarSandbox:
 
     def _take(self) -> _Worker:
         """An idle worker, one that has started if any has (a new one may take a second or two)."""
-        deadline = time.monotonic() + self.timeout_s + BUSY_WAIT_S  # a busy one is done, or killed, by then
+        deadline = time.monotonic() + self.wall_clock_s + BUSY_WAIT_S  # a busy one is done, or killed, by then
         with self._came_free:
             while not self._idle:
                 wait = deadline - time.monotonic()
@@ -256,6 +292,13 @@ class _Worker:
         verdict = _read_frame(self.process.stdout, time.monotonic() + timeout_s, MAX_VERDICT_BYTES)
         return None if verdict == _PASSED else verdict.decode("utf-8", errors="replace")
 
+    def exit_signal(self) -> int | None:
+        """The signal that ended the process (None: it exited, or still runs a second after its pipe closed)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(1.0)
+        code = self.process.returncode
+        return -code if code is not None and code < 0 else None
+
     def describe_exit(self) -> str:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(1.0)
@@ -325,7 +368,7 @@ def _try(build: ConstraintBuild, tokenizer: BaseTokenizer, compiler: GrammarComp
 
 
 def _serve(frames_in, frames_out) -> None:
-    tokenizer, vocab_size, limits = pickle.loads(_read_frame(frames_in, None))
+    tokenizer, vocab_size, limits, cpu_seconds = pickle.loads(_read_frame(frames_in, None))
     # One grammar at a time, nothing kept: a worker's memory is only the tokenizer's trie.
     compiler = GrammarCompiler(tokenizer, vocab_size, max_cached_grammars=1, num_threads=1, limits=limits)
     _write_frame(frames_out, b"ready")
@@ -342,8 +385,12 @@ def _serve(frames_in, frames_out) -> None:
         # On a thread of the default stack size, as the server's own compile runs: a grammar that
         # overflows here would overflow there.
         thread = threading.Thread(target=attempt, name="grammar-check")
+        # The process's CPU time (all its threads) from here: past cpu_seconds the kernel's SIGPROF,
+        # left at its default action, ends the process, wherever the library is.
+        signal.setitimer(signal.ITIMER_PROF, cpu_seconds)
         thread.start()
         thread.join()
+        signal.setitimer(signal.ITIMER_PROF, 0)
         reason = None if verdict[0] is None else verdict[0].encode("utf-8", errors="replace")[:MAX_VERDICT_BYTES]
         _write_frame(frames_out, _PASSED if reason is None else reason)
 
@@ -357,6 +404,7 @@ def _main() -> None:
     frames_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not break the frames
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us
+    signal.signal(signal.SIGPROF, signal.SIG_DFL)  # the CPU limit's end (an ignored one is inherited)
     _serve(sys.stdin.buffer, frames_out)
 
 

@@ -12,9 +12,10 @@ step in flight on the GPUs, so no process could dispatch step k+1 before step k 
 Processes fail together. Each worker holds a second connection to process 0 that nobody writes to
 (its liveness line); a watchdog thread at both ends waits on those lines, and when one closes (its
 process exited, crashed or was killed) it logs which process is gone and ends this one with status 1
-within a second: a collective waiting for a dead peer would hang forever, and jax's shutdown barrier
-would wait minutes. jax's own heartbeat (ParallelConfig.peer_timeout_s) backs this up for a peer
-that hangs with its sockets open.
+within a second, without jax's shutdown barrier: a collective waiting for a dead peer would hang
+forever, and the barrier would wait for it (ParallelConfig.shutdown_timeout_s, long: a finished
+process on a busy host waits there for its slower peers, and exits 0 with them). jax's own heartbeat
+(ParallelConfig.peer_timeout_s) backs this up for a host that freezes with its sockets open.
 
 A message is a fixed-size int32 header (what, the payload's length, the batch's shape key and
 counts) followed by the payload's int32s, so a receiver always knows the shape to expect.
@@ -47,6 +48,11 @@ _HEADER_LEN = 15
 _ARRAYS = FORWARD_ARRAYS + SAMPLING_ARRAYS  # a batch's arrays in the payload's order
 _CONTROL, _LIVENESS = 0, 1  # the two connections a worker opens, in this order
 CONTROL_KEY_ENV = "ORCA_JAX_CONTROL_KEY"
+# How long the processes wait for each other's control connections. They reach this point after
+# jax.distributed joined them, each after building its own runner: 120 s ran out while process 0 was
+# still building on a loaded 2-core machine. A process that dies meanwhile is noticed by jax's
+# heartbeat or its closed coordinator connection, so this only bounds a process that hangs.
+CONNECT_TIMEOUT_S = 900.0
 
 
 class _Kind(enum.IntEnum):
@@ -65,10 +71,11 @@ def initialize(parallel: ParallelConfig) -> None:
         return
     # Cross-process collectives on CPU (tests) need gloo; GPUs use NCCL.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeout = max(1, round(parallel.peer_timeout_s))
+    # Both by name: jax 0.10.2 to 0.12 take them (ints, seconds).
     jax.distributed.initialize(coordinator_address=parallel.coordinator_address,
                                num_processes=parallel.num_processes, process_id=parallel.process_id,
-                               heartbeat_timeout_seconds=timeout, shutdown_timeout_seconds=timeout)
+                               heartbeat_timeout_seconds=max(1, round(parallel.peer_timeout_s)),
+                               shutdown_timeout_seconds=max(1, round(parallel.shutdown_timeout_s)))
 
 
 def is_leader() -> bool:
@@ -156,7 +163,7 @@ class Mirror:
     `on_lost(message)`, when set, runs (for up to 2 s) before a lost peer ends this process.
     """
 
-    def __init__(self, parallel: ParallelConfig, connect_timeout_s: float = 120.0):
+    def __init__(self, parallel: ParallelConfig, connect_timeout_s: float = CONNECT_TIMEOUT_S):
         self.is_leader = is_leader()
         self.on_lost: Callable[[str], None] | None = None
         self._stopping = False

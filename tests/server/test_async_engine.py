@@ -43,7 +43,15 @@ async def test_idle_engine_thread_sleeps_instead_of_polling():
     async_engine = _started(engine)
     stream = await _submit(async_engine)
     [_ async for _ in stream]
-    await asyncio.sleep(0.05)
+    # Once the thread has settled (its last calls after the stream may come late on a busy host), it
+    # makes none: a polling thread never settles, and this wait fails.
+    counts = [engine.num_calls]
+
+    def settled() -> bool:
+        counts.append(engine.num_calls)
+        return counts[-1] == counts[-2]
+
+    await wait_until(settled, timeout=30, interval=0.2)
     calls = engine.num_calls
     await asyncio.sleep(0.3)
     assert engine.num_calls == calls
@@ -56,7 +64,7 @@ async def test_cancelled_consumer_aborts_and_frees_kv_before_the_next_iteration(
     stream = await _submit(async_engine, max_tokens=100)
     await stream.__anext__()
     stream.abort()
-    await wait_until(lambda: stream.request_id in engine.aborted, timeout=1.0)
+    await wait_until(lambda: stream.request_id in engine.aborted)
     assert async_engine.latest_stats.kv_pages_used == 0 or engine.stats().kv_pages_used == 0
     assert [o async for o in stream] == []
     assert async_engine.num_in_flight == 0
@@ -93,7 +101,7 @@ async def test_engine_failure_fails_every_request_fast_and_turns_unhealthy():
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 pass
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 30  # every stream ends (fails), none waits for a timeout
     assert not async_engine.is_healthy and isinstance(async_engine.error, RuntimeError)
     with pytest.raises(EngineDeadError):
         await _submit(async_engine)

@@ -8,6 +8,7 @@ from orca_jax.server.app import create_app
 from orca_jax.server.async_engine import AsyncEngine
 from orca_jax.server.choices import derive_seed
 from orca_jax.server.serving import DEFAULT_MAX_TOKENS
+from orca_jax.serve import build_parser, engine_config_from_args
 
 from tests.helpers.server import FakeEngine, asgi_client, expected_text, parse_sse, wait_until
 
@@ -81,6 +82,32 @@ async def test_too_many_choices_and_best_of_are_400():
     assert best_of.status_code == 400 and "best_of" in best_of.json()["error"]["message"]
     assert same.status_code == 200 and len(same.json()["choices"]) == 2
     assert engine.prompts == [[ord("a")]] * 2
+
+
+async def test_stop_strings_past_the_limits_are_400_before_anything_is_queued():
+    engine = FakeEngine()
+    limits = engine.config.sampling
+    async with asgi_client(create_app(engine)) as client:
+        many = await client.post("/v1/completions", json={
+            "prompt": "a", "n": 4, "stop": [f"s{i}" for i in range(limits.max_stop_strings + 1)]})
+        long = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "a"}], "stop": ["x" * limits.max_stop_chars, "y"]})
+        at_limits = await client.post("/v1/completions", json={
+            "prompt": "a", "max_tokens": 1, "stop": ["x" * (limits.max_stop_chars - limits.max_stop_strings + 1)]
+            + ["y"] * (limits.max_stop_strings - 1)})
+    for response in (many, long):
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["param"], error["code"]) == ("stop", "too_many_stop_strings")
+    assert "--max-stop-strings" in many.json()["error"]["message"]
+    assert "--max-stop-chars" in long.json()["error"]["message"]
+    assert at_limits.status_code == 200, at_limits.text
+    assert engine.prompts == [[ord("a")]]
+
+
+def test_the_stop_string_flags_set_the_engines_limits():
+    args = build_parser().parse_args(["--max-stop-strings", "3", "--max-stop-chars", "30"])
+    limits = engine_config_from_args(args).sampling
+    assert (limits.max_stop_strings, limits.max_stop_chars) == (3, 30)
 
 
 async def test_a_refused_choice_takes_its_siblings_with_it():

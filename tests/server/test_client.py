@@ -1,16 +1,17 @@
 """`python -m orca_jax.client` against a live server over the fake engine."""
 
-import asyncio
 import io
 import json
 import signal
-import time
+import subprocess
+import sys
 
 import pytest
 
 from orca_jax import client
 from orca_jax.server.app import create_app
 
+from tests.helpers.process import ROOT, checkout_env
 from tests.helpers.server import FakeEngine, expected_text, live_server
 
 
@@ -79,50 +80,27 @@ def test_batch_mode_writes_jsonl_and_a_summary(served, tmp_path, capsys):
     assert str(out) in summary
 
 
+def _ctrl_c_case(case: str) -> dict:
+    """tests/helpers/ctrl_c_cases.py CASE in a process of its own, SIGINT's default action restored
+    there (a suite started in the background inherits SIGINT ignored); what it saw."""
+    done = subprocess.run([sys.executable, "tests/helpers/ctrl_c_cases.py", case], cwd=ROOT, env=checkout_env(),
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_reply_or_interrupt_turns_ctrl_c_into_a_cancelled_reply():
-    cancelled = []
-
-    async def endless_reply():
-        try:
-            asyncio.get_running_loop().call_later(0.05, signal.raise_signal, signal.SIGINT)
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.append(True)  # where the stream's `async with` closes the connection
-            raise
-
-    async def quick_reply():
-        return "done"
-
-    with asyncio.Runner() as runner:
-        assert client.reply_or_interrupt(runner, endless_reply()) is None
-        assert cancelled == [True]
-        assert client.reply_or_interrupt(runner, quick_reply()) == "done"  # the session goes on
+    seen = _ctrl_c_case("reply_or_interrupt")
+    assert seen == {"first": None, "cancelled": [True], "second": "done"}  # the session goes on
 
 
-def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation(monkeypatch, capsys):
-    engine = FakeEngine(max_model_len=512, num_pages=1024, step_seconds=0.02)
-    with live_server(create_app(engine)) as server:
-        lines = iter(["hello", "go on", "/exit"])
-        monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-        written: list[str] = []
-
-        def write(text: str) -> None:  # Ctrl-C once the first reply has shown 3 letters
-            written.append(text)
-            if len("".join(written).split("assistant> ")[-1]) == 3 and len(engine.prompts) == 1:
-                signal.raise_signal(signal.SIGINT)
-
-        args = client.build_parser().parse_args(["--url", server.url, "chat", "--max-tokens", "40"])
-        with asyncio.Runner() as runner:
-            http = client._http_client(args)
-            client.run_chat(runner, client.Client(http, None), args, write=write)
-            runner.run(http.aclose())
-        deadline = time.monotonic() + 2
-        while not engine.aborted and time.monotonic() < deadline:
-            time.sleep(0.01)
-    out = "".join(written)
+def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation():
+    seen = _ctrl_c_case("chat")
+    out = seen["out"]
     assert "[stopped]" in out and out.count("assistant> ") == 2
-    assert len(engine.aborted) == 1  # the server saw the stream close and let the request go
-    first, second = (bytes(p).decode() for p in engine.prompts)
+    assert seen["aborted"] == 1  # the server saw the stream close and let the request go
+    first, second = seen["prompts"]
     partial = out.split("assistant> ")[1].split("\n")[0]
     assert "hello" in second and partial in second and "go on" in second
 

@@ -25,6 +25,7 @@ from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wa
 from tests.helpers.server import FakeEngine, asgi_client, live_server, parse_sse, wait_until
 
 STEP_SECONDS = 0.02
+COMPILE_SECONDS = 3.0  # SlowCompiler's: a loop that waited for it would show a gap this long
 
 
 class SlowToCompile(FakeEngine):
@@ -43,7 +44,7 @@ class SlowToCompile(FakeEngine):
 
 
 class SlowCompiler:
-    """A grammar compiler that takes a second per constraint (the core's own; the front end checks with a real one)."""
+    """A grammar compiler that takes 3 s per constraint (the core's own; the front end checks with a real one)."""
 
     vocab_size = 256
 
@@ -51,7 +52,7 @@ class SlowCompiler:
         return None
 
     def compile(self, constraint):
-        time.sleep(1.0)
+        time.sleep(COMPILE_SECONDS)
         return None  # FakeEngine takes any grammar and follows none
 
 
@@ -62,28 +63,25 @@ class SlowGrammars(FakeEngine):
 
 
 def _fake_core(**kwargs) -> ProcessEngine:
-    return ProcessEngine(functools.partial(FakeEngine, step_seconds=STEP_SECONDS, max_model_len=512,
-                                           num_pages=1024, **kwargs))
+    return ProcessEngine(functools.partial(FakeEngine, **{"step_seconds": STEP_SECONDS, "max_model_len": 512,
+                                                          "num_pages": 1024, **kwargs}))
 
 
 @pytest.mark.anyio
 async def test_a_killed_core_gives_503s_with_the_cause_and_a_failing_health_at_once():
     failures = []
-    core = _fake_core()
+    core = _fake_core(step_seconds=0.2)  # the stream would run 300 x 0.2 s = 60 s: ending sooner, it was noticed
     core.on_failure = failures.append
     async with asgi_client(create_app(core, served_model_name="fake")) as client:
         assert (await client.get("/health")).status_code == 200
         streaming = asyncio.create_task(client.post("/v1/completions", json={
             "prompt": "a", "max_tokens": 300, "stream": True}))
         await wait_until(lambda: core.latest_stats.num_running == 1)
-        killed_at = time.monotonic()
         os.kill(core.process.pid, signal.SIGKILL)
-        response = await asyncio.wait_for(streaming, 5)
-        noticed = time.monotonic() - killed_at
+        response = await asyncio.wait_for(streaming, 30)
         events = parse_sse(response.text)
         assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "service_unavailable_error"
         assert "engine core process died" in events[-2]["error"]["message"]
-        assert noticed < 2, noticed  # the stream would run 300 x 20 ms = 6 s
         health = await client.get("/health")
         assert health.status_code == 503 and "engine core process died" in health.json()["reason"]
         late = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
@@ -112,7 +110,7 @@ async def test_health_reports_the_cores_compile_progress_and_early_requests_wait
 
 @pytest.mark.anyio
 async def test_a_client_hanging_up_frees_its_kv_in_the_core():
-    core = _fake_core()
+    core = _fake_core(step_seconds=0.2)  # the request would run 60 s: freed within the wait, it was aborted
     with live_server(create_app(core, served_model_name="fake")) as server:
         async with httpx.AsyncClient(base_url=server.url) as client:
             body = {"prompt": "hello", "max_tokens": 300, "stream": True}
@@ -121,10 +119,8 @@ async def test_a_client_hanging_up_frees_its_kv_in_the_core():
                 while not (await lines.__anext__()).startswith("data: "):
                     pass
                 await wait_until(lambda: core.latest_stats.kv_pages_used > 0)
-                closed_at = time.monotonic()
             await wait_until(lambda: core.latest_stats.kv_pages_used == 0 and core.latest_stats.num_running == 0
-                             and core.num_in_flight == 0, timeout=2.0)
-            assert time.monotonic() - closed_at < 1.0  # the request itself would run 6 s
+                             and core.num_in_flight == 0, timeout=30)
             assert (await client.get("/health")).status_code == 200
             # The core still serves: the next request runs to its end.
             done = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 3})
@@ -153,7 +149,7 @@ async def test_a_grammar_compiling_in_the_core_does_not_stall_its_loop():
             arrivals = []
 
             async def stream():
-                body = {"prompt": "a", "max_tokens": 300, "stream": True}  # 6 s, past the answer below
+                body = {"prompt": "a", "max_tokens": 400, "stream": True}  # 8 s or more, past the answer below
                 async with client.stream("POST", "/v1/completions", json=body) as response:
                     async for line in response.aiter_lines():
                         if line.startswith("data: "):
@@ -167,10 +163,11 @@ async def test_a_grammar_compiling_in_the_core_does_not_stall_its_loop():
             answered = time.monotonic()
             await streaming
     assert constrained.status_code == 200 and constrained.json()["choices"][0]["text"] == "cde"
-    assert answered - sent >= 1.0  # it waited for its grammar...
+    assert answered - sent >= COMPILE_SECONDS  # it waited for its grammar...
     during = [t for t in arrivals if sent <= t <= answered]
     gaps = [b - a for a, b in zip(during, during[1:])]
-    assert len(during) > 10 and max(gaps) < 0.3, gaps  # ...while the other request's tokens kept coming
+    # ...while the other request's tokens kept coming (a busy host may delay some, never by the compile's 3 s)
+    assert len(during) > 10 and max(gaps) < COMPILE_SECONDS / 2, gaps
 
 
 def _serve(*flags: str) -> tuple[subprocess.Popen, str]:
@@ -201,7 +198,7 @@ def _core_pid(server_pid: int) -> int:
 def test_serve_exits_one_within_seconds_when_its_core_is_killed():
     process, url = _serve("--engine-process")
     try:
-        wait_healthy(url, process, timeout=180)
+        wait_healthy(url, process, timeout=600)  # bounds a hang; a busy host starts slowly
         body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
@@ -217,7 +214,7 @@ def test_serve_exits_one_within_seconds_when_its_core_is_killed():
         if process.poll() is None:
             process.kill()
     assert process.returncode == 1, output
-    assert exit_seconds < 5, output
+    assert exit_seconds < 20, output  # not uvicorn's 30 s graceful shutdown: the death is noticed at once
     assert events[-1] == "[DONE]" and "engine core process died" in json.loads(events[-2])["error"]["message"]
     assert "the engine loop failed" in output
 
@@ -265,7 +262,7 @@ def test_sigterm_to_the_whole_process_group_still_drains_and_exits_zero():
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, process, timeout=180)
+        wait_healthy(url, process, timeout=600)  # bounds a hang; a busy host starts slowly
         body = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0, "stream": True}
         events = []
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
@@ -317,10 +314,10 @@ def test_a_core_still_loading_exits_when_its_server_is_killed():
             except AssertionError:
                 assert time.monotonic() < deadline and process.poll() is None
                 time.sleep(0.1)
-        time.sleep(2)  # the core is in its build now
+        time.sleep(2)  # the core is in its build now (or about to be: it watches its parent either way)
         process.kill()
         process.wait(10)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # it looks every fraction of a second; a busy host may delay that
         while _state(core) not in ("Z", "gone"):
             assert time.monotonic() < deadline, "the engine core outlived its server"
             time.sleep(0.05)
@@ -332,11 +329,11 @@ def test_a_core_still_loading_exits_when_its_server_is_killed():
 def test_a_core_whose_server_is_killed_exits_with_it():
     process, url = _serve("--engine-process")
     try:
-        wait_healthy(url, process, timeout=180)
+        wait_healthy(url, process, timeout=600)  # bounds a hang; a busy host starts slowly
         core = _core_pid(process.pid)
         process.kill()
         process.communicate(timeout=30)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # it looks every fraction of a second; a busy host may delay that
         while _state(core) not in ("Z", "gone"):
             assert time.monotonic() < deadline, "the engine core outlived its server"
             time.sleep(0.05)

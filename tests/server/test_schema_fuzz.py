@@ -25,7 +25,8 @@ schema.config.generation.update(modes=["positive", "negative"], max_examples=30)
 # The 400s a schema-valid body may get, as app._RUNTIME_RULES documents them: (code, param).
 RUNTIME_REFUSALS = {("context_length_exceeded", None), ("token_id_out_of_range", None),
                     ("too_many_choices", None), (None, "best_of"), ("invalid_structured_output", None),
-                    (None, "min_tokens"), (None, "logit_bias"), (None, "prompt_logprobs")}
+                    (None, "min_tokens"), (None, "logit_bias"), (None, "prompt_logprobs"),
+                    ("too_many_stop_strings", None)}
 CHAT_RUNTIME_REFUSALS = RUNTIME_REFUSALS | {("auto_tool_choice_disabled", None), (None, "top_logprobs")}
 RUNTIME_REFUSALS |= {(None, "logprobs"), (None, "echo")}
 LORA_RUNTIME_REFUSALS = {(code, None) for code in ("lora_not_enabled", "lora_already_loaded", "invalid_lora_adapter",

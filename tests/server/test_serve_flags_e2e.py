@@ -80,10 +80,10 @@ def test_serve_with_the_front_door_flags(tmp_path):
 
 @pytest.mark.slow
 def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
-    """--enable-auto-tool-choice --tool-call-parser hermes --max-logprobs 5 --enable-prompt-logprobs on
-    tiny-llama: a forced call's arguments fit its tool, auto is accepted, top_logprobs above 5 is
-    refused, prompt logprobs come back with no program compiled after start, and the tokenizer routes
-    answer."""
+    """--enable-auto-tool-choice --tool-call-parser hermes --max-logprobs 5 --max-stop-strings 2
+    --enable-prompt-logprobs on tiny-llama: a forced call's arguments fit its tool, auto is accepted,
+    top_logprobs above 5 is refused, as are 3 stop strings, prompt logprobs come back with no program
+    compiled after start, and the tokenizer routes answer."""
     import json
 
     port = free_port()
@@ -96,7 +96,7 @@ def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
     command = [sys.executable, "-m", "orca_jax.serve", "--model", "tiny-llama", "--port", str(port),
                "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "512", "--page-size", "16",
                "--chat-template", str(template), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-               "--max-logprobs", "5",
+               "--max-logprobs", "5", "--max-stop-strings", "2",
                "--enable-prompt-logprobs",
                "--compilation-cache-dir", str(tmp_path / "xla")]
     process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(),
@@ -120,6 +120,7 @@ def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
             top6 = client.post("/v1/chat/completions", json={**chat, "max_tokens": 2, "logprobs": True,
                                                              "top_logprobs": 6})
             prompt = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1, "prompt_logprobs": 5})
+            stops = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1, "stop": ["a", "b", "c"]})
             tokens = client.post("/tokenize", json={"prompt": "hi"}).json()
             ping = client.get("/ping")
         process.send_signal(signal.SIGTERM)
@@ -137,6 +138,7 @@ def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
     assert len(top5.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 5
     assert top6.status_code == 400 and top6.json()["error"]["param"] == "top_logprobs"
     assert tokens["tokens"] == [104, 105] and ping.status_code == 200
+    assert stops.status_code == 400 and stops.json()["error"]["code"] == "too_many_stop_strings"
     positions = prompt.json()["choices"][0]["prompt_logprobs"]
     assert positions[0] is None and len(positions) == 5 and all(len(p) in (5, 6) for p in positions[1:])
     compiled = [line for line in output.splitlines() if "PromptLogprobsKey" in line]

@@ -119,24 +119,35 @@ def test_stage_layout_and_refusals():
 
 
 @pytest.mark.parametrize("devices_per_process,tp,pp", [(1, 2, 1), (2, 2, 2)])
-def test_two_processes_joined_by_jax_distributed_give_one_device_tokens(results, devices_per_process, tp, pp):
+def test_two_processes_joined_by_jax_distributed_give_one_device_tokens(results, tmp_path, devices_per_process,
+                                                                         tp, pp):
     """Two processes on localhost form one mesh: tensor parallel 2 across them (as one process per GPU
     runs), or one 2-device stage on each (as one process per host runs, activations and tokens handed
-    between processes by a collective). Process 0 schedules, process 1 mirrors every step."""
+    between processes by a collective). Process 0 schedules, process 1 mirrors every step. Each exits 0
+    once both are done, however slowly the other gets there (jax's shutdown barrier waits for it)."""
     env = fake_device_env(devices_per_process)
     port = str(free_port())
+    # Output to files, not pipes: a process blocked on a full pipe that nobody reads (this test waits
+    # on the other first) would never reach the barrier its peer waits in.
+    logs = [(open(tmp_path / f"{i}.out", "w+"), open(tmp_path / f"{i}.err", "w+")) for i in (1, 0)]
     procs = [subprocess.Popen([sys.executable, "tests/helpers/multihost_case.py", str(i), "2", port, str(tp), str(pp)],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in (1, 0)]
+                              cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+             for i, (out, err) in zip((1, 0), logs)]
     outs = []
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=300)
-            assert proc.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+        for proc, (out, err) in zip(procs, logs):
+            proc.wait(timeout=600)
+            out.seek(0)
+            err.seek(0)
+            assert proc.returncode == 0, err.read()[-3000:]
+            outs.append(json.loads(out.read().strip().splitlines()[-1]))
     finally:
         for proc in procs:
             proc.kill()
+            proc.wait()
+        for files in logs:
+            for f in files:
+                f.close()
     worker, leader = outs
     assert leader["num_devices"] == 2 * devices_per_process and leader["processes"] == [0, 1]
     assert leader["tokens"] == results["llama/1/1"]["tokens"]

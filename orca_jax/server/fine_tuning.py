@@ -19,7 +19,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from orca_jax.config import FineTuningConfig, FineTuningMemory
 from orca_jax.finetune.data import DatasetError, ValidationStopped, read_jsonl
@@ -27,6 +27,7 @@ from orca_jax.finetune.hparams import MAX_SEED, TrainingHyperparameters
 from orca_jax.lora.adapter import MAX_ALPHA, MAX_RANK
 from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
 from orca_jax.server.errors import APIError
+from orca_jax.server.lora import check_model_name
 from orca_jax.server.metrics import PREFIX
 
 if TYPE_CHECKING:
@@ -99,28 +100,45 @@ def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig |
 # ---- bodies ---------------------------------------------------------------------------------------
 
 Auto = Literal["auto"]
+
+
+def _whole(value: object) -> object:
+    """2.0 -> 2 for an integer field: JSON does not tell them apart (strings stay strings: refused)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _auto_or_number(value: object) -> object:
+    if isinstance(value, str) and value != "auto":  # one clear message, not one per member of the union
+        raise ValueError(f'must be "auto" or a number, got the string {value[:32]!r}')
+    return value
+
+
+# Strict: a number is a JSON number ("1" is not), as in every other body of this server.
+Whole = Annotated[int, BeforeValidator(_whole)]
+AutoWhole = Annotated[Auto | Whole, BeforeValidator(_auto_or_number)]
+AutoFloat = Annotated[Auto | float, BeforeValidator(_auto_or_number)]
 # Every number finite and within its meaning's range, so a mistake is a 400 naming the field and the
 # range; how large a job may be (epochs, batch, micro-batch tokens) is the server's flags' to say.
-_BODY = ConfigDict(extra="forbid", allow_inf_nan=False)
+_BODY = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class Hyperparameters(BaseModel):
     """Types only: TrainingHyperparameters checks each value's range (NaN and infinities included) and
     names it, which pydantic's errors for a value fitting neither "auto" nor a number would not."""
 
-    model_config = ConfigDict(extra="forbid")
-    n_epochs: Auto | int = "auto"
-    batch_size: Auto | int = "auto"
-    learning_rate_multiplier: Auto | float = "auto"
+    model_config = ConfigDict(extra="forbid", strict=True)
+    n_epochs: AutoWhole = "auto"
+    batch_size: AutoWhole = "auto"
+    learning_rate_multiplier: AutoFloat = "auto"
     warmup_ratio: float | None = None
     weight_decay: float | None = None
-    micro_batch_tokens: int | None = None
-    checkpoint_every: int | None = None
+    micro_batch_tokens: Whole | None = None
+    checkpoint_every: Whole | None = None
 
 
 class LoRAOptions(BaseModel):
     model_config = _BODY
-    rank: Annotated[int, Field(ge=1, le=MAX_RANK)] | None = None  # None: 16, or --max-lora-rank if lower
+    rank: Annotated[Whole, Field(ge=1, le=MAX_RANK)] | None = None  # None: 16, or --max-lora-rank if lower
     alpha: Annotated[float, Field(gt=0, le=MAX_ALPHA)] | None = None  # None: 2 x rank
     target_modules: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=64)] | None = None
 
@@ -140,8 +158,8 @@ class CreateJobRequest(BaseModel):
     training_file: str = Field(min_length=1, max_length=256)
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
-    suffix: str | None = Field(default=None, max_length=64)
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    suffix: Annotated[str, Field(max_length=64), AfterValidator(check_model_name)] | None = None  # in the model's name
+    seed: Annotated[Whole, Field(ge=0, le=MAX_SEED)] | None = None
     validation_file: None = None  # not supported: only null is accepted
     lora: LoRAOptions = LoRAOptions()
 

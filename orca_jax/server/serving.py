@@ -26,6 +26,7 @@ from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
 from orca_jax.server.lora import ServedModels
 from orca_jax.server.metrics import ServerMetrics
 from orca_jax.server.preprocess import Preprocessor
+from orca_jax.server.prompt_bound import max_prompt_chars
 from orca_jax.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       TokenizeChatRequest, TokenizeCompletionRequest)
 from orca_jax.server.protocol_base import StrictBody, ignored_fields
@@ -91,6 +92,8 @@ class OpenAIServing:
             log.info("the chat template does not render tools; a request's tools go into a system message "
                      "in the %s format", self.tool_calls.call_format)
         self.max_model_len = engine.max_model_len
+        # A prompt text longer than this cannot fit the context in any tokenization (None: no bound).
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
         self.vocab_size = engine.model_config.vocab_size
         self.max_logprobs = engine.config.sampling.max_logprobs
         self.enable_prompt_logprobs = engine.config.sampling.enable_prompt_logprobs
@@ -101,6 +104,9 @@ class OpenAIServing:
         self.warn_ignored_fields(body)
         constraint_request = output_constraint(body)
         texts = body.prompts()
+        for text in texts:
+            if isinstance(text, str):
+                self._check_prompt_chars(len(text), param="prompt")
         prompts = await self.preprocess.run(self._encode_prompts, texts)
         constraint, grammar = await self._constraint(constraint_request)
         choices = self._choices(body, prompts, requested=body.max_tokens, default=COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -161,6 +167,11 @@ class OpenAIServing:
                 template_messages = with_tools_in_system_message(template_messages, tools, call_format)
             tools = None
         try:
+            content_chars = sum(len(m["content"]) for m in template_messages if isinstance(m.get("content"), str))
+            if self.max_prompt_chars is not None and content_chars > self.max_prompt_chars:
+                # Content alone past the bound (rare): what the template makes of it is measured exactly.
+                prompt = self.tokenizer.apply_chat_template(template_messages, add_generation_prompt, tools=tools)
+                self._check_prompt_chars(len(prompt), param="messages")
             return self.tokenizer.encode_chat(template_messages,
                                               add_generation_prompt=add_generation_prompt,
                                               split_special_tokens=self.split_special_tokens, tools=tools)
@@ -183,8 +194,10 @@ class OpenAIServing:
             if body.add_special_tokens:  # what the tokenizer puts before any prompt (a BOS), again, as vLLM does
                 ids = self.tokenizer.encode_prompt("") + ids
         elif body.add_special_tokens:
+            self._check_prompt_chars(len(body.prompt), param="prompt")
             ids = self.tokenizer.encode_prompt(body.prompt, split_special_tokens=self.split_special_tokens)
         else:
+            self._check_prompt_chars(len(body.prompt), param="prompt")
             ids = self.tokenizer.encode(body.prompt, split_special_tokens=self.split_special_tokens)
         strs = [self.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
@@ -233,8 +246,9 @@ class OpenAIServing:
                            param="n", code="too_many_choices")
         choices = []
         for prompt_index, prompt_ids in enumerate(prompts):
-            self._check_prompt_ids(prompt_ids, param=param)
+            # The length first: a prompt of a million ids is refused without looking at each.
             max_tokens = self._max_tokens(requested, len(prompt_ids), default, param=param)
+            self._check_prompt_ids(prompt_ids, param=param)
             for number in range(body.n):
                 sampling = self._sampling(body, max_tokens, logprobs, derive_seed(body.seed, number), constraint,
                                           skip_special_tokens)
@@ -252,6 +266,14 @@ class OpenAIServing:
         if body.prompt_logprobs is not None and body.prompt_logprobs > self.max_logprobs:
             raise APIError(400, f"prompt_logprobs must be at most {self.max_logprobs} (the server's --max-logprobs), "
                            f"got {body.prompt_logprobs}", param=param)
+
+    def _check_prompt_chars(self, num_chars: int, *, param: str) -> None:
+        """400 for a prompt text too long for the context however it is tokenized (before tokenizing it)."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, and "
+                           f"the prompt's {num_chars} characters cannot fit in it (no token of this tokenizer "
+                           f"stands for more than {self.max_prompt_chars // self.max_model_len} characters). "
+                           "Shorten the prompt.", param=param, code="context_length_exceeded")
 
     def _check_prompt_ids(self, prompt_ids: list[int], *, param: str) -> None:
         if not prompt_ids:

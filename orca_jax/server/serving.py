@@ -26,7 +26,6 @@ from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
 from orca_jax.server.lora import ServedModels
 from orca_jax.server.metrics import ServerMetrics
 from orca_jax.server.preprocess import Preprocessor
-from orca_jax.server.prompt_bound import max_prompt_chars
 from orca_jax.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       TokenizeChatRequest, TokenizeCompletionRequest)
 from orca_jax.server.protocol_base import StrictBody, ignored_fields
@@ -37,6 +36,7 @@ from orca_jax.structured.constraint import Constraint
 from orca_jax.structured.matcher import CompiledGrammar
 from orca_jax.structured.tool_prompt import with_calls_as_text, with_tools_in_system_message
 from orca_jax.tokenizer import with_chat_template
+from orca_jax.tokenizer_bounds import max_prompt_chars
 
 RETRY_AFTER_SECONDS = "1"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

@@ -1,12 +1,13 @@
-"""How many characters a prompt can have and still fit the context, from the tokenizer alone.
+"""How many tokens a text can have, from its length alone, where the tokenizer allows saying so.
 
 A prompt of 1.9 MB takes a real tokenizer seconds to encode, only to be refused for its length. But
 no token stands for more than the longest piece of text in the vocabulary, so a text of more than
 max_model_len x that many characters cannot fit in any tokenization, and is refused without being
 tokenized. That holds only for tokenizers that keep every character of the input: a normalizer or
 pre-tokenizer that deletes text (stripping, whitespace splitting, composing accents) could turn many
-characters into few tokens. For those the bound is None and the prompt is tokenized (off the event
-loop, as every prompt is).
+characters into few tokens; for those max_chars_per_token is None. The other way, a byte-level
+tokenizer without a normalizer spells each byte of its input in exactly one token, so a text has at
+most as many tokens as UTF-8 bytes: a fine-tuning file's example that short fits without tokenizing.
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ def max_chars_per_token(tokenizer: BaseTokenizer) -> int | None:
     longest = max((max(len(tokenizer.token_bytes(i)), len(tokenizer.id_to_token(i) or ""))
                    for i in range(tokenizer.vocab_size)), default=1)
     return max(1, longest)
+
+
+def at_most_one_token_per_byte(tokenizer: BaseTokenizer) -> bool:
+    """Whether every text encodes (without special tokens) to at most one token per UTF-8 byte: each
+    token spells at least one byte, and nothing is added to the text (no normalizer)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return True
+    return (isinstance(tokenizer, Tokenizer) and tokenizer.backend.normalizer is None
+            and max_chars_per_token(tokenizer) is not None
+            and all(tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)))
 
 
 def max_prompt_chars(tokenizer: BaseTokenizer, max_model_len: int) -> int | None:

@@ -157,6 +157,7 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
             # Joining can wait for one iteration; keep the event loop free meanwhile.
             await asyncio.to_thread(async_engine.shutdown, SHUTDOWN_JOIN_SECONDS)
             preprocess.close()
+            await asyncio.to_thread(serving.close)  # waits for a large prompt being tokenized
 
     app = FastAPI(title="orca_jax", summary="OpenAI-compatible ORCA serving", lifespan=lifespan)
     app.router.route_class = JSONBodyRoute  # bodies parsed as UTF-8 only, large ones off the event loop
@@ -201,7 +202,7 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
               description="vLLM's: the text of token ids, special tokens included "
               "(an id outside the vocabulary: code token_id_out_of_range).")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:

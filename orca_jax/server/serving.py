@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import jinja2
 from fastapi import Request
@@ -29,13 +30,14 @@ from orca_jax.server.preprocess import Preprocessor
 from orca_jax.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                                       TokenizeChatRequest, TokenizeCompletionRequest)
 from orca_jax.server.protocol_base import StrictBody, ignored_fields
+from orca_jax.server.tokenizer_process import IN_PROCESS_CHARS, TokenizerProcess, TokenizerProcessDied
 from orca_jax.server.responses import DetokenizeResponse, TokenizeResponse, new_id, unix_now
 from orca_jax.server.structured import (ConstraintRequest, ToolCallSettings, output_constraint, tool_choice_of,
                                        tool_plan)
 from orca_jax.structured.constraint import Constraint
 from orca_jax.structured.matcher import CompiledGrammar
 from orca_jax.structured.tool_prompt import with_calls_as_text, with_tools_in_system_message
-from orca_jax.tokenizer import with_chat_template
+from orca_jax.tokenizer import BaseTokenizer, TooManyTokensError, with_chat_template
 from orca_jax.tokenizer_bounds import max_prompt_chars
 
 RETRY_AFTER_SECONDS = "1"
@@ -94,6 +96,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         # A prompt text longer than this cannot fit the context in any tokenization (None: no bound).
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.max_model_len)
+        self.tokenizer_process = TokenizerProcess(self.tokenizer)
         self.vocab_size = engine.model_config.vocab_size
         self.max_logprobs = engine.config.sampling.max_logprobs
         self.enable_prompt_logprobs = engine.config.sampling.enable_prompt_logprobs
@@ -123,8 +126,35 @@ class OpenAIServing:
         return await self._generate(body, request, request_id, choices, formatter, lora, grammar)
 
     def _encode_prompts(self, texts: list[str | list[int]]) -> list[list[int]]:
-        return [self.tokenizer.encode_prompt(p, split_special_tokens=self.split_special_tokens)
-                if isinstance(p, str) else list(p) for p in texts]
+        with self._tokenizing("prompt"):
+            return [self._encoder(len(p)).encode_prompt(p, split_special_tokens=self.split_special_tokens,
+                                                        max_tokens=self.max_model_len)
+                    if isinstance(p, str) else list(p) for p in texts]
+
+    @contextlib.contextmanager
+    def _tokenizing(self, param: str) -> Iterator[None]:
+        """A prompt past the context (its ids never built) is a 400; a tokenizer process that died, a 503."""
+        try:
+            yield
+        except TooManyTokensError as error:
+            raise self._too_many_tokens(error, param) from None
+        except TokenizerProcessDied as error:
+            raise APIError(503, str(error), code="tokenizer_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_SECONDS}) from None
+
+    def _encoder(self, num_chars: int) -> BaseTokenizer | TokenizerProcess:
+        """The tokenizer for a text of `num_chars` characters: this thread's, or a process's for a
+        large one (tokenizer_process.py: the library holds the GIL while it encodes)."""
+        return self.tokenizer_process if num_chars > IN_PROCESS_CHARS else self.tokenizer
+
+    def close(self) -> None:
+        """Stop the tokenizer process (a later large prompt starts it again)."""
+        self.tokenizer_process.close()
+
+    def _too_many_tokens(self, error: TooManyTokensError, param: str) -> APIError:
+        return APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                        f"prompt is {error.num_tokens} tokens. Shorten the prompt.", param=param,
+                        code="context_length_exceeded")
 
     async def _constraint(self, constraint_request: ConstraintRequest | None
                           ) -> tuple[Constraint | None, CompiledGrammar | None]:
@@ -172,9 +202,10 @@ class OpenAIServing:
                 # Content alone past the bound (rare): what the template makes of it is measured exactly.
                 prompt = self.tokenizer.apply_chat_template(template_messages, add_generation_prompt, tools=tools)
                 self._check_prompt_chars(len(prompt), param="messages")
-            return self.tokenizer.encode_chat(template_messages,
-                                              add_generation_prompt=add_generation_prompt,
-                                              split_special_tokens=self.split_special_tokens, tools=tools)
+            with self._tokenizing("messages"):
+                return self._encoder(content_chars).encode_chat(
+                    template_messages, add_generation_prompt=add_generation_prompt,
+                    split_special_tokens=self.split_special_tokens, tools=tools, max_tokens=self.max_model_len)
         except (ValueError, jinja2.TemplateError) as error:  # e.g. a template that checks role order
             raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
 
@@ -193,20 +224,24 @@ class OpenAIServing:
             ids = self._chat_prompt_ids(body.messages, tools, body.add_generation_prompt)
             if body.add_special_tokens:  # what the tokenizer puts before any prompt (a BOS), again, as vLLM does
                 ids = self.tokenizer.encode_prompt("") + ids
-        elif body.add_special_tokens:
+        else:  # a prompt past the context is refused, as everywhere (its ids are not built)
             self._check_prompt_chars(len(body.prompt), param="prompt")
-            ids = self.tokenizer.encode_prompt(body.prompt, split_special_tokens=self.split_special_tokens)
-        else:
-            self._check_prompt_chars(len(body.prompt), param="prompt")
-            ids = self.tokenizer.encode(body.prompt, split_special_tokens=self.split_special_tokens)
+            encoder = self._encoder(len(body.prompt))
+            encode = encoder.encode_prompt if body.add_special_tokens else encoder.encode
+            with self._tokenizing("prompt"):
+                ids = encode(body.prompt, split_special_tokens=self.split_special_tokens, max_tokens=self.max_model_len)
         strs = [self.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
-    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of the body's ids, checked and decoded off the event loop (a 2 MB body: 500,000 ids)."""
         self.check_model(body.model)
         self.warn_ignored_fields(body)
-        self._check_token_ids(body.tokens, param="tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return await self.preprocess.run(self._detokenize, body.tokens)
+
+    def _detokenize(self, tokens: list[int]) -> DetokenizeResponse:
+        self._check_token_ids(tokens, param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(tokens, skip_special_tokens=False))
 
     def warn_ignored_fields(self, body: StrictBody) -> None:
         """Log each body field this server does not know, once per name (vLLM logs them each time)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ from orca_jax import json_limits
 
 ROLES = ("system", "user", "assistant")
 ROW_MULTIPLE = 64  # a packed row's length is the longest example rounded up to this
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 # Messages an example may have unless the server says otherwise (FineTuningConfig.max_example_messages):
@@ -124,9 +126,12 @@ def _completion_example(prompt: str, completion: str, tokenizer) -> Example:
     return Example(tuple(prompt_ids + completion_ids), (False,) * len(prompt_ids) + (True,) * len(completion_ids))
 
 
-def _check_unicode(record: dict) -> None:
+def _check_unicode(text: str, record: dict) -> None:
     """ValueError for a lone surrogate ("\\ud800", which JSON allows and no tokenizer takes) in any key
-    or string of the record, naming where (iterative; the record's depth is bounded anyway)."""
+    or string of the record parsed from `text`, naming where (iterative; the record's depth is
+    bounded anyway). Only a \\uD800-\\uDFFF escape in the text can make one: without, nothing to walk."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return
     pending: list[tuple[object, str]] = [(record, "")]
     while pending:
         value, where = pending.pop()
@@ -134,14 +139,16 @@ def _check_unicode(record: dict) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as err:
-                raise ValueError(f"{where or 'a key'} is not valid Unicode: a lone surrogate "
-                                 f"{value[err.start]!r} at character {err.start}") from None
+                # A top-level field quoted, as "'prompt' must be a string" is; a nested one as messages[0].content.
+                named = repr(where) if where.isidentifier() else where
+                raise ValueError(f"{named} is not valid Unicode: a lone surrogate {value[err.start]!r} at "
+                                 f"character {err.start}") from None
         elif isinstance(value, list):
             pending.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
         elif isinstance(value, dict):
             for key, item in value.items():
                 pending.append((key, f"a key of {where}" if where else "a key"))
-                pending.append((item, f"{where}.{key}" if where else repr(key)))
+                pending.append((item, f"{where}.{key}" if where else str(key)))
 
 
 def _record(text: str) -> dict:
@@ -151,7 +158,7 @@ def _record(text: str) -> dict:
         raise ValueError(str(err).removeprefix("JSON is ")) from None
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object")
-    _check_unicode(record)
+    _check_unicode(text, record)
     return record
 
 

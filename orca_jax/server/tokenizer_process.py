@@ -58,6 +58,12 @@ class TokenizerProcess:
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
             _write(self._process.stdin, pickle.dumps(self._tokenizer, protocol=pickle.HIGHEST_PROTOCOL))
 
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id (None before it starts or once closed)."""
+        process = self._process
+        return None if process is None else process.pid
+
     def encode(self, text: str, **kwargs) -> list[int]:
         return self._call("encode", (text,), kwargs)
 

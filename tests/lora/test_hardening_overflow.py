@@ -57,6 +57,7 @@ def test_trained_size_weights_pass_in_every_dtype(tmp_path, dtype):
     assert load_adapter(str(tmp_path / "ok"), "ok", dataclasses.replace(LLAMA, dtype=dtype), max_rank=8).rank == r
 
 
+@pytest.mark.slow  # a tiny engine's compiles (~30 s on a busy 2-core machine)
 def test_loading_one_over_http_is_a_400_and_the_base_keeps_serving(tmp_path):
     engine = tiny_engine(lora=LoRAConfig(max_loras=2, max_lora_rank=8), compilation_cache_dir=None)
     app = create_app(engine, served_model_name="tiny")

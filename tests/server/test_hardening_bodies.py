@@ -61,7 +61,7 @@ async def test_a_lone_surrogate_as_a_key_is_named_as_such():
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"prompt": "abc", "max_tokens": 1, "stop": "x" * PARSE_OFF_LOOP_BYTES}, 200, None),
+    ({"prompt": "abc", "max_tokens": 1, "metadata": {"note": "x" * PARSE_OFF_LOOP_BYTES}}, 200, None),  # ignored
     ({"prompt": [104] * 40_000, "max_tokens": "1"}, 400, "max_tokens"),
     ({"prompt": [104] * 40_000, "max_tokens": 1, "temperature": float("nan")}, 400, "temperature: NaN"),
     ({"prompt": "a" * PARSE_OFF_LOOP_BYTES + "\ud800", "max_tokens": 1}, 400, "lone surrogate"),

@@ -5,9 +5,9 @@ each bound over the machine's own noise, measured just before (the idle /health 
 
 The hostile requests: a non-streamed chat of n=64 choices x 128 tokens x 20 top logprobs (a ~10 MB
 body, built and encoded on the loop before: /health froze for 5 s); prompts of 1.9 MB to each route
-that tokenizes, with a byte tokenizer (refused by their length before tokenizing) and with a real
-BPE tokenizer and a context long enough that they are tokenized (on a worker thread); a 2 MB body of
-token ids (parsed off the loop, its ids never looked at one by one). Timing is measured, never
+that tokenizes (refused by their length before tokenizing), and of 0.3 MB with a real BPE tokenizer
+and a context long enough that they are tokenized (by a worker process); a 2 MB body of token ids
+(parsed and validated off the loop, its ids never looked at one by one on it). Timing is measured, never
 waited on: the pollers run until the hostile request's answer has arrived, whatever that takes.
 """
 
@@ -31,6 +31,7 @@ HEALTH_P99_S = 0.1
 NO_STALL_S = 1.0  # the issue's bar: no /health answer a second late
 TTFT_FLOOR_S = 0.1  # scheduling noise of a loaded 2-core machine, added to twice the idle time
 BIG_PROMPT = "hello " * 330_000  # 1.98 MB, the issue's
+MID_PROMPT = "hello " * 50_000  # 0.3 MB: past the tokenizer process's threshold, within the BPE server's bound
 
 
 def _chat(content: str, **extra) -> dict:
@@ -44,6 +45,9 @@ HOSTILE = {
     "1.9 MB prompt, completions": ("/v1/completions", {"prompt": BIG_PROMPT, "max_tokens": 1}, 400, 400),
     "1.9 MB prompt, chat": ("/v1/chat/completions", _chat(BIG_PROMPT, max_tokens=1), 400, 400),
     "1.9 MB prompt, tokenize": ("/tokenize", {"prompt": BIG_PROMPT}, 400, 400),
+    # Under the BPE server's bound: tokenized by its worker process, then refused for its 300,000 tokens.
+    "0.3 MB prompt, completions": ("/v1/completions", {"prompt": MID_PROMPT, "max_tokens": 1}, 400, 400),
+    "0.3 MB prompt, chat": ("/v1/chat/completions", _chat(MID_PROMPT, max_tokens=1), 400, 400),
     "2 MB of token ids": ("/v1/completions", {"prompt": [104] * 400_000, "max_tokens": 1}, 400, None),
 }
 
@@ -127,12 +131,12 @@ def _serve(settings: dict) -> Iterator[str]:
 
 
 # A byte tokenizer's bound refuses 1.9 MB at once (512 tokens x 1 character); the BPE one's context of
-# 2^18 tokens x its 12-character longest token lets it through, to be tokenized and then refused for
-# its 1.98 M tokens (whose ids are never built).
+# 2^15 tokens x its 12-character longest token refuses 1.9 MB too, and lets 0.3 MB through, to be
+# tokenized by a worker process and then refused for its 300,000 tokens (whose ids are never built).
 SERVERS = {
     "bytes": {"engine": {"max_num_seqs": 72, "max_waiting": 72, "num_pages": 8192, "max_model_len": 512,
                          "step_seconds": 0.002}, "app": {"max_body_bytes": 3 << 20}},
-    "bpe": {"engine": {"max_num_seqs": 8, "num_pages": 1 << 16, "max_model_len": 1 << 18}, "tokenizer": "chatml",
+    "bpe": {"engine": {"max_num_seqs": 8, "num_pages": 1 << 14, "max_model_len": 1 << 15}, "tokenizer": "chatml",
             "app": {"max_body_bytes": 3 << 20}},
 }
 

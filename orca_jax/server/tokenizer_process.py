@@ -43,7 +43,9 @@ class TokenizerProcess:
     raises is raised here."""
 
     def __init__(self, tokenizer: BaseTokenizer):
-        self._tokenizer = tokenizer
+        # Pickled now, at the server's start: SmolLM2's takes ~0.1 s of GIL, which the first large
+        # prompt's start of the worker would otherwise stall the event loop for.
+        self._setup = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()  # one call at a time; guards _process
 
@@ -56,7 +58,7 @@ class TokenizerProcess:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
             self._process = subprocess.Popen([sys.executable, "-m", "orca_jax.server.tokenizer_process"], env=env,
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
-            _write(self._process.stdin, pickle.dumps(self._tokenizer, protocol=pickle.HIGHEST_PROTOCOL))
+            _write(self._process.stdin, self._setup)
 
     @property
     def pid(self) -> int | None:

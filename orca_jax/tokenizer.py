@@ -50,6 +50,26 @@ class ControlTokenError(ValueError):
     """Message content holds a control token that cannot be kept apart from the template's own."""
 
 
+class TooManyTokensError(ValueError):
+    """A text encodes to more than the `max_tokens` its caller can use; its ids were never built
+    (1.98 M of them took ~0.3 s of the GIL in one call, stalling every other thread)."""
+
+    def __init__(self, num_tokens: int, max_tokens: int):
+        super().__init__(f"the text is {num_tokens} tokens, more than {max_tokens}")
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
+    def __reduce__(self):  # from a tokenizer process (server/tokenizer_process.py), with its fields
+        return TooManyTokensError, (self.num_tokens, self.max_tokens)
+
+
+def _ids(encoding: tokenizers.Encoding, max_tokens: int | None) -> list[int]:
+    """The encoding's ids; TooManyTokensError, without building them, past max_tokens."""
+    if max_tokens is not None and len(encoding) > max_tokens:
+        raise TooManyTokensError(len(encoding), max_tokens)
+    return encoding.ids
+
+
 @functools.lru_cache(maxsize=1)
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (byte-level BPE vocabularies use it)."""
@@ -78,13 +98,15 @@ class BaseTokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str, add_special_tokens: bool = False,
-               split_special_tokens: bool = False) -> list[int]: ...
-    def encode_prompt(self, text: str, split_special_tokens: bool = False) -> list[int]: ...
+               split_special_tokens: bool = False, *, max_tokens: int | None = None) -> list[int]: ...
+    def encode_prompt(self, text: str, split_special_tokens: bool = False, *,
+                      max_tokens: int | None = None) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             tools: list[dict] | None = None) -> str: ...
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    split_special_tokens: bool = True, tools: list[dict] | None = None) -> list[int]: ...
+                    split_special_tokens: bool = True, tools: list[dict] | None = None,
+                    max_tokens: int | None = None) -> list[int]: ...
     def token_bytes(self, token_id: int) -> bytes: ...
     def is_special(self, token_id: int) -> bool: ...
 
@@ -176,34 +198,39 @@ class Tokenizer:
 
     # --- use ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False,
-               split_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`.
+               split_special_tokens: bool = False, *, max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text` (TooManyTokensError past `max_tokens`).
 
         Special tokens written in the text are recognised unless `split_special_tokens`, which
         encodes them as the plain text they are (transformers' flag of the same name).
         """
         backend = self._plain_backend if split_special_tokens else self.backend
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _ids(backend.encode(text, add_special_tokens=add_special_tokens), max_tokens)
 
-    def encode_prompt(self, text: str, split_special_tokens: bool = False) -> list[int]:
+    def encode_prompt(self, text: str, split_special_tokens: bool = False, *,
+                      max_tokens: int | None = None) -> list[int]:
         """A completion prompt's ids, as transformers' `tokenizer(text)` gives them: with the prefix
         the directory's tokenizer.json adds (Llama's and Mistral's BOS; nothing for GPT-2 or Qwen2).
         Chat prompts get theirs from the template instead (encode_chat)."""
-        return self.encode(text, add_special_tokens=True, split_special_tokens=split_special_tokens)
+        return self.encode(text, add_special_tokens=True, split_special_tokens=split_special_tokens,
+                           max_tokens=max_tokens)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    split_special_tokens: bool = True, tools: list[dict] | None = None) -> list[int]:
+                    split_special_tokens: bool = True, tools: list[dict] | None = None,
+                    max_tokens: int | None = None) -> list[int]:
         """Token ids of the chat prompt; control tokens typed in message content stay plain text.
 
         Only the template's own control tokens become control tokens, so no message can forge a
         turn. With `split_special_tokens=False` the rendered prompt is encoded as a whole (trusted
         callers). ControlTokenError when the template rewrites content so that it cannot be found
-        in the prompt and some content holds a control token.
+        in the prompt and some content holds a control token; TooManyTokensError past `max_tokens`
+        (control tokens typed as text only add tokens, so the whole prompt's count is checked first).
         """
         prompt = self.apply_chat_template(messages, add_generation_prompt, tools=tools)
         encoding = self.backend.encode(prompt, add_special_tokens=False)
+        whole = _ids(encoding, max_tokens)  # raises before anything is built from a long one
         if not split_special_tokens:
-            return encoding.ids
+            return whole
         spans = content_spans(
             lambda marked: self.apply_chat_template(marked, add_generation_prompt, tools=tools), messages, prompt)
         if spans is None:
@@ -214,11 +241,11 @@ class Tokenizer:
                     f"message content contains the control token {typed!r}, and this model's chat "
                     "template changes message content, so it cannot be kept apart from the template's "
                     "own control tokens; remove it from the content")
-            return encoding.ids
-        specials = [(token_id, start, end) for token_id, (start, end) in zip(encoding.ids, encoding.offsets)
+            return whole
+        specials = [(token_id, start, end) for token_id, (start, end) in zip(whole, encoding.offsets)
                     if token_id in self._special_ids]
         if not any(overlaps(start, end, spans) for _, start, end in specials):
-            return encoding.ids
+            return whole
         # Added tokens cut the text before BPE runs, so the pieces between the template's own control
         # tokens encode independently; in them, typed control tokens are plain text.
         ids: list[int] = []
@@ -288,18 +315,24 @@ class ByteTokenizer:
         self.chat_template = _BYTE_CHAT_TEMPLATE
 
     def encode(self, text: str, add_special_tokens: bool = False,
-               split_special_tokens: bool = False) -> list[int]:
+               split_special_tokens: bool = False, *, max_tokens: int | None = None) -> list[int]:
         # No text spells a special token here: every byte is its own id.
         prefix = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
-        return prefix + list(text.encode("utf-8"))
+        data = text.encode("utf-8")
+        if max_tokens is not None and len(prefix) + len(data) > max_tokens:
+            raise TooManyTokensError(len(prefix) + len(data), max_tokens)
+        return prefix + list(data)
 
-    def encode_prompt(self, text: str, split_special_tokens: bool = False) -> list[int]:
+    def encode_prompt(self, text: str, split_special_tokens: bool = False, *,
+                      max_tokens: int | None = None) -> list[int]:
         """The bytes alone: byte-level vocabularies, like GPT-2's, put nothing before a prompt."""
-        return self.encode(text)
+        return self.encode(text, max_tokens=max_tokens)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    split_special_tokens: bool = True, tools: list[dict] | None = None) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools))
+                    split_special_tokens: bool = True, tools: list[dict] | None = None,
+                    max_tokens: int | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools),
+                           max_tokens=max_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         kept = [i for i in ids if not (skip_special_tokens and self.is_special(i))]

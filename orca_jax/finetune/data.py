@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from typing import Callable, Iterable, Sequence
+import re
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -21,12 +22,14 @@ from orca_jax import json_limits
 
 ROLES = ("system", "user", "assistant")
 ROW_MULTIPLE = 64  # a packed row's length is the longest example rounded up to this
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 # Messages an example may have unless the server says otherwise (FineTuningConfig.max_example_messages):
 # each assistant message costs two renders of the conversation up to it.
 MAX_MESSAGES = 256
 StopCheck = Callable[[], bool]
+STOP_CHECK_LINES = 256  # a check as read asks should_stop this often (per line, it was 6% of the time)
 
 
 class ValidationStopped(Exception):
@@ -124,16 +127,50 @@ def _completion_example(prompt: str, completion: str, tokenizer) -> Example:
     return Example(tuple(prompt_ids + completion_ids), (False,) * len(prompt_ids) + (True,) * len(completion_ids))
 
 
-def parse_line(text: str, tokenizer, max_len: int, max_messages: int = MAX_MESSAGES,
-               should_stop: StopCheck = lambda: False) -> Example:
-    """One JSONL line -> an Example; ValueError saying what is wrong with it (ValidationStopped if
-    should_stop() turned true meanwhile)."""
+def _check_unicode(text: str, record: dict) -> None:
+    """ValueError for a lone surrogate ("\\ud800", which JSON allows and no tokenizer takes) in any key
+    or string of the record parsed from `text`, naming where (iterative; the record's depth is
+    bounded anyway). Only a \\uD800-\\uDFFF escape in the text can make one: without, nothing to walk."""
+    if not _SURROGATE_ESCAPE.search(text):
+        return
+    pending: list[tuple[object, str]] = [(record, "")]
+    while pending:
+        value, where = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                # A top-level field quoted, as "'prompt' must be a string" is; a nested one as messages[0].content.
+                named = repr(where) if where.isidentifier() else where
+                raise ValueError(f"{named} is not valid Unicode: a lone surrogate {value[err.start]!r} at "
+                                 f"character {err.start}") from None
+        elif isinstance(value, list):
+            pending.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                pending.append((key, f"a key of {where}" if where else "a key"))
+                pending.append((item, f"{where}.{key}" if where else str(key)))
+
+
+def _record(text: str) -> dict:
     try:
         record = json_limits.loads(text, "JSON")
     except json_limits.JSONLimitError as err:  # "not valid JSON (...)", "JSON nests ...", "JSON: NaN is ..."
         raise ValueError(str(err).removeprefix("JSON is ")) from None
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object")
+    _check_unicode(text, record)
+    return record
+
+
+def parse_line(text: str, tokenizer, max_len: int, max_messages: int = MAX_MESSAGES,
+               should_stop: StopCheck = lambda: False) -> Example:
+    """One JSONL line -> an Example; ValueError saying what is wrong with it (ValidationStopped if
+    should_stop() turned true meanwhile)."""
+    return _example(_record(text), tokenizer, max_len, max_messages, should_stop)
+
+
+def _example(record: dict, tokenizer, max_len: int, max_messages: int, should_stop: StopCheck) -> Example:
     if "messages" in record:
         _check_messages(record["messages"], max_messages)
         try:
@@ -143,9 +180,7 @@ def parse_line(text: str, tokenizer, max_len: int, max_messages: int = MAX_MESSA
         except Exception as err:  # the template's own raise_exception, or a rendering error
             raise ValueError(f"the chat template refused it: {err}") from None
     elif "prompt" in record or "completion" in record:
-        prompt, completion = record.get("prompt"), record.get("completion")
-        if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
-            raise ValueError("'prompt' must be a string and 'completion' a non-empty string")
+        prompt, completion = _prompt_and_completion(record)
         example = _completion_example(prompt, completion, tokenizer)
     else:
         raise ValueError("needs 'messages' (a chat) or 'prompt' and 'completion'")
@@ -154,6 +189,13 @@ def parse_line(text: str, tokenizer, max_len: int, max_messages: int = MAX_MESSA
     if example.num_learned == 0:
         raise ValueError("no token to learn")
     return example
+
+
+def _prompt_and_completion(record: dict) -> tuple[str, str]:
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+        raise ValueError("'prompt' must be a string and 'completion' a non-empty string")
+    return prompt, completion
 
 
 def read_jsonl(data: bytes | str, tokenizer, max_len: int, *, max_messages: int = MAX_MESSAGES,
@@ -181,6 +223,69 @@ def read_jsonl(data: bytes | str, tokenizer, max_len: int, *, max_messages: int 
     if not examples:
         raise DatasetError("the file holds no examples")
     return examples
+
+
+def check_jsonl(chunks: Iterable[bytes], tokenizer, max_len: int, *, max_messages: int = MAX_MESSAGES,
+                should_stop: StopCheck = lambda: False, max_line_bytes: int = 16 << 20,
+                one_token_per_byte: bool = False) -> int:
+    """read_jsonl's checks on a file as it is read (an upload: `chunks` of its bytes), keeping nothing
+    but the line at hand: memory is a chunk and a line, however large the file. Returns the number of
+    examples; DatasetError at the first bad line (a line longer than `max_line_bytes` too, as soon as
+    that many bytes came without a line break), ValidationStopped once should_stop() (asked every
+    STOP_CHECK_LINES lines, ~5 ms of them, and per assistant message of a chat).
+
+    `one_token_per_byte` (tokenizer_bounds.at_most_one_token_per_byte): a prompt-completion example of
+    fewer UTF-8 bytes than max_len tokens provably fits and is not tokenized, so a file of short
+    examples is checked at JSON speed (a 50 MB one in seconds rather than a minute)."""
+    prefix = len(tokenizer.encode_prompt("")) if one_token_per_byte else 0
+    count = 0
+    for number, line in _lines(chunks, max_line_bytes):
+        if number % STOP_CHECK_LINES == 0 and should_stop():
+            raise ValidationStopped()
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DatasetError(f"not UTF-8 text (byte {err.start} of the line)", number) from None
+        try:
+            record = _record(text)
+            if not (one_token_per_byte and _fits_untokenized(record, prefix, max_len, tokenizer)):
+                _example(record, tokenizer, max_len, max_messages, should_stop)
+        except ValueError as err:
+            raise DatasetError(str(err), number) from None
+        count += 1
+    if not count:
+        raise DatasetError("the file holds no examples")
+    return count
+
+
+def _lines(chunks: Iterable[bytes], max_line_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, its bytes without the break) of a file given in chunks."""
+    number, carry = 0, b""
+    for chunk in chunks:
+        pieces = (carry + chunk if carry else chunk).split(b"\n")
+        carry = pieces.pop()
+        for piece in pieces:
+            number += 1
+            if len(piece) > max_line_bytes:
+                raise DatasetError(f"longer than {max_line_bytes} bytes, more than any example can take", number)
+            yield number, piece
+        if len(carry) > max_line_bytes:
+            raise DatasetError(f"longer than {max_line_bytes} bytes, more than any example can take", number + 1)
+    if carry:
+        yield number + 1, carry
+
+
+def _fits_untokenized(record: dict, prefix: int, max_len: int, tokenizer) -> bool:
+    """Whether a prompt-completion record provably makes a valid Example without tokenizing it: its
+    tokens (at most its bytes, the prompt's `prefix` and an EOS) fit, and one is learned."""
+    if "messages" in record or not ("prompt" in record or "completion" in record):
+        return False
+    prompt, completion = _prompt_and_completion(record)  # ValueError for wrong types
+    fits = prefix + len(prompt.encode("utf-8")) + len(completion.encode("utf-8")) + 1 <= max_len
+    # A non-empty completion is at least one token; learned are all but the example's first token.
+    return fits and bool(prompt or prefix or tokenizer.eos_token_ids)
 
 
 def examples_from_records(records: Iterable[dict], tokenizer, max_len: int,

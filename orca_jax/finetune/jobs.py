@@ -24,11 +24,13 @@ import secrets
 import shutil
 import threading
 import time
+from typing import BinaryIO
 
 from orca_jax.finetune.hparams import LoRASpec, TrainingHyperparameters
 from orca_jax.json_limits import finite_or_none
 
 log = logging.getLogger(__name__)
+COPY_CHUNK_BYTES = 1 << 20
 
 
 class JobStatus(enum.Enum):
@@ -130,12 +132,17 @@ class JobStore:
         self._save_lock = threading.Lock()
 
     # ---- files ---------------------------------------------------------------------------------------
-    def save_file(self, data: bytes, filename: str, purpose: str) -> dict:
-        """Store an uploaded file (already checked); its OpenAI file object."""
+    def save_file(self, data: bytes | BinaryIO, filename: str, purpose: str) -> dict:
+        """Store an uploaded file (already checked; bytes, or a binary file copied from where it is in
+        bounded memory); its OpenAI file object."""
         file_id = new_id("file")
         with open(os.path.join(self.files_dir, f"{file_id}.jsonl"), "wb") as f:
-            f.write(data)
-        info = {"object": "file", "id": file_id, "bytes": len(data), "created_at": int(time.time()),
+            if isinstance(data, bytes):
+                f.write(data)
+            else:
+                shutil.copyfileobj(data, f, COPY_CHUNK_BYTES)
+            size = f.tell()
+        info = {"object": "file", "id": file_id, "bytes": size, "created_at": int(time.time()),
                 "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
         _write_json(os.path.join(self.files_dir, f"{file_id}.json"), info)
         return info

@@ -39,6 +39,13 @@ _TENSOR = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight")
 # alpha is commonly r or 2r, so 2**16 is far above any published setting (and keeps alpha / r x B finite).
 MAX_RANK = 2**16
 MAX_ALPHA = 2.0**16
+# The largest finite value of each serving dtype; and how far an adapter may multiply its inputs.
+DTYPE_MAX = {"float32": 3.4028235e38, "bfloat16": 3.3895314e38, "float16": 65504.0}
+# A module's gain (for inputs of magnitude up to 1, the most it can add to one output: the largest row
+# sum of |B| (alpha / r folded in) times that of |A|) stays within what the dtype holds, and never past
+# sqrt(f32 max) ~ 1.8e19, beyond which the next norm's squares (taken in f32) overflow; divided by
+# 2^8 for the inputs' own size and the residual's growth over layers. Trained adapters' gains are ~10-100.
+GAIN_HEADROOM = 2.0**8
 MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json (peft's are ~1 KB)
 MAX_HEADER_BYTES = 16 << 20  # the safetensors header (a 70B model's every module: ~200 KB)
 MAX_TARGETS = 1024  # entries of target_modules
@@ -289,27 +296,48 @@ def load_adapter(path: str, name: str, model: ModelConfig, max_rank: int) -> LoR
         modules = _plan_modules(file, config, model, max_rank, name)
         layers: list[dict[str, tuple[np.ndarray, np.ndarray]]] = [{} for _ in range(model.num_layers)]
         for module, plan in modules.items():
-            _add_module(layers, module, plan, file.read(plan.tensor_a), file.read(plan.tensor_b), name)
+            _add_module(layers, module, plan, file.read(plan.tensor_a), file.read(plan.tensor_b), name, model.dtype)
     except WeightsError as err:
         raise _fail(name, str(err)) from None
     return LoRAAdapter(name, max(plan.rank for plan in modules.values()), tuple(layers))
 
 
 def _add_module(layers: list[dict], module: str, plan: _Module, lora_a: np.ndarray, lora_b: np.ndarray,
-                name: str) -> None:
+                name: str, dtype: str) -> None:
     """One module's weights (torch layout, lora_A [r, in], lora_B [out, r]) into `layers` in the model
-    layout, scaled; LoRAError unless finite."""
+    layout, scaled; LoRAError unless finite and small enough to serve in `dtype` (_check_size)."""
     a = np.ascontiguousarray(lora_a.astype(np.float32).T.reshape(*plan.ins, plan.rank))
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below
         b_all = lora_b.astype(np.float32).T * np.float32(plan.scaling)  # [r, width]
     if not (np.isfinite(a).all() and np.isfinite(b_all).all()):
         raise _fail(name, f"{module}: its weights (lora_B times alpha / r) must be finite; they hold NaN or "
                           "infinite values")
+    _check_size(lora_a, b_all, plan, dtype, name)
     offset = 0
     for part, out in zip(plan.parts, plan.outs):
         size = math.prod(out)
         layers[plan.layer][part] = (a, np.ascontiguousarray(b_all[:, offset:offset + size].reshape(plan.rank, *out)))
         offset += size
+
+
+def _check_size(lora_a: np.ndarray, b_all: np.ndarray, plan: _Module, dtype: str, name: str) -> None:
+    """LoRAError naming the tensor when a weight is beyond `dtype`'s range, or the module's gain
+    (GAIN_HEADROOM's comment) would overflow the activations: finite weights like 1e19 that still
+    turn every request's logits into NaN."""
+    largest = DTYPE_MAX[dtype]
+    for tensor, weights in ((plan.tensor_a, lora_a), (plan.tensor_b, b_all)):
+        peak = float(np.abs(weights).max(initial=0.0))
+        if peak > largest:
+            raise _fail(name, f"{tensor}: holds {peak:.3g} (lora_B times alpha / r), beyond the largest {dtype} "
+                              f"value ({largest:.3g}) the server computes in")
+    # float64 sums: the f32 ones of weights near the range's end would overflow themselves.
+    gain = (float(np.abs(lora_a).sum(axis=1, dtype=np.float64).max(initial=0.0))
+            * float(np.abs(b_all).sum(axis=0, dtype=np.float64).max(initial=0.0)))
+    limit = min(largest, math.sqrt(DTYPE_MAX["float32"])) / GAIN_HEADROOM
+    if gain > limit:
+        raise _fail(name, f"{plan.tensor_a} and {plan.tensor_b}: together they can multiply an input {gain:.3g}-fold "
+                          f"(lora_B times alpha / r times lora_A), more than {limit:.3g}, past which {dtype} "
+                          "activations overflow; the weights are too large to serve")
 
 
 def check_finite(adapter: LoRAAdapter) -> None:

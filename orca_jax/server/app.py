@@ -20,6 +20,7 @@ from orca_jax.json_limits import DEFAULT_MAX_DEPTH
 from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
 from orca_jax.server.engine_client import EngineClient, ReplicatedEngineClient
 from orca_jax.server.errors import APIError, install_error_handlers
+from orca_jax.server.json_body import JSONBodyRoute
 from orca_jax.server.fine_tuning import (DEFAULT_MAX_UPLOAD_BYTES, FILES_PATH, FineTuningJobsCollector,
                                          FineTuningRoutes, install_fine_tuning_routes)
 from orca_jax.server.lora import ServedModels, install_lora_routes
@@ -160,14 +161,16 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
             # Joining can wait for one iteration; keep the event loop free meanwhile.
             await asyncio.to_thread(async_engine.shutdown, SHUTDOWN_JOIN_SECONDS)
             preprocess.close()
+            await asyncio.to_thread(serving.close)  # waits for a large prompt being tokenized
 
     app = FastAPI(title="orca_jax", summary="OpenAI-compatible ORCA serving", lifespan=lifespan)
+    app.router.route_class = JSONBodyRoute  # bodies parsed as UTF-8 only, large ones off the event loop
     app.state.async_engine = async_engine
     app.state.preprocess = preprocess
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    v1 = APIRouter(prefix="/v1", responses=_ERROR_RESPONSES)
+    v1 = APIRouter(prefix="/v1", responses=_ERROR_RESPONSES, route_class=JSONBodyRoute)
 
     @v1.post("/completions", response_model=CompletionResponse, description=_RUNTIME_RULES,
              responses=_STREAMED)
@@ -196,14 +199,14 @@ def create_app(engine: Engine | EngineClient, *, api_key: str | None = None,
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES,
               description="vLLM's: a prompt's token ids, or a conversation's as the chat template renders it.")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> Response:
         return await serving.tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES,
               description="vLLM's: the text of token ids, special tokens included "
               "(an id outside the vocabulary: code token_id_out_of_range).")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:

@@ -141,7 +141,8 @@ class ChoiceStreams:
             async for index, outputs in self.merged():
                 for output in outputs:
                     if output.new_logprobs is not None:
-                        logprobs[index] = (logprobs[index] or []) + output.new_logprobs
+                        logprobs[index] = logprobs[index] or []
+                        logprobs[index].extend(output.new_logprobs)
                     if output.prompt_logprobs is not None:
                         prompt_logprobs[index] = output.prompt_logprobs
                     finals[index] = output

@@ -19,7 +19,7 @@ _TYPE_BY_STATUS = {
     429: "rate_limit_error", 503: "service_unavailable_error",
 }
 # Union member tags pydantic puts in an error's location; they are not field names.
-_PLAIN_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "TextPart", "StreamOptions",
+_PLAIN_UNION_TAGS = frozenset({"str", "constrained-str", "int", "float", "bool", "none", "TextPart", "StreamOptions",
                                "NamedToolChoice"})
 
 
@@ -64,6 +64,8 @@ def _describe_validation_error(error: dict) -> tuple[str, str | None]:
     location = [str(part) for part in error.get("loc", ()) if part != "body"]
     fields = [part for part in location if not _is_union_tag(part)]
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    if error.get("type") == "string_unicode":  # pydantic's words for a lone surrogate ("\ud800"), which JSON allows
+        message = "the text is not valid Unicode: it holds a lone surrogate, which UTF-8 cannot encode"
     if not fields:
         if error.get("type") == "value_error":  # a check across fields (a model validator)
             return message, getattr(error.get("ctx", {}).get("error"), "param", None)

@@ -13,20 +13,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import TYPE_CHECKING, Annotated, Literal
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, BinaryIO, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from orca_jax.config import FineTuningConfig, FineTuningMemory
-from orca_jax.finetune.data import DatasetError, ValidationStopped, read_jsonl
+from orca_jax.finetune.data import DatasetError, ValidationStopped, check_jsonl
 from orca_jax.finetune.hparams import MAX_SEED, TrainingHyperparameters
 from orca_jax.lora.adapter import MAX_ALPHA, MAX_RANK
 from orca_jax.server.async_engine import AsyncEngine, EngineUnavailableError
 from orca_jax.server.errors import APIError
+from orca_jax.server.lora import check_model_name
+from orca_jax.tokenizer_bounds import at_most_one_token_per_byte, max_prompt_chars
 from orca_jax.server.metrics import PREFIX
 
 if TYPE_CHECKING:
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_UPLOAD_BYTES = 64 * 2**20
 FILES_PATH = "/v1/files"
+UPLOAD_CHUNK_BYTES = 1 << 20
+CLIENT_CLOSED_REQUEST = 499  # nginx's code; nobody reads it, the client is gone
 
 
 # ---- flags ----------------------------------------------------------------------------------------
@@ -99,28 +105,45 @@ def fine_tuning_config_from_args(args: argparse.Namespace) -> FineTuningConfig |
 # ---- bodies ---------------------------------------------------------------------------------------
 
 Auto = Literal["auto"]
+
+
+def _whole(value: object) -> object:
+    """2.0 -> 2 for an integer field: JSON does not tell them apart (strings stay strings: refused)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _auto_or_number(value: object) -> object:
+    if isinstance(value, str) and value != "auto":  # one clear message, not one per member of the union
+        raise ValueError(f'must be "auto" or a number, got the string {value[:32]!r}')
+    return value
+
+
+# Strict: a number is a JSON number ("1" is not), as in every other body of this server.
+Whole = Annotated[int, BeforeValidator(_whole)]
+AutoWhole = Annotated[Auto | Whole, BeforeValidator(_auto_or_number)]
+AutoFloat = Annotated[Auto | float, BeforeValidator(_auto_or_number)]
 # Every number finite and within its meaning's range, so a mistake is a 400 naming the field and the
 # range; how large a job may be (epochs, batch, micro-batch tokens) is the server's flags' to say.
-_BODY = ConfigDict(extra="forbid", allow_inf_nan=False)
+_BODY = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class Hyperparameters(BaseModel):
     """Types only: TrainingHyperparameters checks each value's range (NaN and infinities included) and
     names it, which pydantic's errors for a value fitting neither "auto" nor a number would not."""
 
-    model_config = ConfigDict(extra="forbid")
-    n_epochs: Auto | int = "auto"
-    batch_size: Auto | int = "auto"
-    learning_rate_multiplier: Auto | float = "auto"
+    model_config = ConfigDict(extra="forbid", strict=True)
+    n_epochs: AutoWhole = "auto"
+    batch_size: AutoWhole = "auto"
+    learning_rate_multiplier: AutoFloat = "auto"
     warmup_ratio: float | None = None
     weight_decay: float | None = None
-    micro_batch_tokens: int | None = None
-    checkpoint_every: int | None = None
+    micro_batch_tokens: Whole | None = None
+    checkpoint_every: Whole | None = None
 
 
 class LoRAOptions(BaseModel):
     model_config = _BODY
-    rank: Annotated[int, Field(ge=1, le=MAX_RANK)] | None = None  # None: 16, or --max-lora-rank if lower
+    rank: Annotated[Whole, Field(ge=1, le=MAX_RANK)] | None = None  # None: 16, or --max-lora-rank if lower
     alpha: Annotated[float, Field(gt=0, le=MAX_ALPHA)] | None = None  # None: 2 x rank
     target_modules: Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=64)] | None = None
 
@@ -140,8 +163,8 @@ class CreateJobRequest(BaseModel):
     training_file: str = Field(min_length=1, max_length=256)
     hyperparameters: Hyperparameters | None = None
     method: Method | None = None
-    suffix: str | None = Field(default=None, max_length=64)
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    suffix: Annotated[str, Field(max_length=64), AfterValidator(check_model_name)] | None = None  # in the model's name
+    seed: Annotated[Whole, Field(ge=0, le=MAX_SEED)] | None = None
     validation_file: None = None  # not supported: only null is accepted
     lora: LoRAOptions = LoRAOptions()
 
@@ -172,6 +195,12 @@ class FineTuningRoutes:
     def __init__(self, async_engine: AsyncEngine, served_model_name: str):
         self.async_engine = async_engine
         self.served_model_name = served_model_name
+        tokenizer, max_len = async_engine.engine.tokenizer, async_engine.engine.max_model_len
+        self._one_token_per_byte = at_most_one_token_per_byte(tokenizer)  # a vocabulary's scan: once
+        # A line that long cannot hold an example that fits: its text, each character written as JSON
+        # at its longest (a surrogate pair's 12 bytes), and room for its keys (white space aside).
+        max_chars = max_prompt_chars(tokenizer, max_len)
+        self._max_line_bytes = DEFAULT_MAX_UPLOAD_BYTES if max_chars is None else 12 * max_chars + (1 << 20)
 
     @property
     def tuner(self) -> FineTuner:
@@ -181,7 +210,8 @@ class FineTuningRoutes:
                            code="fine_tuning_not_enabled")
         return tuner
 
-    async def upload(self, request: Request) -> dict:
+    async def upload(self, request: Request) -> dict | None:
+        """The stored file's OpenAI object; None when the client left before it was checked."""
         tuner = self.tuner
         try:
             form = await request.form()
@@ -194,20 +224,39 @@ class FineTuningRoutes:
                                 f"got {purpose!r}", param="purpose", code="invalid_purpose")
         if upload is None or isinstance(upload, str):
             raise APIError(400, "a 'file' part is needed", param="file", code="invalid_request")
-        data = await upload.read()
-        engine = self.async_engine.engine
-        # Checked off the event loop (a large file takes a while), and given up when the server
-        # shuts down: the thread would otherwise hold the process until the last line.
-        stopping = lambda: not self.async_engine.is_running  # noqa: E731
+        # Checked off the event loop (a large file takes a while) as it is read from where the form
+        # parser spooled it (memory: a chunk and a line), and given up when the client leaves or the
+        # server shuts down: the thread would otherwise hold the process until the last line.
+        client_gone = threading.Event()
+        watcher = asyncio.get_running_loop().create_task(_set_on_disconnect(request, client_gone))
+        stopping = lambda: client_gone.is_set() or not self.async_engine.is_running  # noqa: E731
         try:
-            await asyncio.to_thread(read_jsonl, data, engine.tokenizer, engine.max_model_len,
-                                    max_messages=tuner.config.max_example_messages, should_stop=stopping)
+            return await asyncio.to_thread(self._check_and_save, tuner, upload.file, upload.filename, purpose,
+                                           stopping)
         except DatasetError as error:
             raise APIError(400, f"invalid training file: {error}", param="file", code="invalid_file") from None
         except ValidationStopped:
+            if client_gone.is_set():
+                return None  # nobody to answer
             raise APIError(503, "the server is shutting down; upload the file again once it is back",
                            code="shutting_down", headers={"Retry-After": "1"}) from None
-        return await asyncio.to_thread(tuner.store.save_file, data, upload.filename or "file.jsonl", purpose)
+        finally:
+            watcher.cancel()
+
+    def _check_and_save(self, tuner: FineTuner, file: BinaryIO, filename: str | None, purpose: str,
+                        should_stop) -> dict:
+        engine = self.async_engine.engine
+
+        def chunks() -> Iterator[bytes]:
+            while chunk := file.read(UPLOAD_CHUNK_BYTES):
+                yield chunk
+
+        file.seek(0)
+        check_jsonl(chunks(), engine.tokenizer, engine.max_model_len, max_messages=tuner.config.max_example_messages,
+                    should_stop=should_stop, max_line_bytes=self._max_line_bytes,
+                    one_token_per_byte=self._one_token_per_byte)
+        file.seek(0)
+        return tuner.store.save_file(file, filename or "file.jsonl", purpose)
 
     def file(self, file_id: str) -> dict:
         info = self.tuner.store.file_info(file_id)
@@ -248,10 +297,18 @@ class FineTuningRoutes:
             raise APIError(503, str(error), code="engine_unavailable") from None
 
 
+async def _set_on_disconnect(request: Request, event: threading.Event) -> None:
+    """Sets `event` once the client disconnects (the body has been read: receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    event.set()
+
+
 def install_fine_tuning_routes(v1: APIRouter, routes: FineTuningRoutes) -> None:
     @v1.post("/files")
-    async def upload_file(request: Request) -> JSONResponse:
-        return JSONResponse(await routes.upload(request))
+    async def upload_file(request: Request) -> Response:
+        info = await routes.upload(request)
+        return Response(status_code=CLIENT_CLOSED_REQUEST) if info is None else JSONResponse(info)
 
     @v1.get("/files/{file_id}")
     async def get_file(file_id: str) -> JSONResponse:

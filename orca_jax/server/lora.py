@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from typing import TYPE_CHECKING
+import unicodedata
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from orca_jax.config import LoRAConfig
 from orca_jax.lora.adapter import LoRAError, load_adapter
@@ -86,9 +87,26 @@ def register_lora_modules(engine: Engine, modules: list[tuple[str, str]]) -> Non
 
 # ---- the models a request may name ----------------------------------------------------------------
 
+def check_model_name(name: str) -> str:
+    """A name a request's `model` may give (an adapter's, a fine-tuned one's suffix): ValueError for
+    control or format characters (a NUL, a line break: they forge log lines and headers), and for
+    anything that reads as a path that leaves where it starts ("../../etc", "/x", "a\\b")."""
+    bad = next((c for c in name if unicodedata.category(c).startswith("C")), None)
+    if bad is not None:
+        raise ValueError(f"may not hold control or format characters (found {bad!r})")
+    if name != name.strip():
+        raise ValueError("may not start or end with white space")
+    if "\\" in name or name.startswith(("/", ".")) or ".." in name.split("/"):
+        raise ValueError("may not read as a path: no backslash, no '..' segment, and no '/' or '.' at the start")
+    return name
+
+
+ModelName = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(check_model_name)]
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    lora_name: str = Field(min_length=1, max_length=256)
+    lora_name: ModelName
     lora_path: str = Field(min_length=1, max_length=4096)
 
 

@@ -9,11 +9,9 @@ import re
 import time
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from orca_jax.chat_template import renders_tools
 from orca_jax.lora.request import LoRARequest
 from orca_jax.outputs import RequestOutput
 from orca_jax.sampling_params import SamplingParams
@@ -27,15 +25,15 @@ from orca_jax.server.formatting import ChatFormatter, CompletionFormatter
 from orca_jax.server.lora import ServedModels
 from orca_jax.server.metrics import ServerMetrics
 from orca_jax.server.preprocess import Preprocessor
-from orca_jax.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+from orca_jax.server.prompt_encoder import PromptEncoder
+from orca_jax.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       TokenizeChatRequest, TokenizeCompletionRequest)
 from orca_jax.server.protocol_base import StrictBody, ignored_fields
-from orca_jax.server.responses import DetokenizeResponse, TokenizeResponse, new_id, unix_now
+from orca_jax.server.responses import DetokenizeResponse, new_id, unix_now
 from orca_jax.server.structured import (ConstraintRequest, ToolCallSettings, output_constraint, tool_choice_of,
                                        tool_plan)
 from orca_jax.structured.constraint import Constraint
 from orca_jax.structured.matcher import CompiledGrammar
-from orca_jax.structured.tool_prompt import with_calls_as_text, with_tools_in_system_message
 from orca_jax.tokenizer import with_chat_template
 
 RETRY_AFTER_SECONDS = "1"
@@ -79,21 +77,18 @@ class OpenAIServing:
         # The names a request's `model` may give: the base and its LoRA adapters.
         self.models = models or ServedModels(async_engine, served_model_name, async_engine.engine.max_model_len)
         self.default_max_tokens = default_max_tokens
-        self.split_special_tokens = not allow_special_tokens_in_text
         self.log_requests = log_requests
         self._warned_fields: set[str] = set()
         engine = async_engine.engine
         self.tokenizer = (engine.tokenizer if chat_template is None
                           else with_chat_template(engine.tokenizer, chat_template))
-        template = self.tokenizer.chat_template
-        self.tool_calls = tool_calls.for_template(template)
-        # A template that drops `tools` (SmolLM2's): they go into a system message in the parser's format.
-        self.tools_in_system_message = template is not None and not renders_tools(template)
-        if self.tools_in_system_message:
+        self.tool_calls = tool_calls.for_template(self.tokenizer.chat_template)
+        self.max_model_len = engine.max_model_len
+        self.prompts = PromptEncoder(self.tokenizer, engine.max_model_len, engine.model_config.vocab_size,
+                                     split_special_tokens=not allow_special_tokens_in_text, tool_calls=self.tool_calls)
+        if self.prompts.tools_in_system_message:
             log.info("the chat template does not render tools; a request's tools go into a system message "
                      "in the %s format", self.tool_calls.call_format)
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
         self.max_logprobs = engine.config.sampling.max_logprobs
         self.sampling_limits = engine.config.sampling
         self.enable_prompt_logprobs = engine.config.sampling.enable_prompt_logprobs
@@ -104,7 +99,10 @@ class OpenAIServing:
         self.warn_ignored_fields(body)
         constraint_request = output_constraint(body)
         texts = body.prompts()
-        prompts = await self.preprocess.run(self._encode_prompts, texts)
+        for text in texts:
+            if isinstance(text, str):
+                self.prompts.check_chars(len(text), param="prompt")
+        prompts = await self.preprocess.run(self.prompts.prompts, texts)
         constraint, grammar = await self._constraint(constraint_request)
         choices = self._choices(body, prompts, requested=body.max_tokens, default=COMPLETIONS_DEFAULT_MAX_TOKENS,
                                 logprobs=body.logprobs, param="prompt", constraint=constraint)
@@ -120,9 +118,9 @@ class OpenAIServing:
         return await self._generate(body, request, request_id, choices, formatter, lora, grammar,
                                     constrained_by=constraint_request and constraint_request.param)
 
-    def _encode_prompts(self, texts: list[str | list[int]]) -> list[list[int]]:
-        return [self.tokenizer.encode_prompt(p, split_special_tokens=self.split_special_tokens)
-                if isinstance(p, str) else list(p) for p in texts]
+    def close(self) -> None:
+        """Stop the tokenizer process (a later large prompt starts it again)."""
+        self.prompts.close()
 
     async def _constraint(self, constraint_request: ConstraintRequest | None
                           ) -> tuple[Constraint | None, CompiledGrammar | None]:
@@ -140,7 +138,7 @@ class OpenAIServing:
             raise APIError(400, f"tool_choice {body.tool_choice if isinstance(body.tool_choice, str) else 'naming a function'} "
                            f"already constrains the output; it cannot be combined with {given}",
                            param=given, code="invalid_structured_output")
-        prompt_ids = await self.preprocess.run(self._chat_prompt_ids, body.messages, body.template_tools(), True,
+        prompt_ids = await self.preprocess.run(self.prompts.chat, body.messages, body.template_tools(), True,
                                                tool_choice_of(body) != "none")
         constraint, grammar = await self._constraint(output_request or tool_request)
         choices = self._choices(body, [prompt_ids], requested=body.requested_max_tokens, default=None,
@@ -154,50 +152,20 @@ class OpenAIServing:
         return await self._generate(body, request, request_id, choices, formatter, lora, grammar,
                                     constrained_by=constrained and constrained.param)
 
-    def _chat_prompt_ids(self, messages: list[ChatMessage], tools: list[dict] | None,
-                         add_generation_prompt: bool, may_call_tools: bool = True) -> list[int]:
-        """The chat's prompt; `tools` go to the template, or into a system message when it drops them
-        (nowhere when the request may not call them: tool_choice "none"), and then earlier calls and
-        tool results are written as text in the parser's format."""
-        template_messages = [m.template_message() for m in messages]
-        if self.tools_in_system_message:  # such a template drops calls and tool turns' links too
-            call_format = self.tool_calls.call_format
-            template_messages = with_calls_as_text(template_messages, call_format)
-            if tools and may_call_tools:
-                template_messages = with_tools_in_system_message(template_messages, tools, call_format)
-            tools = None
-        try:
-            return self.tokenizer.encode_chat(template_messages,
-                                              add_generation_prompt=add_generation_prompt,
-                                              split_special_tokens=self.split_special_tokens, tools=tools)
-        except (ValueError, jinja2.TemplateError) as error:  # e.g. a template that checks role order
-            raise APIError(400, f"cannot apply the chat template: {error}", param="messages") from None
-
     # ---- /tokenize and /detokenize (vLLM's) -----------------------------------------------------
 
-    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
+        """A TokenizeResponse, tokenized and encoded off the event loop (its size is the prompt's)."""
         self.check_model(body.model)
         self.warn_ignored_fields(body)
-        return await self.preprocess.run(self._tokenize, body)
+        return Response(await self.preprocess.run(lambda: self.prompts.tokenize(body).model_dump_json().encode()),
+                        media_type="application/json")
 
-    def _tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
-        if isinstance(body, TokenizeChatRequest):
-            tools = [tool.model_dump(by_alias=True, exclude_none=True) for tool in body.tools] if body.tools else None
-            ids = self._chat_prompt_ids(body.messages, tools, body.add_generation_prompt)
-            if body.add_special_tokens:  # what the tokenizer puts before any prompt (a BOS), again, as vLLM does
-                ids = self.tokenizer.encode_prompt("") + ids
-        elif body.add_special_tokens:
-            ids = self.tokenizer.encode_prompt(body.prompt, split_special_tokens=self.split_special_tokens)
-        else:
-            ids = self.tokenizer.encode(body.prompt, split_special_tokens=self.split_special_tokens)
-        strs = [self.tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
-
-    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of the body's ids, checked and decoded off the event loop (a 2 MB body: 500,000 ids)."""
         self.check_model(body.model)
         self.warn_ignored_fields(body)
-        self._check_token_ids(body.tokens, param="tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return await self.preprocess.run(self.prompts.detokenize, body.tokens)
 
     def warn_ignored_fields(self, body: StrictBody) -> None:
         """Log each body field this server does not know, once per name (vLLM logs them each time)."""
@@ -241,8 +209,9 @@ class OpenAIServing:
                            param="n", code="too_many_choices")
         choices = []
         for prompt_index, prompt_ids in enumerate(prompts):
-            self._check_prompt_ids(prompt_ids, param=param)
+            # The length first: a prompt of a million ids is refused without looking at each.
             max_tokens = self._max_tokens(requested, len(prompt_ids), default, param=param)
+            self._check_prompt_ids(prompt_ids, param=param)
             for number in range(body.n):
                 sampling = self._sampling(body, max_tokens, logprobs, derive_seed(body.seed, number), constraint,
                                           skip_special_tokens)
@@ -267,10 +236,7 @@ class OpenAIServing:
         self._check_token_ids(prompt_ids, param=param)
 
     def _check_token_ids(self, token_ids: list[int], *, param: str) -> None:
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                           param=param, code="token_id_out_of_range")
+        self.prompts.check_token_ids(token_ids, param=param)
 
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int | None, *,
                     param: str) -> int:
@@ -339,7 +305,9 @@ class OpenAIServing:
             raise _generation_failed(failed)
         usage = usage_of(choices, [final for final, _ in finals])
         _CutNote(request_id, constrained_by).log(choices, [final for final, _ in finals])
-        return JSONResponse(formatter.response(finals, usage).model_dump(mode="json"))
+        # Proportional to n x max_tokens x top_logprobs (13 MB for 64 x 128 x 20): off the event loop.
+        return Response(await self.preprocess.run(formatter.response_body, finals, usage),
+                        media_type="application/json")
 
     async def _submit(self, choices: list[Choice], request_id: str, priority: int, deadline: float | None,
                       lora: LoRARequest | None = None, grammar: CompiledGrammar | None = None) -> list[RequestStream]:

@@ -9,7 +9,7 @@ pages; and f32 throughout, to show how far bf16 itself is from full precision. F
 - greedy agreement: 16 chat prompts x 48 tokens against bf16 (identical outputs, and the mean
   length of the common prefix).
 
-    PYTHONPATH=. python benchmarks/probes/fp8_accuracy.py --json benchmarks/results/cpu/fp8_accuracy.json
+    PYTHONPATH=. python benchmarks/probes/fp8_accuracy.py --json benchmarks/results/cpu/probes/fp8_accuracy.json
 """
 
 from __future__ import annotations

@@ -201,7 +201,9 @@ def install_lora_routes(v1: APIRouter, models: ServedModels) -> None:
 
     @v1.post("/load_lora_adapter", response_class=PlainTextResponse, responses=errors,
              description="A body the schema accepts can still get a 400: LoRA off (code lora_not_enabled), the "
-             "name taken (code lora_already_loaded), no adapter at lora_path (code invalid_lora_adapter).")
+             "name taken (code lora_already_loaded), no adapter at lora_path (code invalid_lora_adapter), a name "
+             "JSON Schema cannot rule out (param lora_name: control or format characters, white space at either "
+             "end, or a path: a backslash, a '..' segment, a leading '/' or '.').")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         return PlainTextResponse(await models.load(body))
 

@@ -30,7 +30,7 @@ RUNTIME_REFUSALS = {("context_length_exceeded", None), ("token_id_out_of_range",
 CHAT_RUNTIME_REFUSALS = RUNTIME_REFUSALS | {("auto_tool_choice_disabled", None), (None, "top_logprobs")}
 RUNTIME_REFUSALS |= {(None, "logprobs"), (None, "echo")}
 LORA_RUNTIME_REFUSALS = {(code, None) for code in ("lora_not_enabled", "lora_already_loaded", "invalid_lora_adapter",
-                                                   "lora_not_found")}
+                                                   "lora_not_found")} | {(None, "lora_name")}
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,13 @@ import resource
 import signal
 import socket
 import sys
-import threading
 from types import FrameType
 from typing import NoReturn
 
 import uvicorn
 
 from orca_jax.server.engine_factory import startup_report
+from orca_jax.server.process_exit import exit_now
 
 __all__ = ["main", "run"]  # and, lazily, the flag helpers below
 log = logging.getLogger("orca_jax.serve")
@@ -412,18 +412,8 @@ def _already_handled(sig: int, frame: FrameType | None) -> None:
 
 def run() -> NoReturn:
     """The command line's entry (`python -m orca_jax.serve`, `orca-serve`): main(), then the process
-    ends without joining the threads still alive. Interpreter exit joins every thread-pool thread, and
-    a fine-tuning job's compile (or the KV pool's lending programs') on one of them held a SIGTERM'd
-    server for 10-100 s after it had shut down; what such a thread is doing serves nobody now."""
-    status = main()
-    leftovers = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-    if leftovers:
-        log.debug("exiting without joining %s", ", ".join(leftovers))
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
+    ends without joining the threads still alive (server/process_exit.py says why)."""
+    exit_now(main())
 
 if __name__ == "__main__":
     run()

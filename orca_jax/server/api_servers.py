@@ -45,6 +45,7 @@ from orca_jax.engine.shared_arrays import ArraySpec, SharedArrays
 from orca_jax.server.data_parallel import DataParallelEngine, start_replicas
 from orca_jax.server.metrics import MULTIPROC_DIR_ENV, TOKEN_GAP_CELLS, SharedMetrics
 from orca_jax.server.process_engine import ProcessEngine
+from orca_jax.server.process_exit import exit_now
 
 if TYPE_CHECKING:
     from orca_jax.config import EngineConfig
@@ -138,9 +139,10 @@ def connect_engine(context: ApiServerContext, arrays: SharedArrays, *, shutdown_
 
 
 def _run_api_server(front_end: Callable[[ApiServerContext], int], context: ApiServerContext) -> None:
-    """An API server process's entry: exits with front_end's status; exits at once if the launcher dies."""
+    """An API server process's entry: exits with front_end's status without joining its threads (as the
+    launcher does, process_exit.py); exits at once if the launcher dies."""
     threading.Thread(target=_exit_with_parent, name="orca-api-server-parent-watch", daemon=True).start()
-    raise SystemExit(front_end(context))
+    exit_now(front_end(context))
 
 
 def _exit_with_parent() -> None:

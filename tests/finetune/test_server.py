@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import subprocess
 import sys
 import time
 
@@ -21,7 +20,7 @@ from orca_jax.server.app import create_app
 
 from tests.helpers.finetune import engine_config
 from tests.helpers.hf_dirs import write_hf_dir
-from tests.helpers.process import ROOT, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, checkout_env, free_port, wait_healthy
 from tests.helpers.server import asgi_client, live_server
 
 KEY = "sekrit"
@@ -144,7 +143,7 @@ def test_serve_cli_fine_tunes_and_serves_after_a_restart(base_dir, tmp_path, tmp
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
 
     def serve():
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        process = OutputDrained(command, cwd=ROOT, env=env)
         wait_healthy(url, process, timeout=300)
         return process
 

@@ -4,8 +4,10 @@ a free port, and waiting for a served process to answer."""
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import subprocess
+import threading
 import time
 
 import httpx
@@ -42,3 +44,45 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError("server did not become healthy")
+
+
+class OutputDrained(subprocess.Popen):
+    """A child whose stdout and stderr (merged, as text) a thread reads as they come, so a chatty child
+    never stops on a full pipe while the test is busy elsewhere (a server logging every request does,
+    after ~64 KiB). readline() gives the lines in order ("" once the output has ended); communicate()
+    waits for the exit and returns what readline() has not given."""
+
+    def __init__(self, command, **kwargs):
+        super().__init__(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._ended = False
+        self._reader = threading.Thread(target=self._drain, name="test-output-drain", daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        for line in self.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def readline(self, timeout: float | None = None) -> str:
+        """The next line, waiting at most `timeout` seconds (queue.Empty past it); "" at the end."""
+        if self._ended:
+            return ""
+        line = self._lines.get(timeout=timeout)
+        self._ended = line is None
+        return line or ""
+
+    def communicate(self, input=None, timeout=None):
+        assert input is None, "the child's stdin is not a pipe"
+        self.wait(timeout)
+        # A grandchild that inherited the pipe can hold it open after the child is gone: read what came.
+        self._reader.join(timeout=10)
+        rest = []
+        while not self._ended:
+            try:
+                line = self._lines.get_nowait()
+            except queue.Empty:
+                break
+            self._ended = line is None
+            rest.append(line or "")
+        return "".join(rest), None

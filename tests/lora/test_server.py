@@ -23,7 +23,7 @@ from orca_jax.server.process_engine import ProcessEngine
 from tests.helpers.engines import engine_with_loras
 from tests.helpers.lora import MAX_RANK, write_adapters, write_base, write_llama_adapter
 from tests.helpers.models import hf_greedy, hf_offline
-from tests.helpers.process import ROOT, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, checkout_env, free_port, wait_healthy
 from tests.helpers.server import asgi_client
 
 pytest.importorskip("torch")
@@ -151,8 +151,7 @@ def test_serve_cli_with_lora_modules(models, tmp_path, engine_flag):
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "LoRA adapter 'big': rank 16 is above the server's maximum" in bad.stderr
     modules = ["--lora-modules", f"all-r4={paths['all-r4']}", '{"name": "qv-r8", "path": "%s"}' % paths["qv-r8"]]
-    process = subprocess.Popen(common + modules, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = OutputDrained(common + modules, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout=300)

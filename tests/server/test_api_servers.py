@@ -21,7 +21,7 @@ from orca_jax.server.metrics import PREFIX
 
 from tests.helpers.api_servers import api_servers
 from tests.helpers.lora import write_llama_adapter
-from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, TINY_SERVER, checkout_env, free_port, wait_healthy
 from tests.helpers.server import FakeEngine, asgi_client, parse_sse
 
 pytestmark = pytest.mark.anyio
@@ -223,8 +223,7 @@ async def test_a_dead_api_server_or_core_fails_health_and_the_server_exits_one_w
 
 
 def _serve(*flags: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "orca_jax.serve", *flags], cwd=ROOT, env=checkout_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return OutputDrained([sys.executable, "-m", "orca_jax.serve", *flags], cwd=ROOT, env=checkout_env(**env))
 
 
 def test_fine_tuning_with_several_api_servers_is_refused_with_one_line():

@@ -5,7 +5,6 @@ each one too), and one replica's death fails the server as one engine's would.""
 import functools
 import os
 import signal
-import subprocess
 import sys
 
 import httpx
@@ -19,7 +18,7 @@ from orca_jax.server.metrics import PREFIX
 from orca_jax.server.data_parallel import DataParallelEngine, start_replicas
 from orca_jax.server.process_engine import ProcessEngine
 
-from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, TINY_SERVER, checkout_env, free_port, wait_healthy
 from tests.helpers.server import FakeEngine, asgi_client, wait_until
 
 
@@ -128,9 +127,8 @@ async def test_one_replica_dying_fails_the_server_once():
 @pytest.mark.slow
 def test_serve_with_two_replicas_starts_and_serves():
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "orca_jax.serve", "--port", str(port), *TINY_SERVER,
-                                "--data-parallel-size", "2"], cwd=ROOT, env=checkout_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = OutputDrained([sys.executable, "-m", "orca_jax.serve", "--port", str(port), *TINY_SERVER,
+                             "--data-parallel-size", "2"], cwd=ROOT, env=checkout_env())
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, process, timeout=300)

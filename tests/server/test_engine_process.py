@@ -21,7 +21,7 @@ import pytest
 from orca_jax.server.app import create_app
 from orca_jax.server.process_engine import ProcessEngine
 
-from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, TINY_SERVER, checkout_env, free_port, wait_healthy
 from tests.helpers.server import FakeEngine, asgi_client, live_server, parse_sse, wait_until
 
 STEP_SECONDS = 0.02
@@ -172,9 +172,8 @@ async def test_a_grammar_compiling_in_the_core_does_not_stall_its_loop():
 
 def _serve(*flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "orca_jax.serve", *TINY_SERVER, "--port", str(port), *flags],
-                               cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = OutputDrained([sys.executable, "-m", "orca_jax.serve", *TINY_SERVER, "--port", str(port), *flags],
+                            cwd=ROOT, env=checkout_env())
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -257,9 +256,8 @@ def test_sigterm_to_the_whole_process_group_still_drains_and_exits_zero():
     """A supervisor that signals every process of the group (systemd's default, Ctrl-C in a terminal) must
     not kill the core under running requests: it leaves the signal to the server, which drains."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "orca_jax.serve", *TINY_SERVER, "--port", str(port),
-                                "--engine-process"], cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = OutputDrained([sys.executable, "-m", "orca_jax.serve", *TINY_SERVER, "--port", str(port),
+                             "--engine-process"], cwd=ROOT, env=checkout_env(), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout=600)  # bounds a hang; a busy host starts slowly

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -25,7 +24,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.helpers.process import ROOT, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, checkout_env, free_port, wait_healthy
 
 HEALTH_P99_S = 0.1
 NO_STALL_S = 1.0  # the issue's bar: no /health answer a second late
@@ -116,9 +115,8 @@ def _measure_while(url: str, hostile=None) -> tuple[list[float], list[float], ht
 def _serve(settings: dict) -> Iterator[str]:
     """A fake-engine server in a process of its own (tests/helpers/serve_fake.py): its URL."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "tests.helpers.serve_fake", str(port), json.dumps(settings)],
-                               cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = OutputDrained([sys.executable, "-m", "tests.helpers.serve_fake", str(port), json.dumps(settings)],
+                            cwd=ROOT, env=checkout_env())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout=120)

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, TINY_SERVER, checkout_env, free_port, wait_healthy
 
 
 def test_a_port_in_use_ends_the_start_before_loading_anything():
@@ -29,9 +29,8 @@ def test_a_port_in_use_ends_the_start_before_loading_anything():
 def test_a_failed_engine_loop_answers_every_request_and_exits_non_zero():
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "tests/helpers/serve_with_failing_engine.py",
-                                "--port", str(port), *TINY_SERVER], cwd=ROOT, env=checkout_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = OutputDrained([sys.executable, "tests/helpers/serve_with_failing_engine.py",
+                             "--port", str(port), *TINY_SERVER], cwd=ROOT, env=checkout_env())
     try:
         wait_healthy(url, process, timeout=600)  # bounds a hang; a busy host starts slowly
         body = {"prompt": "hi", "max_tokens": 20, "temperature": 0}

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
-from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, TINY_SERVER, checkout_env, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow  # a server start and a 50 MB upload (~40 s on a busy 2-core machine)
 LINE = (json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. " * 2,
@@ -31,8 +30,7 @@ def test_a_50_mb_upload_is_answered_in_10_s_and_sigterm_mid_compile_exits_at_onc
     port = free_port()
     command = [sys.executable, "-m", "orca_jax.serve", *TINY_SERVER, "--port", str(port), "--enable-fine-tuning",
                "--fine-tuning-dir", str(tmp_path / "ft"), "--max-lora-rank", "8"]
-    process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = OutputDrained(command, cwd=ROOT, env=checkout_env())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout=300)

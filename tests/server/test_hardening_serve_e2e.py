@@ -4,7 +4,6 @@ the process exits 0 within its grace period (it needed SIGKILL)."""
 
 import json
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -12,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.helpers.process import ROOT, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, checkout_env, free_port, wait_healthy
 
 
 @pytest.mark.slow  # a server start (~60 s on a busy 2-core machine)
@@ -22,8 +21,7 @@ def test_serve_start_deep_bodies_and_sigterm_during_an_upload(tmp_path):
                "--page-size", "128", "--num-kv-pages", "8", "--max-num-seqs", "4", "--max-num-batched-tokens", "8",
                "--enable-fine-tuning", "--fine-tuning-dir", str(tmp_path / "ft"), "--max-lora-rank", "8",
                "--max-json-depth", "10", "--compilation-cache-dir", str(tmp_path / "xla")]
-    process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = OutputDrained(command, cwd=ROOT, env=checkout_env())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout=300)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.process import ROOT, checkout_env, free_port
+from tests.helpers.process import ROOT, OutputDrained, checkout_env, free_port
 KEY = "sk-e2e"
 
 
@@ -41,8 +41,7 @@ def test_serve_with_the_front_door_flags(tmp_path):
                "--ssl-certfile", str(cert), "--root-path", "/llm", "--api-key", KEY,
                "--allowed-origins", "https://app.example", "--gpu-memory-utilization", "0.5",
                "--disable-uvicorn-access-log", "--compilation-cache-dir", str(tmp_path / "xla")]
-    process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = OutputDrained(command, cwd=ROOT, env=checkout_env())
     url = f"https://127.0.0.1:{port}"
     tls = ssl.create_default_context(cafile=str(cert))
     try:
@@ -50,7 +49,7 @@ def test_serve_with_the_front_door_flags(tmp_path):
         lines = []
         while not any("ready at" in line for line in lines):  # logged once every program is compiled
             assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
-            lines.append(process.stdout.readline())
+            lines.append(process.readline())
         with httpx.Client(base_url=url, verify=tls, headers={"Authorization": f"Bearer {KEY}"}) as client:
             health = client.get("/health")
             chat = client.post("/v1/chat/completions", headers={"Origin": "https://app.example"},
@@ -99,8 +98,7 @@ def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
                "--max-logprobs", "5", "--max-stop-strings", "2",
                "--enable-prompt-logprobs",
                "--compilation-cache-dir", str(tmp_path / "xla")]
-    process = subprocess.Popen(command, cwd=ROOT, env=checkout_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = OutputDrained(command, cwd=ROOT, env=checkout_env())
     tool = {"type": "function", "function": {"name": "pick", "parameters": {
         "type": "object", "properties": {"side": {"enum": ["left", "right"]}}, "required": ["side"],
         "additionalProperties": False}}}
@@ -110,7 +108,7 @@ def test_serve_with_the_tool_call_and_logprob_flags(tmp_path):
         lines = []
         while not any("ready at" in line for line in lines):
             assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
-            lines.append(process.stdout.readline())
+            lines.append(process.readline())
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
             forced = client.post("/v1/chat/completions", json={**chat, "tools": [tool], "tool_choice": "required",
                                                                "parallel_tool_calls": False, "max_tokens": 400})

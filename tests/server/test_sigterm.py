@@ -4,14 +4,13 @@ uploads 503 (never 500), and exits 0 within its grace period."""
 import json
 import signal
 import socket
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
-from tests.helpers.process import ROOT, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, checkout_env, free_port, wait_healthy
 
 
 
@@ -39,8 +38,7 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_zero(engine_flag):
                "--page-size", "128", "--num-kv-pages", "8", "--max-num-seqs", "4",
                "--max-num-batched-tokens", "8", "--log-level", "warning", engine_flag]
     env = checkout_env()
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = OutputDrained(command, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process, timeout=180)

@@ -24,7 +24,7 @@ from orca_jax.worker.compilation import (JAX_CACHE_MAX_BYTES, JAX_SUBDIR, compil
 from orca_jax.worker.executable_cache import ExecutableCache
 
 from tests.helpers.engines import drain, tiny_engine
-from tests.helpers.process import ROOT, TINY_SERVER, checkout_env, free_port, wait_healthy
+from tests.helpers.process import ROOT, OutputDrained, TINY_SERVER, checkout_env, free_port, wait_healthy
 
 
 @pytest.fixture
@@ -148,9 +148,8 @@ def _start(cache_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = checkout_env()
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the suite's: these servers use the directory they are given
-    process = subprocess.Popen([sys.executable, "-m", "orca_jax.serve", "--port", str(port), *TINY_SERVER,
-                                "--compilation-cache-dir", str(cache_dir)], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = OutputDrained([sys.executable, "-m", "orca_jax.serve", "--port", str(port), *TINY_SERVER,
+                             "--compilation-cache-dir", str(cache_dir)], cwd=ROOT, env=env)
     return process, f"http://127.0.0.1:{port}"
 
 

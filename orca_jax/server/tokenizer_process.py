@@ -16,17 +16,14 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import signal
-import struct
 import subprocess
 import sys
 import threading
 
 from orca_jax.tokenizer import BaseTokenizer
+from orca_jax.worker_frames import read_frame, worker_stdio, write_frame
 
 IN_PROCESS_CHARS = 100_000
-WORKER_NICENESS = 10  # below the server's threads: its event loop and engine win the cores
-_HEADER = struct.Struct("<Q")
 # What a worker may be asked to run, by name.
 _METHODS = {"encode": lambda tokenizer: tokenizer.encode, "encode_prompt": lambda tokenizer: tokenizer.encode_prompt,
             "encode_chat": lambda tokenizer: tokenizer.encode_chat}
@@ -58,7 +55,7 @@ class TokenizerProcess:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))}
             self._process = subprocess.Popen([sys.executable, "-m", "orca_jax.server.tokenizer_process"], env=env,
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
-            _write(self._process.stdin, self._setup)
+            write_frame(self._process.stdin, self._setup)
 
     @property
     def pid(self) -> int | None:
@@ -79,8 +76,8 @@ class TokenizerProcess:
         with self._lock:
             self._start()
             try:
-                _write(self._process.stdin, pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
-                ok, value = pickle.loads(_read(self._process.stdout))
+                write_frame(self._process.stdin, pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL))
+                ok, value = pickle.loads(read_frame(self._process.stdout))
             except (OSError, EOFError):
                 self._stop()
                 raise TokenizerProcessDied("the tokenizer process died; retry the request") from None
@@ -106,27 +103,11 @@ class TokenizerProcess:
             process.stdout.close()
 
 
-def _write(pipe, payload: bytes) -> None:
-    pipe.write(_HEADER.pack(len(payload)) + payload)
-    pipe.flush()
-
-
-def _read(pipe) -> bytes:
-    header = pipe.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise EOFError("the other end closed")
-    (size,) = _HEADER.unpack(header)
-    payload = pipe.read(size)
-    if len(payload) < size:
-        raise EOFError("the other end closed")
-    return payload
-
-
 def _serve(frames_in, frames_out) -> None:
-    tokenizer = pickle.loads(_read(frames_in))
+    tokenizer = pickle.loads(read_frame(frames_in))
     while True:
         try:
-            method, args, kwargs = pickle.loads(_read(frames_in))
+            method, args, kwargs = pickle.loads(read_frame(frames_in))
         except EOFError:  # the server closed its end
             return
         try:
@@ -139,17 +120,11 @@ def _serve(frames_in, frames_out) -> None:
             payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 - an exception that cannot be pickled: its message still can
             payload = pickle.dumps((False, ValueError(str(reply[1]))), protocol=pickle.HIGHEST_PROTOCOL)
-        _write(frames_out, payload)
+        write_frame(frames_out, payload)
 
 
 def _main() -> None:
-    with contextlib.suppress(OSError):
-        os.nice(WORKER_NICENESS)
-    frames_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not break the frames
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us
-    _serve(sys.stdin.buffer, frames_out)
-
+    _serve(*worker_stdio())
 
 if __name__ == "__main__":
     _main()

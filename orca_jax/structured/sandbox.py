@@ -33,7 +33,6 @@ import os
 import pickle
 import select
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -47,6 +46,7 @@ from orca_jax.structured.constraint import Constraint, ConstraintKind, JsonOptio
 from orca_jax.structured.matcher import GrammarCompiler
 from orca_jax.structured.tool_grammar import tool_call_constraint
 from orca_jax.tokenizer import BaseTokenizer
+from orca_jax.worker_frames import read_frame, worker_stdio, write_frame
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ BUSY_WAIT_S = 1.0  # beyond a check's wall-clock bound, how long a check waits f
 # the worker (the kernel's OOM killer, an operator, a shutdown) and say nothing of the grammar.
 _CPU_LIMIT_SIGNAL = signal.SIGPROF
 _STOPPED_FROM_OUTSIDE = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-_FRAME_HEADER = struct.Struct(">Q")
 MAX_VERDICT_BYTES = 1 << 16  # more from a worker is treated as its crash
 _PASSED = b"\0passed"  # a worker's verdict when all went well (a refusal is its reason, as text)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -264,7 +263,7 @@ class _Worker:
 
     def _send_setup(self, setup: bytes) -> None:
         with contextlib.suppress(OSError, ValueError):  # it died, or was killed: wait_ready tells
-            _write_frame(self.process.stdin, setup)
+            write_frame(self.process.stdin, setup)
 
     def started(self) -> bool:
         """Whether it is ready for a task (its "ready" frame may be waiting in the pipe)."""
@@ -275,7 +274,7 @@ class _Worker:
 
     def wait_ready(self, timeout_s: float) -> None:
         if not self._ready:
-            if _read_frame(self.process.stdout, time.monotonic() + timeout_s, MAX_VERDICT_BYTES) != b"ready":
+            if read_frame(self.process.stdout, time.monotonic() + timeout_s, MAX_VERDICT_BYTES) != b"ready":
                 raise EOFError("the grammar worker did not start")
             self._ready = True
 
@@ -283,13 +282,13 @@ class _Worker:
         """Hand over a task (OSError if the process is gone)."""
         if self.process.poll() is not None:
             raise BrokenPipeError("the grammar worker has exited")
-        _write_frame(self.process.stdin, task)
+        write_frame(self.process.stdin, task)
 
     def receive(self, timeout_s: float) -> str | None:
         """The task's verdict: None when the constraint passed, else why not; TimeoutError, or
         EOFError when the process died. Plain text, never a pickle: a worker is where a hostile
         grammar runs, and what it says must not be able to run code here."""
-        verdict = _read_frame(self.process.stdout, time.monotonic() + timeout_s, MAX_VERDICT_BYTES)
+        verdict = read_frame(self.process.stdout, time.monotonic() + timeout_s, MAX_VERDICT_BYTES)
         return None if verdict == _PASSED else verdict.decode("utf-8", errors="replace")
 
     def exit_signal(self) -> int | None:
@@ -319,34 +318,6 @@ class _Worker:
                 pipe.close()
 
 
-def _write_frame(pipe, payload: bytes) -> None:
-    pipe.write(_FRAME_HEADER.pack(len(payload)) + payload)
-    pipe.flush()
-
-
-def _read_exactly(pipe, size: int, deadline: float | None) -> bytes:
-    fd = pipe.fileno()
-    chunks, remaining = [], size
-    while remaining:
-        if deadline is not None:
-            wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
-                raise TimeoutError
-        chunk = os.read(fd, min(remaining, 1 << 20))
-        if not chunk:
-            raise EOFError
-        chunks.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(chunks)
-
-
-def _read_frame(pipe, deadline: float | None, max_bytes: int | None = None) -> bytes:
-    (size,) = _FRAME_HEADER.unpack(_read_exactly(pipe, _FRAME_HEADER.size, deadline))
-    if max_bytes is not None and size > max_bytes:
-        raise EOFError(f"a frame of {size} bytes, more than the {max_bytes} expected")
-    return _read_exactly(pipe, size, deadline)
-
-
 # ---- the worker's side ---------------------------------------------------------------------------
 
 def _try(build: ConstraintBuild, tokenizer: BaseTokenizer, compiler: GrammarCompiler) -> str | None:
@@ -368,13 +339,13 @@ def _try(build: ConstraintBuild, tokenizer: BaseTokenizer, compiler: GrammarComp
 
 
 def _serve(frames_in, frames_out) -> None:
-    tokenizer, vocab_size, limits, cpu_seconds = pickle.loads(_read_frame(frames_in, None))
+    tokenizer, vocab_size, limits, cpu_seconds = pickle.loads(read_frame(frames_in, None))
     # One grammar at a time, nothing kept: a worker's memory is only the tokenizer's trie.
     compiler = GrammarCompiler(tokenizer, vocab_size, max_cached_grammars=1, num_threads=1, limits=limits)
-    _write_frame(frames_out, b"ready")
+    write_frame(frames_out, b"ready")
     while True:
         try:
-            build = pickle.loads(_read_frame(frames_in, None))
+            build = pickle.loads(read_frame(frames_in, None))
         except EOFError:  # the server closed its end
             return
         verdict: list[str | None] = [None]
@@ -392,21 +363,13 @@ def _serve(frames_in, frames_out) -> None:
         thread.join()
         signal.setitimer(signal.ITIMER_PROF, 0)
         reason = None if verdict[0] is None else verdict[0].encode("utf-8", errors="replace")[:MAX_VERDICT_BYTES]
-        _write_frame(frames_out, _PASSED if reason is None else reason)
-
-
-WORKER_NICENESS = 10  # below the server's threads: its event loop and engine win the cores
+        write_frame(frames_out, _PASSED if reason is None else reason)
 
 
 def _main() -> None:
-    with contextlib.suppress(OSError):
-        os.nice(WORKER_NICENESS)
-    frames_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not break the frames
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server stops us
+    frames_in, frames_out = worker_stdio()
     signal.signal(signal.SIGPROF, signal.SIG_DFL)  # the CPU limit's end (an ignored one is inherited)
-    _serve(sys.stdin.buffer, frames_out)
-
+    _serve(frames_in, frames_out)
 
 if __name__ == "__main__":
     _main()

@@ -226,7 +226,8 @@ class GrammarSandbox:
             self._workers.discard(worker)
             if self._closed:
                 return
-            fresh, self._spare = self._spare or _Worker(self._setup), _Worker(self._setup)
+            spare = self._spare if self._spare is not None and self._spare.process.poll() is None else None
+            fresh, self._spare = spare or _Worker(self._setup), _Worker(self._setup)  # a dead spare is not used
             self._workers.add(fresh)
         self._give_back(fresh)
 

@@ -12,6 +12,7 @@ import json
 import re
 import sys
 
+TOP = 40
 FORWARD = re.compile(r"^(\[\d+\] )?CommonPjRtLoadedExecutable::Execute \(jit__stage_forward\)$")
 
 
@@ -43,11 +44,20 @@ def summarize(path: str) -> dict:
         if not kernels:
             continue
         count, micros = collections.Counter(), collections.Counter()
+        by_name, by_name_count = collections.Counter(), collections.Counter()
         for e in kernels:
             count[kind_of(e["name"])] += 1
             micros[kind_of(e["name"])] += e["dur"]
+            # Numbered clones of one fusion (fusion.12, fusion.13) are one kind of kernel here.
+            base = re.sub(r"[._]\d+$", "", e["name"])
+            by_name[base] += e["dur"]
+            by_name_count[base] += 1
         devices[name] = {k: {"kernels_per_call": count[k] / calls, "ms_per_call": micros[k] / 1e3 / calls}
                          for k in count}
+        # The kernels that cost most, per call: what a fused kernel would have to absorb.
+        devices[name]["top_kernels"] = [
+            {"kernel": k[:120], "per_call": by_name_count[k] / calls, "us_per_call": us / calls}
+            for k, us in by_name.most_common(TOP)]
     host = collections.Counter()
     launches = collections.Counter()
     for call in forwards:

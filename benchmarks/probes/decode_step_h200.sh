@@ -13,11 +13,11 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 work=$OUT/w; mkdir -p "$work"
 nvidia-smi -L
 engine=(--max-num-seqs 256 --max-num-batched-tokens 8192 --no-enable-prefix-caching --compilation-cache-dir /tmp/cc)
-quiet() { grep -E "^batch|tok/s|tokens/s|Error|error|Traceback" | grep -v "^W0" | head -12; }
+quiet() { grep -E " batch|tok/s|tokens/s|Error|error|Traceback" | grep -v "^W0" | head -12; }
 if [ "${PROFILE:-1}" = 1 ]; then
-  for spec in "llama-1b 1" "llama-1b 32" "llama-8b 1"; do
+  for spec in "llama-1b 1" "llama-1b 32" "llama-8b 1" "llama-8b 1 --quantization fp8"; do
     set -- $spec
-    timeout 100 python benchmarks/probes/mesh_profile.py --model "$1" -tp 1 -pp 1 --batch-size "$2" \
+    timeout 100 python benchmarks/probes/mesh_profile.py --model "$1" -tp 1 -pp 1 --batch-size "$2" "${@:3}" \
       --out "$work" 2>&1 | grep -E "^\{|Error|Traceback" | cut -c1-600
   done
   python benchmarks/probes/mesh_trace_summary.py "$work"/*.trace.json.gz > "$work/trace_summary.json"
@@ -32,6 +32,10 @@ for t in json.load(open(sys.argv[1])):
         for k in d["top_kernels"][:25]:
             print("    %7.1f us %6.1f x  %s" % (k["us_per_call"], k["per_call"], k["kernel"][:90]))
 PY
+fi
+if [ "${HOST_PROFILE:-0}" = 1 ]; then  # the host's split of an iteration at 1, 32, 256 sequences
+  timeout 200 python benchmarks/probes/host_profile.py --model llama-1b --precompile --cprofile 30 \
+    --json "$work/host_profile_llama-1b.json" 2>&1 | grep -vE "^W0|^I0|compiling" | tail -12
 fi
 lat() {  # NAME MODEL BATCHES [flags]
   local name=$1 m=$2 bs=$3; shift 3
@@ -50,9 +54,11 @@ both() {  # KIND NAME MODEL [args]: the change on, then off (when ENV_OFF names 
   if [ -n "${ENV_OFF:-}" ]; then env "$ENV_OFF" bash -c "$(declare -f lat thr quiet); engine=(${engine[*]}); \
     work=$work; $kind ${name}_off $*"; fi
 }
-both lat llama-1b llama-1b 1,8,32
-both lat llama-8b llama-8b 1,8,32
-both thr llama-1b llama-1b
-both thr llama-8b llama-8b
+if [ "${BENCH:-1}" = 1 ]; then
+  both lat llama-1b llama-1b 1,8,32
+  both lat llama-8b llama-8b 1,8,32
+  both thr llama-1b llama-1b
+  both thr llama-8b llama-8b
+fi
 ${EXTRA:-true}
 tar czf "$OUT/decode_step_h200.tgz" -C "$work" . && rm -rf "$work"

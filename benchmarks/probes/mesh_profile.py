@@ -43,22 +43,31 @@ class Timings:
 
 
 def replay_ms(fn, repeats: int) -> tuple[float, float]:
-    """(host ms per call until every call has returned, wall ms per call once the device is done)."""
+    """(host ms per call until every call has returned, wall ms per call once the device is done).
+    The device runs the calls in order, so the last call's result being ready means all are."""
     jax.block_until_ready(fn())
     start = time.perf_counter()
-    out = [fn() for _ in range(repeats)]
+    for _ in range(repeats):
+        out = fn()
     dispatched = time.perf_counter()
     jax.block_until_ready(out)
     done = time.perf_counter()
     return 1e3 * (dispatched - start) / repeats, 1e3 * (done - start) / repeats
 
 
-def forward_released(runner, batch):
-    """One forward whose logits buffer goes back to the runner (as sampling would give it back), so
-    the replay writes the same buffer each call, as serving does."""
-    logits = runner.forward(batch)
-    runner.release_logits(logits)
-    return logits
+class ForwardReleased:
+    """Forwards whose logits buffer goes back to the runner (as sampling would give it back), so the
+    replay writes the same buffer each call, as serving does. A call gives the previous call's logits
+    back only then: the latest stays live for the caller to wait on."""
+
+    def __init__(self, runner, batch):
+        self.runner, self.batch, self.last = runner, batch, None
+
+    def __call__(self):
+        if self.last is not None:
+            self.runner.release_logits(self.last)
+        self.last = self.runner.forward(self.batch)
+        return self.last
 
 
 def main() -> None:
@@ -71,13 +80,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--async-scheduling", default="on")
+    parser.add_argument("--quantization", default=None, help="fp8: FP8 projection weights")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    name = f"{args.model}_tp{args.tp}_pp{args.pp}_b{args.batch_size}"
+    name = f"{args.model}{'_' + args.quantization if args.quantization else ''}_tp{args.tp}_pp{args.pp}_b{args.batch_size}"
 
     start = time.perf_counter()
     config = EngineConfig(model=args.model, dtype="bfloat16", precompile=False, compilation_cache_dir=None,
+                          quantization=args.quantization,
                           cache=CacheConfig(enable_prefix_caching=False, kv_memory_gib=4.0),
                           scheduler=SchedulerConfig(max_num_seqs=max(8, args.batch_size), max_num_batched_tokens=1024,
                                                     async_scheduling=args.async_scheduling == "on"),
@@ -124,8 +135,9 @@ def main() -> None:
     batch = with_probe[-1]
     runner = engine.runner
     row["replay_execute_ms"] = replay_ms(lambda: runner.execute(batch), 30)
-    row["replay_forward_ms"] = replay_ms(lambda: forward_released(runner, batch), 30)
-    logits = runner.forward(batch)
+    forward = ForwardReleased(runner, batch)
+    row["replay_forward_ms"] = replay_ms(forward, 30)
+    logits = forward.last
     row["replay_sample_ms"] = replay_ms(lambda: runner.sample(logits, batch), 30)
     print(json.dumps({k: v for k, v in row.items() if k != "ms_per_step_all"}), flush=True)
 

@@ -4,6 +4,8 @@
 # mesh_profile's engine steps and replays (llama-1b batch 1 and 32, llama-8b batch 1), `bench latency`
 # (llama-1b batch 1, 8, 32; llama-8b batch 1, 32) and `bench throughput` (llama-1b, the ORCA trace).
 # Everything lands in $OUT/stage_in_ab.tgz.   OUT=DIR ORCA_JAX_COMMIT=SHA benchmarks/probes/stage_in_ab.sh
+# It measured commit 6a7adff, whose switch ORCA_JAX_STAGE_IN was reverted after it: staging in the
+# forward cost more than the stage-in program's launch saved (benchmarks/results/h200/notes.md).
 set -u
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -200,9 +200,8 @@ class ModelRunner:
     def _program_identity(self, backend: AttentionBackend) -> tuple:
         """What every program of this runner depends on beyond its own key and input arrays."""
         return (repr(self.config), backend.value, self.device.platform, self.tensor_plan.vocab_size,
-                self.max_num_seqs, repr(self.lora_config),
-                [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers, s.stages_in_forward)
-                 for s in self.stages],
+                self.max_num_seqs, repr(self.lora_config), [(dict(s.mesh.shape), [d.id for d in s.mesh.devices.flat], s.layers)
+                                    for s in self.stages],
                 # The flag adds programs of its own; the others do not depend on it.
                 repr(dataclasses.replace(self.sampler.config, enable_prompt_logprobs=False)))
 
@@ -247,13 +246,13 @@ class ModelRunner:
     # ---- programs ----
 
     def program_keys(self, buckets: Iterable[Bucket]) -> list[ProgramKey]:
-        """Every program an iteration over these buckets can need: per bucket a forward per stage
-        (and its stage-in, where the forward does not stage its inputs itself: stage.py) (with LoRA, a second forward with the adapter term, and one slot update per stage),
+        """Every program an iteration over these buckets can need: per bucket a stage-in and a forward
+        per stage (with LoRA, a second forward with the adapter term, and one slot update per stage),
         and the sampling family per sequence width (sample/sampler.py); with prompt logprobs, their program per
         length bucket (prompt_logprobs.py)."""
         buckets = list(buckets)
-        keys: list[ProgramKey] = [cls(bucket, stage.index) for bucket in buckets for stage in self.stages
-                                  for cls in ((ForwardKey,) if stage.stages_in_forward else (StageInKey, ForwardKey))]
+        keys: list[ProgramKey] = [cls(bucket, stage.index) for bucket in buckets
+                                  for cls in (StageInKey, ForwardKey) for stage in self.stages]
         if self.lora_config is not None:
             keys += [ForwardKey(bucket, stage.index, True) for bucket in buckets for stage in self.stages]
             keys += [LoRAUpdateKey(stage.index) for stage in self.stages]
@@ -370,7 +369,7 @@ class ModelRunner:
                 inputs = self._to_next[stage.index - 1](inputs)
             logits = (self._free_logits.pop() if self._free_logits else self._new_logits_buffer()) \
                 if self.stable_buffers and stage.last and bucket.seqs <= self.max_num_seqs else None
-            inputs = stage.run(bucket, None if stage.stages_in_forward else executable(StageInKey(bucket, stage.index)),
+            inputs = stage.run(bucket, executable(StageInKey(bucket, stage.index)),
                                executable(ForwardKey(bucket, stage.index, batch.has_lora, self.pool_lent)), packed, inputs,
                                batch.has_lora, logits)
         return inputs

@@ -7,22 +7,15 @@ activations are handed to stage s+1's devices with `jax.device_put` (device to d
 so while stage 1 runs batch k, stage 0 can already run batch k+1. One stage on all devices is the
 unpipelined case: there is one code path.
 
-The forward's kernels do not read the batch's fresh inputs directly: they are first copied into a
-buffer of the bucket's that the stage keeps (donated, so it stays at one device address), and every
-layer reads that. On GPU, XLA runs the forward as a CUDA graph (command buffer) and re-records every
-command whose argument buffer moved since the last launch; every layer reads the batch's positions,
-page table and slot mapping, so a fresh input buffer re-recorded them all. On an H100 (llama-8b, 32
-layers, T = 160) staging took host dispatch from 4.33 ms per iteration to 2.51 ms (1.14 ms with the
-same inputs every call). The previous iteration's samples stay the forward's own argument: staged
-into the same buffer they measured worse (5.2 ms).
-
-Where the copy runs (STAGE_IN_MODE, $ORCA_JAX_STAGE_IN):
-- "forward" (the default): the forward program's first command copies the fresh inputs into the
-  donated buffer, behind an optimization barrier so no later kernel reads the fresh buffer; only that
-  one command sees a moved address. One program launch per stage and iteration.
-- "program": a tiny stage-in program of its own before the forward. On an H200 (llama-1b, batch 1)
-  its launch cost the host 0.27-0.31 ms per iteration beside the forward's ~1.1 ms
-  (benchmarks/results/h200/decode_step/), which is why the copy moved into the forward.
+The forward does not read the batch's fresh inputs directly: a tiny stage-in program first copies
+them into a buffer of the bucket's that the stage keeps (donated, so it stays at one device address),
+and the forward reads that. On GPU, XLA runs the forward as a CUDA graph (command buffer) and
+re-records every command whose argument buffer moved since the last launch; every layer reads the
+batch's positions, page table and slot mapping, so a fresh input buffer re-recorded them all. On an
+H100 (llama-8b, 32 layers, T = 160) staging took host dispatch from 4.33 ms per iteration to 2.51 ms
+(1.14 ms with the same inputs every call). The previous iteration's samples stay the forward's own
+argument: staged into the same buffer they measured worse (5.2 ms). Every bucket stages its inputs:
+at T = 8 and 32 (llama-1b, llama-8b) staged and direct decode iterations measured the same.
 
 For the same reason the last stage writes its logits into a buffer it is given (donated, so it stays
 at one address; the runner keeps it, model_runner.py) instead of a fresh output. With tensor
@@ -34,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -53,17 +45,6 @@ from orca_jax.sharding.tensor_plan import TensorPlan
 from orca_jax.worker.compilation import Bucket
 from orca_jax.worker.executable_cache import describe_arrays
 from orca_jax.worker.input_batch import forward_inputs_size, unpack_forward_inputs
-
-
-STAGE_IN_MODES = ("forward", "program")
-
-
-def stage_in_mode() -> str:
-    """Where a stage copies the batch's inputs into its bucket's buffer (module doc): $ORCA_JAX_STAGE_IN."""
-    mode = os.environ.get("ORCA_JAX_STAGE_IN", "forward")
-    if mode not in STAGE_IN_MODES:
-        raise ValueError(f"ORCA_JAX_STAGE_IN={mode!r}: expected one of {', '.join(STAGE_IN_MODES)}")
-    return mode
 
 
 def stage_params(params, layers: range, first: bool, last: bool, tie_embeddings: bool):
@@ -107,14 +88,10 @@ class Stage:
         self.kv_shardings = tuple(LayerKV(layer_sharding, layer_sharding) for _ in layers)
         self.kv = None  # made by allocate_kv, once the pool size is known (from the weights' shapes and free memory)
         # The pages go out with the sharding they came in with; else the second call would recompile.
-        # True: the forward copies the batch's inputs into the staged buffer itself; else the stage-in
-        # program does, before it.
-        self.stages_in_forward = stage_in_mode() == "forward"
-        self._forward_fn = forward_program(out_shardings=(self.replicated, self.kv_shardings)
-                                           + ((self.replicated,) if self.stages_in_forward else ()))
+        self._forward_fn = forward_program(out_shardings=(self.replicated, self.kv_shardings))
         self._stage_in_fn = stage_in_program(out_shardings=self.replicated)
         # i32[forward_inputs_size(T, S, P)] per bucket: the forward's packed inputs, staged by run();
-        # each run donates it to the program that writes it in place (the forward or the stage-in).
+        # each run donates it to the stage-in program, which writes it in place.
         self._staged: dict[Bucket, jax.Array] = {}
         # (pages from, pages to) -> the compiled copy that resizes one K or V array (compile_resize).
         self._resizers: dict[tuple[int, int], jax.stages.Compiled] = {}
@@ -238,11 +215,9 @@ class Stage:
         else:
             inputs = jax.ShapeDtypeStruct((bucket.tokens, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
-        packed = i32(forward_inputs_size(*bucket))
         return self._forward_fn.lower(self.model, self.first, self.last, bucket, self.lora_small if lora else None,
                                       self.param_specs, self.kv_specs(num_pages),
-                                      self.lora.specs if lora else None, packed if self.stages_in_forward else None,
-                                      packed, inputs,
+                                      self.lora.specs if lora else None, i32(forward_inputs_size(*bucket)), inputs,
                                       self.logits_spec(max_num_seqs) if logits_buffer and bucket.seqs <= max_num_seqs else None)
 
     def lower_stage_in(self, bucket: Bucket) -> jax.stages.Lowered:
@@ -254,14 +229,13 @@ class Stage:
         """The buffer the last run of `bucket` staged its inputs in (None before the first run)."""
         return self._staged.get(bucket)
 
-    def run(self, bucket: Bucket, stage_in: jax.stages.Compiled | None, forward: jax.stages.Compiled,
+    def run(self, bucket: Bucket, stage_in: jax.stages.Compiled, forward: jax.stages.Compiled,
             packed: np.ndarray, inputs, lora: bool = False, logits: jax.Array | None = None) -> jax.Array:
         """Dispatch this stage (asynchronous): [T, H] activations out, or if last the logits buffer
         f32[max_num_seqs, V] (`logits`, donated: its first S rows now hold the batch's logits).
 
         `packed`: the batch's forward inputs in one i32 vector (`batch.pack_forward_inputs`), staged by
-        into the bucket's buffer (by `forward` itself, or by `stage_in`: None when stages_in_forward), which
-    `forward` reads. `inputs`: the previous iteration's
+        `stage_in` into the bucket's buffer, which `forward` reads. `inputs`: the previous iteration's
         samples i32[max_num_seqs] (still on device) on the first stage, else the previous stage's
         [T, H] activations, already moved here (`Handoff`). `lora`: `forward` has the adapter term
         (it then reads this stage's LoRA table).
@@ -269,12 +243,8 @@ class Stage:
         staged = self._staged.get(bucket)
         if staged is None:
             staged = self._zeros(packed.shape[0])
-        table = self.lora.table if lora else None
-        if self.stages_in_forward:  # the old buffer is donated and comes back holding packed: same address
-            out, self.kv, self._staged[bucket] = forward(self.params, self.kv, table, staged, packed, inputs, logits)
-            return out
         self._staged[bucket] = staged = stage_in(staged, packed)  # the old buffer is donated: same address
-        out, self.kv = forward(self.params, self.kv, table, None, staged, inputs, logits)
+        out, self.kv = forward(self.params, self.kv, self.lora.table if lora else None, staged, inputs, logits)
         return out
 
     def _zeros(self, size: int) -> jax.Array:
@@ -293,14 +263,12 @@ def _resize_pages(x: jax.Array, num_pages: int) -> jax.Array:
 
 
 def forward_program(out_shardings=None):
-    """The jitted stage forward: (model, first, last, (T, S, P), lora form or None) static, the KV pages,
-    the staged inputs' buffer and the logits buffer donated; call or lower it as (model, first, last,
-    bucket, lora, params, kv, LoRA table or None, staged buffer or None, packed inputs, samples or
-    activations, logits buffer or None). With a staged buffer it returns that buffer third, holding
-    the packed inputs; with None the packed inputs were staged already (by the stage-in program)."""
+    """The jitted stage forward: (model, first, last, (T, S, P), lora form or None) static, the KV pages
+    and the logits buffer donated; call or lower it as (model, first, last, bucket, lora, params, kv,
+    LoRA table or None, packed inputs, samples or activations, logits buffer or None)."""
     if out_shardings is None:
-        return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 8, 11))
-    return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 8, 11),
+        return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 10))
+    return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 10),
                    out_shardings=out_shardings)
 
 
@@ -315,18 +283,7 @@ def _stage_in(staged, packed):
 
 
 def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Bucket, lora: SmallBatchForm | None,
-                   params, kv, lora_table, staged, packed, inputs, logits_buffer):
-    if staged is None:
-        return _forward_staged(model, first, last, bucket, lora, params, kv, lora_table, packed, inputs, logits_buffer)
-    # i32[n]: written in place (staged is donated). The barrier keeps every later kernel reading
-    # this buffer, which stays put, rather than `packed`, which is new each call (module doc).
-    staged = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(staged, packed, (0,)))
-    return _forward_staged(model, first, last, bucket, lora, params, kv, lora_table, staged, inputs,
-                           logits_buffer) + (staged,)
-
-
-def _forward_staged(model: decoder.Decoder, first: bool, last: bool, bucket: Bucket, lora: SmallBatchForm | None,
-                    params, kv, lora_table, packed, inputs, logits_buffer):
+                   params, kv, lora_table, packed, inputs, logits_buffer):
     """One stage's forward: (activations [T, H], or on the last stage `logits_buffer` f32[M, V] with
     the batch's logits in its first S rows; kv).
     `lora` (how small buckets compute it): add each token's adapter term (its slot in the packed

@@ -10,7 +10,7 @@ from orca_jax.core.sched.interface import QueueFullError
 from orca_jax.core.sched.scheduler import Scheduler
 from orca_jax.sampling_params import SamplingParams
 from orca_jax.worker.compilation import ForwardKey, StageInKey
-from orca_jax.worker.input_batch import forward_inputs_size, unpack_forward_inputs
+from orca_jax.worker.input_batch import unpack_forward_inputs
 
 from tests.helpers.engines import drain, tiny_engine
 from tests.helpers.models import prompt_logits
@@ -175,20 +175,21 @@ def test_full_waiting_pool_pushes_back():
 
 
 def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
-    """The documented program count: per token bucket a forward, which also stages its inputs into the
-    bucket's buffer (one stage here; worker/stage.py), the sampling family per S, and the penalty fill.
+    """The documented program count: per token bucket a forward and the stage-in that copies its inputs
+    into the bucket's staged buffer (one stage here), the sampling family per S, and the penalty fill.
 
-    With max_num_seqs 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs) and S
-    is 8 or 16 (the next power of two of T, capped at the batch size). Per S the sampling family is 8
-    programs (sampler.sample_variants): GREEDY and SAMPLE, each with top-K 0 or 20, and GREEDY, SAMPLE,
-    SEARCH, SEARCH_TOP_K with logits processing (top-K 20); then one penalty-table fill: 4 + 2 x 8 + 1
-    = 21 in all. Two randomized 200-request runs over every sampling parameter then compile nothing more.
+    With max_num_seqs 16 and a 64-token budget the ladder is 8, 16, 32, 64 (4 forward programs, 4
+    stage-in) and S is 8 or 16 (the next power of two of T, capped at the batch size). Per S the
+    sampling family is 8 programs (sampler.sample_variants): GREEDY and SAMPLE, each with top-K 0 or
+    20, and GREEDY, SAMPLE, SEARCH, SEARCH_TOP_K with logits processing (top-K 20); then one
+    penalty-table fill: 4 + 4 + 2 x 8 + 1 = 25 in all. Two randomized 200-request runs over every sampling parameter
+    then compile nothing more.
     """
     engine = tiny_engine(max_num_seqs=16, max_num_batched_tokens=64, num_pages=400, precompile=True)
     assert engine.buckets.ladder == (8, 16, 32, 64)
     compilation = engine.runner.compilation
     compiled = compilation.compiled_keys
-    assert len(compiled) == compilation.num_compiled_programs == 4 + 2 * 8 + 1
+    assert len(compiled) == compilation.num_compiled_programs == 4 + 4 + 2 * 8 + 1
     assert compiled == frozenset(engine.program_keys())
 
     def run(seed):
@@ -305,7 +306,7 @@ def test_injected_scheduler_and_observer_seams():
 def test_the_forward_updates_every_layers_kv_in_place():
     """Per-layer K/V donated as a whole: XLA aliases every layer's pages to the program's outputs and
     keeps no second copy of the cache (temporaries far below the pool's size). The logits buffer
-    f32[max_num_seqs, V] and the bucket's staged inputs i32[n] are aliased too."""
+    f32[max_num_seqs, V] is aliased too."""
     engine = tiny_engine(num_pages=2048, page_size=4)
     runner = engine.runner
     kv_bytes = runner.kv_bytes + 4 * runner.max_num_seqs * runner.config.vocab_size
@@ -313,7 +314,7 @@ def test_the_forward_updates_every_layers_kv_in_place():
     for bucket in (buckets[0], buckets[-1]):
         key = ForwardKey(bucket, stage=0)  # the only stage
         stats = engine.runner.compilation.executable(key).memory_analysis()
-        assert stats.alias_size_in_bytes == kv_bytes + 4 * forward_inputs_size(*bucket)
+        assert stats.alias_size_in_bytes == kv_bytes
         assert stats.temp_size_in_bytes < kv_bytes / 4, (stats.temp_size_in_bytes, kv_bytes)
 
 
@@ -347,43 +348,23 @@ def test_precompiles_warm_run_leaves_one_logits_buffer_for_serving():
 
 
 def test_each_bucket_stages_its_inputs_in_one_buffer_that_stays_put():
-    """A stage keeps one buffer per bucket for the forward's packed inputs; each run's forward takes it
-    donated and first writes the new batch into it, so it keeps its device address (on GPU a moved
-    buffer re-records the forward's CUDA graph, see worker/stage.py) and the forward reads this batch,
-    not a stale one."""
+    """A stage keeps one buffer per bucket for the forward's packed inputs; each run's stage-in takes it
+    donated and writes the new batch into it, so it keeps its device address (on GPU a moved buffer
+    re-records the forward's CUDA graph, see worker/stage.py) and the forward reads this batch, not a
+    stale one."""
     runner = tiny_engine().runner
     stage = runner.stages[0]
     first, second = list(range(5, 45)), list(range(50, 95))  # one bucket: T = S = 64, P = 16 pages of 4
     expected = prompt_logits(runner, first)
-    (bucket,) = {key.bucket for key in runner.compilation.compiled_keys if isinstance(key, ForwardKey)}
+    (bucket,) = {key.bucket for key in runner.compilation.compiled_keys if isinstance(key, StageInKey)}
     staged = stage.staged_inputs(bucket)
     address = staged.unsafe_buffer_pointer()
     prompt_logits(runner, second)
-    assert staged.is_deleted()  # donated to the second run's forward
+    assert staged.is_deleted()  # donated to the second run's stage-in
     staged = stage.staged_inputs(bucket)
     assert staged.unsafe_buffer_pointer() == address
     assert unpack_forward_inputs(np.asarray(staged), *bucket)["token_ids"][:len(second)].tolist() == second
     np.testing.assert_array_equal(prompt_logits(runner, first), expected)
-
-
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt"])
-def test_staging_inputs_in_the_forward_or_in_a_program_of_its_own_gives_the_same_tokens(monkeypatch, model):
-    """ORCA_JAX_STAGE_IN=program (a stage-in program before each forward, as before) and the default (the
-    forward copies its inputs itself) sample the same tokens: greedy, seeded sampling and penalties, with
-    prompts in several buckets and chunks; only the program mode compiles stage-in programs."""
-    requests = [(list(range(5, 5 + n)), SamplingParams(max_tokens=9, ignore_eos=True, **kw))
-                for n, kw in [(3, {}), (21, dict(temperature=0.9, seed=4)), (70, dict(temperature=0.0)),
-                              (12, dict(temperature=0.7, seed=1, repetition_penalty=1.3, presence_penalty=0.5))]]
-    results = {}
-    for mode in ("program", "forward"):
-        monkeypatch.setenv("ORCA_JAX_STAGE_IN", mode)
-        engine = tiny_engine(model)
-        for i, (prompt, params) in enumerate(requests):
-            engine.add_request(prompt, params, request_id=str(i))
-        results[mode] = drain(engine)
-        staged_by_program = {isinstance(k, StageInKey) for k in engine.runner.compilation.compiled_keys}
-        assert staged_by_program == ({True, False} if mode == "program" else {False})
-    assert results["program"] == results["forward"] and len(results["forward"]) == len(requests)
 
 
 def test_decode_steps_call_the_forward_with_every_buffer_where_it_was():

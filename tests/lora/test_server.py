@@ -161,9 +161,9 @@ def test_serve_cli_with_lora_modules(models, tmp_path, engine_flag):
             assert answer["choices"][0]["text"] == expected[name]
         metrics = httpx.get(url + "/metrics").text
         programs = next(line for line in metrics.splitlines() if line.startswith("orca_jax:num_compiled_programs"))
-        # One bucket: its forward with and without adapters, the slot update, the eight
+        # One bucket: its stage-in, its forward with and without adapters, the slot update, the eight
         # sampling programs and the penalty fill, all compiled at start-up: none while serving.
-        assert float(programs.split()[-1]) == 3 + 8 + 1
+        assert float(programs.split()[-1]) == 4 + 8 + 1
     finally:
         process.terminate()
         process.communicate(timeout=60)

@@ -125,6 +125,9 @@ class Tokenizer:
         self._special_ids = frozenset(
             token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special)
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        # token id -> its bytes, filled as tokens are first decoded: the stream decoder asks once per
+        # output token of every request (2 us uncached, ~0.1 cached); at most one entry per vocabulary id.
+        self._bytes_of: dict[int, bytes] = {}
 
     # --- construction -----------------------------------------------------------------------
     @classmethod
@@ -290,6 +293,12 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (a piece of a UTF-8 character, possibly)."""
+        data = self._bytes_of.get(token_id)
+        if data is None:
+            data = self._bytes_of[token_id] = self._token_bytes(token_id)
+        return data
+
+    def _token_bytes(self, token_id: int) -> bytes:
         token = self.backend.id_to_token(token_id)
         if token is None:
             return b""

@@ -30,8 +30,11 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int], find_stop: bool = True) -> bool:
         """Account for token_ids (the whole output so far); True when a stop string was found (one
         that ends in this call's text and only with find_stop: min_tokens defers them, as vLLM)."""
-        new = "".join(self._stream.push(t) for t in token_ids[self._num_decoded_tokens:])
-        self._num_decoded_tokens = len(token_ids)
+        done, count = self._num_decoded_tokens, len(token_ids)
+        # Nearly always one new token (every decoding request, every iteration): no slice, no join.
+        new = self._stream.push(token_ids[done]) if count == done + 1 else \
+            "".join(self._stream.push(t) for t in token_ids[done:])
+        self._num_decoded_tokens = count
         stopped = self._append(new, find_stop)
         self._new_text += self._emit(final=stopped)
         return stopped

@@ -275,7 +275,9 @@ class KVCacheManager:
         table = self._page_tables.get(request_id)
         if table is None:
             raise KVCacheError(f"request {request_id!r} has no reservation")
-        num_needed = self.num_pages_for(num_tokens)
+        num_needed = -(-num_tokens // self.page_size)
+        if len(table) >= num_needed:
+            return  # the common case, per decoding request per iteration: its last page has room
         if num_needed > self.num_reserved_for(request_id):
             raise KVCacheError(f"request {request_id!r} needs {num_needed} pages for {num_tokens} "
                                f"tokens but reserved {self.num_reserved_for(request_id)}")

@@ -10,6 +10,9 @@ pages; and f32 throughout, to show how far bf16 itself is from full precision. F
   length of the common prefix).
 
     PYTHONPATH=. python benchmarks/probes/fp8_accuracy.py --json benchmarks/results/cpu/probes/fp8_accuracy.json
+    PYTHONPATH=. python benchmarks/probes/fp8_accuracy.py --texts benchmarks/probes/data/eval_text.txt \
+        benchmarks/probes/data/eval_text_long.txt --json benchmarks/results/cpu/probes/fp8_accuracy_long.json
+(the longer evaluation: 4,017 tokens in 1,024-token windows, each window its own request)
 """
 
 from __future__ import annotations
@@ -73,19 +76,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--texts", nargs="+", default=[TEXT], help="evaluation texts, each cut into 1,024-token "
+                        "windows (the default, the short text, is one window)")
     args = parser.parse_args()
-    with open(TEXT, encoding="utf-8") as f:
-        text = f.read()
+    texts = []
+    for path in args.texts:
+        with open(path, encoding="utf-8") as f:
+            texts.append(f.read())
     results, greedy = {}, {}
     for name, options in VARIANTS.items():
         start = time.perf_counter()
         llm = LLM("smollm2-135m", precompile=False, max_num_seqs=16, max_num_batched_tokens=1024, num_kv_pages=256,
                   enable_prefix_caching=False, **{"dtype": "bfloat16", **options})
         engine = llm._engine  # noqa: SLF001 - a probe reads the runner
-        ids = engine.tokenizer.encode(text)[:1024]
-        row = {"text_tokens": len(ids)}
+        windows = [ids[i:i + 1024] for ids in map(engine.tokenizer.encode, texts)
+                   for i in range(0, len(ids), 1024) if len(ids) - i > 64]  # a whole window runs W8A8
+        row = {"text_tokens": sum(map(len, windows))}
         for label, chunk in (("chunks_of_64", 64), ("whole_1024", 1024)):
-            logprobs = text_logprobs(engine.runner, ids, chunk)
+            logprobs = np.concatenate([text_logprobs(engine.runner, ids, chunk) for ids in windows])
             row[f"perplexity_{label}"] = math.exp(-float(np.mean(logprobs)))
         outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                         SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
@@ -107,7 +115,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": "smollm2-135m (GGUF Q4_1 dequantized, served in bf16)", "device": "cpu",
-                       "text": os.path.relpath(TEXT), "variants": results}, f, indent=1)
+                       "texts": [os.path.relpath(t) for t in args.texts], "variants": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,7 @@
 # Everything lands in $OUT/decode_step_h200.tgz.
 #   OUT=DIR ORCA_JAX_COMMIT=SHA [ENV_OFF="NAME=0"] [PROFILE=1] benchmarks/probes/decode_step_h200.sh
 set -u
-if [ -d .whl ]; then  # the packages the GPU image lacks (llguidance, fastapi, ...), carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+. benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
 work=$OUT/w; mkdir -p "$work"
 nvidia-smi -L
 engine=(--max-num-seqs 256 --max-num-batched-tokens 8192 --no-enable-prefix-caching --compilation-cache-dir /tmp/cc)

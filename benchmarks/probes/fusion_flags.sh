@@ -5,11 +5,7 @@
 # replayed: host and device ms), a 2-step trace and its kernel count by kind (mesh_trace_summary.py).
 # Everything lands in $OUT/fusion_flags.tgz.   OUT=DIR ORCA_JAX_COMMIT=SHA benchmarks/probes/fusion_flags.sh
 set -u
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+. benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
 work=$OUT/w; mkdir -p "$work"
 nvidia-smi -L
 one() {  # NAME QUANT FLAGS...

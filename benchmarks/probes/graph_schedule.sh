@@ -8,11 +8,7 @@
 # and llama-8b batch 1, then `bench latency` for llama-1b (batch 1, 8, 32).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA [MODES="default SERIALIZE CONCURRENT"] benchmarks/probes/graph_schedule.sh
 set -u
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+. benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
 work=$OUT/w; mkdir -p "$work"
 nvidia-smi -L
 for mode in ${MODES:-default SERIALIZE}; do

@@ -10,11 +10,7 @@
 #      bound), then bench sweep at ORCA's Figure 10 rates.
 # Everything lands in $OUT/round_h200x4.tgz.   OUT=DIR ORCA_JAX_COMMIT=SHA benchmarks/probes/round_h200x4.sh
 set -u
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+. benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
 work=$OUT/w; mkdir -p "$work"/{a,b,c}
 nvidia-smi -L
 engine=(--max-num-seqs 256 --max-num-batched-tokens 8192 --no-enable-prefix-caching)

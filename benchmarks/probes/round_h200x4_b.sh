@@ -7,11 +7,7 @@
 # sweep at 10 and 12 req/s offered (Figure 10's 6.81 completed is the target).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA benchmarks/probes/round_h200x4_b.sh
 set -u
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+. benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
 work=$OUT/w; mkdir -p "$work"
 engine=(--max-num-seqs 256 --max-num-batched-tokens 8192 --no-enable-prefix-caching --compilation-cache-dir /tmp/cc)
 run() {  # NAME LOGLINE_PATTERN COMMAND...: runs it, prints its result lines

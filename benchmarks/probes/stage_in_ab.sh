@@ -7,11 +7,7 @@
 # It measured commit 6a7adff, whose switch ORCA_JAX_STAGE_IN was reverted after it: staging in the
 # forward cost more than the stage-in program's launch saved (benchmarks/results/h200/notes.md).
 set -u
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+. benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
 work=$OUT/w; mkdir -p "$work"
 nvidia-smi -L
 engine=(--max-num-seqs 256 --max-num-batched-tokens 8192 --no-enable-prefix-caching)

@@ -3,11 +3,7 @@
 # program's CUDA graph (its command-buffer log), under XLA's command-buffer options given as arguments.
 #   OUT=DIR benchmarks/probes/step_buffers.sh MODEL "NAME=XLA_FLAGS ..."
 set -u
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+. benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
 model=$1; shift
 plugin=$(python -c "import jax_plugins.xla_cuda13 as p, os; print(os.path.dirname(p.__file__))" 2>/dev/null)
 [ -n "$plugin" ] && strings "$plugin"/*.so | grep -E "command_buffer_(update|va)|SKIP_TEMP|ALWAYS_UPDATE|va_remapping" | sort -u | head -20

@@ -40,9 +40,10 @@ KV_FP8_SCALE = 1.0
 class AttentionBackend(enum.Enum):
     """Which ragged attention implementation the runner uses."""
 
-    AUTO = "auto"  # the Pallas kernel on GPU, the jnp path elsewhere
-    JNP = "jnp"
-    PALLAS = "pallas"
+    AUTO = "auto"  # PALLAS on GPU, JNP elsewhere
+    JNP = "jnp"  # jnp attention and XLA's ops throughout
+    PALLAS = "pallas"  # the Pallas attention and layer kernels (add + norm, RoPE + K/V page write)
+    PALLAS_ATTENTION = "pallas-attention"  # the Pallas attention only, XLA's ops around it (an A/B baseline)
 
 
 class SchedulingPolicy(enum.Enum):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -28,8 +29,9 @@ import numpy as np
 
 from orca_jax.config import ModelConfig, ModelFamily, RopeScaling
 from orca_jax.lora import ops as lora_ops
-from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKV, PackedCausal, RaggedAttentionFn,
-                                       empty_layer_kv, packed_causal_attention, paged_attention)
+from orca_jax.models.attention import (AttentionMetadata, KVCache, LayerKernels, LayerKV, PackedCausal,
+                                       RaggedAttentionFn, empty_layer_kv, packed_causal_attention,
+                                       paged_attention)
 from orca_jax.models import fp8
 from orca_jax.models.projections import fuse_projections, split_layer
 
@@ -41,24 +43,30 @@ def _dtype(config: ModelConfig):
 
 
 class Norm(nn.Module):
-    """LayerNorm (GPT) or RMSNorm (Llama), computed in fp32."""
+    """LayerNorm (GPT) or RMSNorm (Llama) in fp32, after an optional residual add:
+    (x, delta) -> (h = x + delta, norm(h)), both [T, H]. `kernel` (LayerKernels.add_norm) does both in one
+    launch; None: jnp, which XLA runs as two kernels."""
 
     config: ModelConfig
+    kernel: Callable | None = None
 
     @nn.compact
-    def __call__(self, x):  # [T, H] -> [T, H]
+    def __call__(self, x, delta=None):  # [T, H], [T, H] | None -> ([T, H], [T, H])
         cfg = self.config
         scale = self.param("scale", nn.initializers.ones, (cfg.hidden_size,), _dtype(cfg))
-        xf = x.astype(jnp.float32)
+        bias = None
         if cfg.family is ModelFamily.GPT:
             bias = self.param("bias", nn.initializers.zeros, (cfg.hidden_size,), _dtype(cfg))
-            xf = xf - xf.mean(-1, keepdims=True)
-            y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + cfg.norm_eps)
-            y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-        else:
-            y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + cfg.norm_eps)
-            y = y * scale.astype(jnp.float32)
-        return y.astype(x.dtype)
+        if self.kernel is not None:
+            return self.kernel(x, delta, scale, bias, eps=cfg.norm_eps)
+        h = x if delta is None else x + delta
+        hf = h.astype(jnp.float32)
+        if bias is not None:
+            hf = hf - hf.mean(-1, keepdims=True)
+        y = hf * jax.lax.rsqrt((hf * hf).mean(-1, keepdims=True) + cfg.norm_eps) * scale.astype(jnp.float32)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        return h, y.astype(x.dtype)
 
 
 class Linear(nn.Module):
@@ -120,6 +128,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float,
 class Attention(nn.Module):
     config: ModelConfig
     attention_fn: RaggedAttentionFn
+    rope_write_kv: Callable | None = None  # LayerKernels.rope_write_kv; None: jnp RoPE and scatters
 
     @nn.compact
     def __call__(self, x, positions, layer_kv: LayerKV | None, meta: AttentionMetadata | PackedCausal, lora=None,
@@ -134,15 +143,25 @@ class Attention(nn.Module):
         qkv = Linear(cfg, "TH,HKGD->TKGD", (h, k, g + 2, d), (k, g + 2, d), qkv_bias, name="qkv")(x)
         if lora is not None:  # this layer's slice of the adapter table (lora/layout.py)
             qkv = lora_ops.add_qkv(qkv, x, lora["qkv"], lora_tokens)
-        qk, value = qkv[:, :, :g + 1], qkv[:, :, g + 1]  # [T, K, G + 1, D], [T, K, D]
-        if cfg.family is ModelFamily.LLAMA:  # one rotation for queries and keys alike
-            qk = apply_rope(qk.reshape(t, k * (g + 1), d), positions, cfg.rope_theta,
-                            cfg.rope_scaling).reshape(t, k, g + 1, d)
-        q = qk[:, :, :g].reshape(t, n, d)  # query head j * G + i is group j's i-th: [T, N, D]
-        if isinstance(meta, PackedCausal):  # a training batch: no KV pages (layer_kv is None)
-            out = packed_causal_attention(q, qk[:, :, g], value, meta)
+        if self.rope_write_kv is not None and isinstance(meta, AttentionMetadata):
+            inv_freq = None
+            if cfg.family is ModelFamily.LLAMA:
+                inv_freq = jnp.asarray(rope_inv_freq(d, cfg.rope_theta, cfg.rope_scaling))  # f32[D/2]
+            q, k_pages, v_pages = self.rope_write_kv(qkv, positions, meta.slot_mapping, inv_freq, layer_kv.k,
+                                                     layer_kv.v)
+            layer_kv = LayerKV(k_pages, v_pages)
+            out = self.attention_fn(q, layer_kv.k, layer_kv.v, meta.cu_q_lens, meta.kv_lens, meta.page_table,
+                                    meta.num_seqs)
         else:
-            out, layer_kv = paged_attention(q, qk[:, :, g], value, layer_kv, meta, self.attention_fn)
+            qk, value = qkv[:, :, :g + 1], qkv[:, :, g + 1]  # [T, K, G + 1, D], [T, K, D]
+            if cfg.family is ModelFamily.LLAMA:  # one rotation for queries and keys alike
+                qk = apply_rope(qk.reshape(t, k * (g + 1), d), positions, cfg.rope_theta,
+                                cfg.rope_scaling).reshape(t, k, g + 1, d)
+            q = qk[:, :, :g].reshape(t, n, d)  # query head j * G + i is group j's i-th: [T, N, D]
+            if isinstance(meta, PackedCausal):  # a training batch: no KV pages (layer_kv is None)
+                out = packed_causal_attention(q, qk[:, :, g], value, meta)
+            else:
+                out, layer_kv = paged_attention(q, qk[:, :, g], value, layer_kv, meta, self.attention_fn)
         y = Linear(cfg, "TND,NDH->TH", (n, d, h), (h,), name="o")(out)
         if lora is not None:
             y = lora_ops.add_o(y, out, lora["o"], lora_tokens)
@@ -173,22 +192,27 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer: [T, H] and its K/V pages in, [T, H] and the pages out."""
+    """One pre-norm transformer layer. (x, delta): the residual stream and what the previous layer left
+    to add to it (None: nothing); returns (x, the MLP's output, the pages): the caller adds the MLP's
+    output, or the next layer does in its first norm (one kernel for the add and the norm)."""
 
     config: ModelConfig
     attention_fn: RaggedAttentionFn
+    kernels: LayerKernels | None = None  # serving's kernels in place of XLA's ops; None: jnp only
 
     @nn.compact
     def __call__(self, x, positions, layer_kv: LayerKV | None, meta: AttentionMetadata | PackedCausal, lora=None,
-                 lora_tokens: lora_ops.LoRATokens | None = None):
+                 lora_tokens: lora_ops.LoRATokens | None = None, delta=None):
         """`lora`: this layer of the adapter table (None: no adapter term), `lora_tokens`: each token's slot."""
-        attn_out, layer_kv = Attention(self.config, self.attention_fn, name="attn")(
-            Norm(self.config, name="attn_norm")(x), positions, layer_kv, meta,
-            None if lora is None else lora["attn"], lora_tokens)
-        x = x + attn_out
-        x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x),
-                                             None if lora is None else lora["mlp"], lora_tokens)
-        return x, layer_kv
+        kernels = self.kernels if isinstance(meta, AttentionMetadata) else None
+        add_norm = None if kernels is None else kernels.add_norm
+        x, normed = Norm(self.config, add_norm, name="attn_norm")(x, delta)
+        attn_out, layer_kv = Attention(self.config, self.attention_fn,
+                                       None if kernels is None else kernels.rope_write_kv, name="attn")(
+            normed, positions, layer_kv, meta, None if lora is None else lora["attn"], lora_tokens)
+        x, normed = Norm(self.config, add_norm, name="mlp_norm")(x, attn_out)
+        mlp_out = Mlp(self.config, name="mlp")(normed, None if lora is None else lora["mlp"], lora_tokens)
+        return x, mlp_out, layer_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,10 +227,11 @@ class Decoder:
     # Device KV heads per model KV head (tensor_plan.py replicates them so every shard owns whole ones):
     # what an adapter trained on this decoder maps back to the model's own shapes with.
     kv_repeat: int = 1
+    kernels: LayerKernels | None = None  # the serving forward's kernels (Block); None: XLA's ops
 
     @property
     def block(self) -> Block:
-        return Block(self.config, self.attention_fn)
+        return Block(self.config, self.attention_fn, self.kernels)
 
     def embed(self, params, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """i32[T] token ids and positions -> [T, H] hidden states."""
@@ -224,14 +249,16 @@ class Decoder:
             raise ValueError(f"{len(layer_params)} layers of params but {len(kv)} of KV pages")
         lora_layers = [None] * len(kv) if lora_table is None else lora_table
         new_kv = []
+        delta = None  # each layer's MLP output, added by the next layer's first norm
         for params, layer_kv, lora in zip(layer_params, kv, lora_layers):
-            x, layer_kv = apply_block(self, params, x, positions, layer_kv, meta, lora, lora_tokens)
+            x, delta, layer_kv = _apply_block_deferred(self, params, x, positions, layer_kv, meta, lora, lora_tokens,
+                                                       delta)
             new_kv.append(layer_kv)
-        return x, tuple(new_kv)
+        return x + delta, tuple(new_kv)
 
     def logits(self, params, x: jax.Array) -> jax.Array:
         """[S, H] hidden states at the rows to sample from -> f32[S, V] (padded V: -inf past the real one)."""
-        x = Norm(self.config).apply({"params": params["final_norm"]}, x)
+        x = Norm(self.config).apply({"params": params["final_norm"]}, x)[1]
         if self.config.tie_embeddings:
             logits = jnp.einsum("SH,VH->SV", x, params["embed"], preferred_element_type=jnp.float32)
         else:
@@ -250,7 +277,14 @@ def apply_block(decoder: Decoder, params, x: jax.Array, positions: jax.Array, la
     traces and lowers the block once and calls it per layer (XLA inlines the calls again). Tracing
     32 unrolled copies of it held the GIL for seconds per program and serialized the precompile
     threads: the cold start was mostly that."""
-    return decoder.block.apply({"params": params}, x, positions, layer_kv, meta, lora, lora_tokens)
+    x, mlp_out, layer_kv = decoder.block.apply({"params": params}, x, positions, layer_kv, meta, lora, lora_tokens)
+    return x + mlp_out, layer_kv
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply_block_deferred(decoder: Decoder, params, x, positions, layer_kv, meta, lora, lora_tokens, delta):
+    """apply_block with the residual add left to the next layer: (x, delta) in, (x, MLP output) out."""
+    return decoder.block.apply({"params": params}, x, positions, layer_kv, meta, lora, lora_tokens, delta)
 
 
 def empty_cache(config: ModelConfig, num_pages: int, page_size: int,

@@ -19,49 +19,26 @@ from typing import Iterable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
 
 from orca_jax.config import AttentionBackend, CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SamplingConfig
-from orca_jax.kernels import ragged_attention as ragged
-from orca_jax.kernels.ragged_attention_jnp import ragged_attention_jnp
 from orca_jax.lora.adapter import LoRAAdapter
 from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
 from orca_jax.outputs import PromptLogprobs
 from orca_jax.sample.ops.penalties import tables_bytes
 from orca_jax.sample.sampler import PenaltyFillKey, SampleKey, Sampler
-from orca_jax.sharding import rules, tensor_plan
+from orca_jax.sharding import tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
 from orca_jax.worker import multihost
 from orca_jax.worker.compilation import (Bucket, CompilationManager, ForwardKey, LoRAUpdateKey, PrecompileReport,
                                          ProgramKey, ProgramSource, ProgressFn, PromptLogprobsKey, StageInKey)
 from orca_jax.worker.precompile_progress import PrecompilePhase, PrecompileProgress
 from orca_jax.worker.executable_cache import ExecutableCache
+from orca_jax.worker.forward_kernels import choose_kernels, shard_layer_kernels, shard_over_heads
 from orca_jax.worker.input_batch import RaggedBatch, empty_batch, pack_forward_inputs
 from orca_jax.worker.kv_pool import num_pages_for, pages_for_budget
 from orca_jax.worker.prompt_logprobs import PromptLogprobsProgram
 from orca_jax.worker.stage import Handoff, Stage
-
-
-def choose_attention(backend: AttentionBackend, platform: str):
-    """The ragged attention implementation for a backend choice on a platform."""
-    if backend is AttentionBackend.AUTO:
-        backend = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.JNP
-    if backend is AttentionBackend.JNP:
-        return ragged_attention_jnp
-    # Off GPU the kernel can only run in interpret mode (slow, for tests).
-    return functools.partial(ragged.ragged_attention, interpret=platform != "gpu")
-
-
-def shard_over_heads(attention_fn, mesh: Mesh):
-    """Attention is independent per head: run it on each tensor shard's own heads and KV pages."""
-    if mesh.shape[TENSOR] == 1:
-        return attention_fn
-    replicated = P()
-    return jax.shard_map(
-        attention_fn, mesh=mesh,
-        in_specs=(rules.HEADS_SPEC, rules.KV_CACHE_SPEC, rules.KV_CACHE_SPEC) + (replicated,) * 4,
-        out_specs=rules.HEADS_SPEC, check_vma=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -103,11 +80,12 @@ class ModelRunner:
         self.device = meshes[0].devices.flat[0]
         # This process's first device: only those answer memory_stats (several processes).
         self.local_device = next(d for mesh in meshes for d in mesh.devices.flat if d.process_index == jax.process_index())
-        attention = choose_attention(backend, self.device.platform)
+        attention, kernels = choose_kernels(backend, self.device.platform)
         self.stages = [
             Stage(i, len(meshes), layers, mesh, self.tensor_plan,
                   decoder.Decoder(config, shard_over_heads(attention, mesh),
-                                  real_vocab_size=self.tensor_plan.vocab_size, kv_repeat=self.tensor_plan.kv_repeat),
+                                  real_vocab_size=self.tensor_plan.vocab_size, kv_repeat=self.tensor_plan.kv_repeat,
+                                  kernels=shard_layer_kernels(kernels, mesh)),
                   lora)
             for i, (layers, mesh) in enumerate(zip(stage_layer_ranges(config.num_layers, len(meshes)), meshes))]
         # Logits and samples written in place, at one address each step: one stage only (sampler.py).

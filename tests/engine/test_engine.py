@@ -216,16 +216,17 @@ def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
 
 
 def test_pallas_backend_gives_the_jnp_backend_tokens():
-    """The engine flag switches the attention implementation; the kernel runs interpreted on CPU."""
+    """The engine flag switches the attention implementation, and with it the layer kernels (add +
+    norm, RoPE + page write); the kernels run interpreted on CPU."""
     from orca_jax.config import AttentionBackend
     prompts = [[5, 6, 7], list(range(10, 31)), [40] * 5]
     results = []
-    for backend in (AttentionBackend.JNP, AttentionBackend.PALLAS):
+    for backend in (AttentionBackend.JNP, AttentionBackend.PALLAS, AttentionBackend.PALLAS_ATTENTION):
         engine = tiny_engine(attention=backend)
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True), request_id=str(i))
         results.append(drain(engine))
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
 
 
 def test_async_scheduling_plans_ahead_and_changes_no_token():

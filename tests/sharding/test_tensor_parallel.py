@@ -12,10 +12,10 @@ import pytest
 from tests.helpers.mesh import run_on_fake_devices
 
 SCRIPT = textwrap.dedent("""
-    import importlib.util, json, tempfile
+    import dataclasses, importlib.util, json, tempfile
     import numpy as np
-    from orca_jax.config import (CacheConfig, EngineConfig, KVCacheDtype, ModelConfig, ModelFamily, ParallelConfig,
-                                 Quantization, SchedulerConfig)
+    from orca_jax.config import (AttentionBackend, CacheConfig, EngineConfig, KVCacheDtype, ModelConfig, ModelFamily,
+                                 ParallelConfig, Quantization, SchedulerConfig)
     from orca_jax.engine import Engine
     from orca_jax.models import decoder
     from orca_jax.models.loader import LoadedModel
@@ -72,6 +72,19 @@ SCRIPT = textwrap.dedent("""
         scales = engine.runner.stages[0].params["layers"][0]["mlp"]["gate_up"]["weight_scale"]  # [2, F]
         results[f"fp8/{tp}"] = dict(tokens=run(engine), logits=logits[:, :config.vocab_size].tolist(),
                                     scale_columns_per_shard=sorted({x.data.shape[1] for x in scales.addressable_shards}))
+    # The Pallas kernels (interpret mode), each run per tensor shard through shard_map, against one
+    # device's jnp path (the attention kernel wants head_dim >= 16).
+    for name, config in MODELS.items():
+        config = dataclasses.replace(config, head_dim=16)
+        loaded = LoadedModel(config, decoder.stack_layers(decoder.init_params(config, seed=3)), ByteTokenizer())
+        for tp, backend in ((1, AttentionBackend.JNP), (1, AttentionBackend.PALLAS), (2, AttentionBackend.PALLAS)):
+            engine = Engine(EngineConfig(model=name, cache=CacheConfig(page_size=4, num_pages=256),
+                                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
+                                         parallel=ParallelConfig(tensor_parallel=tp), precompile=False,
+                                         attention=backend), loaded)
+            logits = prompt_logits(engine.runner, PROMPTS[1][:8])
+            results[f"{backend.value}/{name}/{tp}"] = dict(tokens=run(engine),
+                                                           logits=logits[:, :config.vocab_size].tolist())
     if importlib.util.find_spec("transformers") is not None:
         # A Hugging Face Qwen2 directory: random (non-zero) q/k/v biases split with their heads.
         from tests.helpers.hf_dirs import write_hf_dir
@@ -97,6 +110,18 @@ def test_tensor_parallel_matches_one_device(results, model, tp):
     assert many["tokens"] == one["tokens"] and len(one["tokens"]) == 3
     np.testing.assert_allclose(many["logits"], one["logits"], rtol=1e-5, atol=1e-5)
     assert many["pages_used"] == 0
+
+
+@pytest.mark.parametrize("model", ["llama-gqa", "gpt-odd-vocab"])
+def test_pallas_kernels_on_a_tensor_mesh_match_one_device(results, model):
+    """The attention, add + norm and RoPE + page-write kernels, each shard on its own heads and pages,
+    give one device's jnp tokens."""
+    reference = results[f"jnp/{model}/1"]
+    assert len(reference["tokens"]) == 3
+    for tp in (1, 2):
+        got = results[f"pallas/{model}/{tp}"]
+        assert got["tokens"] == reference["tokens"], tp
+        np.testing.assert_allclose(got["logits"], reference["logits"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("model,vocab", [("llama-gqa", 255), ("gpt-odd-vocab", 257)])

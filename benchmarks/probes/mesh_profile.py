@@ -24,7 +24,7 @@ import time
 import jax
 
 from orca_jax.bench.harness import random_model
-from orca_jax.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from orca_jax.config import AttentionBackend, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from orca_jax.engine import Engine
 from orca_jax.sampling_params import SamplingParams
 
@@ -81,14 +81,16 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--async-scheduling", default="on")
     parser.add_argument("--quantization", default=None, help="fp8: FP8 projection weights")
+    parser.add_argument("--attention-backend", default="auto", help="auto, pallas, pallas-attention, jnp")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     name = f"{args.model}{'_' + args.quantization if args.quantization else ''}_tp{args.tp}_pp{args.pp}_b{args.batch_size}"
+    name += "" if args.attention_backend == "auto" else f"_{args.attention_backend}"
 
     start = time.perf_counter()
     config = EngineConfig(model=args.model, dtype="bfloat16", precompile=False, compilation_cache_dir=None,
-                          quantization=args.quantization,
+                          quantization=args.quantization, attention=AttentionBackend(args.attention_backend),
                           cache=CacheConfig(enable_prefix_caching=False, kv_memory_gib=4.0),
                           scheduler=SchedulerConfig(max_num_seqs=max(8, args.batch_size), max_num_batched_tokens=1024,
                                                     async_scheduling=args.async_scheduling == "on"),

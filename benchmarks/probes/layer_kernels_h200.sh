@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One H200 call for the layer kernels (issue 45): correctness on the GPU (layer_kernels_check.py), then
+# PART=1: kernel-level profiles of llama-1b and llama-8b batch-1 decode and `bench latency` of llama-1b,
+# PART=2: `bench latency` of llama-8b and `bench throughput` (ORCA trace) of both; each with the kernels
+# (--attention-backend pallas) and without (pallas-attention: XLA's ops around the same attention).
+# Everything lands in $OUT/layer_kernels_h200.tgz.
+#   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1|2 benchmarks/probes/layer_kernels_h200.sh
+set -u
+. benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
+work=$OUT/w; mkdir -p "$work"
+nvidia-smi -L
+engine=(--max-num-seqs 256 --max-num-batched-tokens 8192 --no-enable-prefix-caching --compilation-cache-dir /tmp/cc)
+quiet() { grep -E " batch|tok/s|tokens/s|Error|error|Traceback" | grep -v "^W0" | head -12; }
+lat() {  # NAME MODEL BATCHES [flags]
+  local name=$1 m=$2 bs=$3; shift 3
+  timeout 150 python -m orca_jax.bench latency --model "$m" "${engine[@]}" --batch-size "$bs" --async-scheduling on \
+    --num-iters 1 --num-iters-warmup 1 --decode-steps 30 --output-len 16 --result-dir "$work" \
+    --result-filename "${name}_latency.json" "$@" 2>&1 | sed "s/^/$name /" | quiet
+}
+thr() {  # NAME MODEL [flags]
+  local name=$1 m=$2; shift 2
+  timeout 120 python -m orca_jax.bench throughput --model "$m" "${engine[@]}" --dataset-name uniform --num-runs 1 \
+    --result-dir "$work" --result-filename "${name}_throughput.json" "$@" 2>&1 | sed "s/^/$name /" | quiet
+}
+if [ "${PART:-1}" = 1 ]; then
+  timeout 150 python benchmarks/probes/layer_kernels_check.py --model llama-1b --dtype float32 --out "$work" 2>&1 \
+    | grep -E "^\{|Error|Traceback|error:" | cut -c1-900
+  timeout 120 python benchmarks/probes/layer_kernels_check.py --model llama-1b --dtype bfloat16 --kv-cache-dtype fp8 \
+    --out "$work" 2>&1 | grep -E "^\{|Error|Traceback|error:" | cut -c1-900
+  for spec in "llama-1b pallas" "llama-1b pallas-attention" "llama-8b pallas" "llama-8b pallas-attention"; do
+    set -- $spec
+    timeout 100 python benchmarks/probes/mesh_profile.py --model "$1" -tp 1 -pp 1 --batch-size 1 \
+      --attention-backend "$2" --out "$work" 2>&1 | grep -E "^\{|Error|Traceback" | cut -c1-400
+  done
+  python benchmarks/probes/mesh_trace_summary.py "$work"/*.trace.json.gz > "$work/trace_summary.json"
+  python - "$work/trace_summary.json" <<'PY'
+import json, sys
+for t in json.load(open(sys.argv[1])):
+    print("==", t["trace"], "host ms/forward", round(t["forward_host_ms_per_call_per_device"], 3))
+    for dev, d in t["device"].items():
+        print(" ", {k: (round(v["kernels_per_call"], 1), round(v["ms_per_call"], 3))
+                    for k, v in d.items() if k != "top_kernels"})
+        for k in d["top_kernels"][:14]:
+            print("    %7.1f us %6.1f x  %s" % (k["us_per_call"], k["per_call"], k["kernel"][:70]))
+PY
+  lat llama-1b llama-1b 1,8,32 --attention-backend pallas
+  lat llama-1b_off llama-1b 1,8,32 --attention-backend pallas-attention
+fi
+if [ "${PART:-1}" = 2 ]; then
+  lat llama-8b llama-8b 1,8,32 --attention-backend pallas
+  lat llama-8b_off llama-8b 1,8,32 --attention-backend pallas-attention
+  thr llama-1b llama-1b --attention-backend pallas
+  thr llama-1b_off llama-1b --attention-backend pallas-attention
+  thr llama-8b llama-8b --attention-backend pallas
+  thr llama-8b_off llama-8b --attention-backend pallas-attention
+fi
+tar czf "$OUT/layer_kernels_h200.tgz" -C "$work" . && rm -rf "$work"

@@ -42,7 +42,7 @@ class AttentionBackend(enum.Enum):
 
     AUTO = "auto"  # PALLAS on GPU, JNP elsewhere
     JNP = "jnp"  # jnp attention and XLA's ops throughout
-    PALLAS = "pallas"  # the Pallas attention and layer kernels (add + norm, RoPE + K/V page write)
+    PALLAS = "pallas"  # the Pallas attention and layer kernels (RoPE + K/V page write)
     PALLAS_ATTENTION = "pallas-attention"  # the Pallas attention only, XLA's ops around it (an A/B baseline)
 
 

@@ -293,7 +293,7 @@ def _check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, num_seqs)
             raise ValueError(f"{name} must be i32{list(shape)}, got {array.dtype}{list(array.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_sizes", "interpret", "single_pass"))
 def ragged_attention(
     q: jax.Array,  # [T, N, D]
     k_cache: jax.Array,  # [KVH, num_pages, page_size, D]: one layer's pages
@@ -306,6 +306,7 @@ def ragged_attention(
     sm_scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
+    single_pass: bool = False,  # every segment in the short tile (decode programs; plan_passes says why)
 ) -> jax.Array:  # [T, N, D]
     """Pallas ragged paged attention; same contract as ragged_attention_reference."""
     _check_inputs(q, k_cache, v_cache, cu_q_lens, kv_lens, page_table, num_seqs)
@@ -324,7 +325,8 @@ def ragged_attention(
     out = None
     passes = plan_passes(num_tokens=num_tokens, num_slots=num_slots, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         max_kv=pages_per_seq * page_size, sizes=sizes, group_pad=group_pad)
+                         max_kv=pages_per_seq * page_size, sizes=sizes, group_pad=group_pad,
+                         single_pass=single_pass)
     for step in passes:
         sched = _schedule(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=step.block_q,
                           min_len=step.min_len, max_len=step.max_len,

@@ -56,12 +56,9 @@ RaggedAttentionFn = Callable[..., jax.Array]
 
 
 class LayerKernels(NamedTuple):
-    """Kernels that take the place of XLA's ops in the serving forward (kernels/add_norm.py and
-    kernels/rope_write_kv.py say why). Training and prompt logprobs keep the jnp ops: they need
-    gradients or run rarely."""
+    """Kernels that take the place of XLA's ops in the serving forward (kernels/rope_write_kv.py says
+    why); training and prompt logprobs keep the jnp ops."""
 
-    # (x [T, H], delta [T, H] | None, scale [H], bias [H] | None, *, eps) -> (x + delta, norm(x + delta))
-    add_norm: Callable[..., tuple[jax.Array, jax.Array]]
     # (qkv [T, K, G + 2, D], positions i32[T], slot_mapping i32[T], inv_freq f32[D / 2] | None,
     #  k_pages, v_pages) -> (q [T, K * G, D], k_pages, v_pages)
     rope_write_kv: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]

@@ -43,30 +43,24 @@ def _dtype(config: ModelConfig):
 
 
 class Norm(nn.Module):
-    """LayerNorm (GPT) or RMSNorm (Llama) in fp32, after an optional residual add:
-    (x, delta) -> (h = x + delta, norm(h)), both [T, H]. `kernel` (LayerKernels.add_norm) does both in one
-    launch; None: jnp, which XLA runs as two kernels."""
+    """LayerNorm (GPT) or RMSNorm (Llama), computed in fp32."""
 
     config: ModelConfig
-    kernel: Callable | None = None
 
     @nn.compact
-    def __call__(self, x, delta=None):  # [T, H], [T, H] | None -> ([T, H], [T, H])
+    def __call__(self, x):  # [T, H] -> [T, H]
         cfg = self.config
         scale = self.param("scale", nn.initializers.ones, (cfg.hidden_size,), _dtype(cfg))
-        bias = None
+        xf = x.astype(jnp.float32)
         if cfg.family is ModelFamily.GPT:
             bias = self.param("bias", nn.initializers.zeros, (cfg.hidden_size,), _dtype(cfg))
-        if self.kernel is not None:
-            return self.kernel(x, delta, scale, bias, eps=cfg.norm_eps)
-        h = x if delta is None else x + delta
-        hf = h.astype(jnp.float32)
-        if bias is not None:
-            hf = hf - hf.mean(-1, keepdims=True)
-        y = hf * jax.lax.rsqrt((hf * hf).mean(-1, keepdims=True) + cfg.norm_eps) * scale.astype(jnp.float32)
-        if bias is not None:
-            y = y + bias.astype(jnp.float32)
-        return h, y.astype(x.dtype)
+            xf = xf - xf.mean(-1, keepdims=True)
+            y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + cfg.norm_eps)
+            y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        else:
+            y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + cfg.norm_eps)
+            y = y * scale.astype(jnp.float32)
+        return y.astype(x.dtype)
 
 
 class Linear(nn.Module):
@@ -192,9 +186,7 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer layer. (x, delta): the residual stream and what the previous layer left
-    to add to it (None: nothing); returns (x, the MLP's output, the pages): the caller adds the MLP's
-    output, or the next layer does in its first norm (one kernel for the add and the norm)."""
+    """One pre-norm transformer layer: [T, H] and its K/V pages in, [T, H] and the pages out."""
 
     config: ModelConfig
     attention_fn: RaggedAttentionFn
@@ -202,17 +194,18 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, layer_kv: LayerKV | None, meta: AttentionMetadata | PackedCausal, lora=None,
-                 lora_tokens: lora_ops.LoRATokens | None = None, delta=None):
+                 lora_tokens: lora_ops.LoRATokens | None = None):
         """`lora`: this layer of the adapter table (None: no adapter term), `lora_tokens`: each token's slot."""
+        # Training and prompt logprobs (PackedCausal) keep the jnp ops: they need gradients or run rarely.
         kernels = self.kernels if isinstance(meta, AttentionMetadata) else None
-        add_norm = None if kernels is None else kernels.add_norm
-        x, normed = Norm(self.config, add_norm, name="attn_norm")(x, delta)
         attn_out, layer_kv = Attention(self.config, self.attention_fn,
                                        None if kernels is None else kernels.rope_write_kv, name="attn")(
-            normed, positions, layer_kv, meta, None if lora is None else lora["attn"], lora_tokens)
-        x, normed = Norm(self.config, add_norm, name="mlp_norm")(x, attn_out)
-        mlp_out = Mlp(self.config, name="mlp")(normed, None if lora is None else lora["mlp"], lora_tokens)
-        return x, mlp_out, layer_kv
+            Norm(self.config, name="attn_norm")(x), positions, layer_kv, meta,
+            None if lora is None else lora["attn"], lora_tokens)
+        x = x + attn_out
+        x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x),
+                                             None if lora is None else lora["mlp"], lora_tokens)
+        return x, layer_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,10 +221,24 @@ class Decoder:
     # what an adapter trained on this decoder maps back to the model's own shapes with.
     kv_repeat: int = 1
     kernels: LayerKernels | None = None  # the serving forward's kernels (Block); None: XLA's ops
+    # The attention for batches whose every request feeds one token (None: attention_fn's): one pass
+    # of the Pallas kernel where a mixed batch needs two (ragged_attention_tiles.plan_passes).
+    decode_attention_fn: RaggedAttentionFn | None = None
 
     @property
     def block(self) -> Block:
         return Block(self.config, self.attention_fn, self.kernels)
+
+    @property
+    def has_decode_attention(self) -> bool:
+        """Whether decode batches get programs of their own (for_decode)."""
+        return self.decode_attention_fn is not None
+
+    def for_decode(self) -> "Decoder":
+        """This decoder for decode batches: its decode attention in place of the general one."""
+        if self.decode_attention_fn is None:
+            return self
+        return dataclasses.replace(self, attention_fn=self.decode_attention_fn, decode_attention_fn=None)
 
     def embed(self, params, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """i32[T] token ids and positions -> [T, H] hidden states."""
@@ -249,16 +256,14 @@ class Decoder:
             raise ValueError(f"{len(layer_params)} layers of params but {len(kv)} of KV pages")
         lora_layers = [None] * len(kv) if lora_table is None else lora_table
         new_kv = []
-        delta = None  # each layer's MLP output, added by the next layer's first norm
         for params, layer_kv, lora in zip(layer_params, kv, lora_layers):
-            x, delta, layer_kv = _apply_block_deferred(self, params, x, positions, layer_kv, meta, lora, lora_tokens,
-                                                       delta)
+            x, layer_kv = apply_block(self, params, x, positions, layer_kv, meta, lora, lora_tokens)
             new_kv.append(layer_kv)
-        return x + delta, tuple(new_kv)
+        return x, tuple(new_kv)
 
     def logits(self, params, x: jax.Array) -> jax.Array:
         """[S, H] hidden states at the rows to sample from -> f32[S, V] (padded V: -inf past the real one)."""
-        x = Norm(self.config).apply({"params": params["final_norm"]}, x)[1]
+        x = Norm(self.config).apply({"params": params["final_norm"]}, x)
         if self.config.tie_embeddings:
             logits = jnp.einsum("SH,VH->SV", x, params["embed"], preferred_element_type=jnp.float32)
         else:
@@ -277,14 +282,7 @@ def apply_block(decoder: Decoder, params, x: jax.Array, positions: jax.Array, la
     traces and lowers the block once and calls it per layer (XLA inlines the calls again). Tracing
     32 unrolled copies of it held the GIL for seconds per program and serialized the precompile
     threads: the cold start was mostly that."""
-    x, mlp_out, layer_kv = decoder.block.apply({"params": params}, x, positions, layer_kv, meta, lora, lora_tokens)
-    return x + mlp_out, layer_kv
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _apply_block_deferred(decoder: Decoder, params, x, positions, layer_kv, meta, lora, lora_tokens, delta):
-    """apply_block with the residual add left to the next layer: (x, delta) in, (x, MLP output) out."""
-    return decoder.block.apply({"params": params}, x, positions, layer_kv, meta, lora, lora_tokens, delta)
+    return decoder.block.apply({"params": params}, x, positions, layer_kv, meta, lora, lora_tokens)
 
 
 def empty_cache(config: ModelConfig, num_pages: int, page_size: int,

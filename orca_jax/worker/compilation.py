@@ -56,12 +56,14 @@ class Bucket(NamedTuple):
 class ForwardKey:
     """A stage's ragged forward pass over one bucket; with the LoRA adapter term or without (static:
     a batch without adapted tokens skips that work); over the whole KV pool, or the pool while a
-    fine-tuning job borrows its top pages (`lent`: the pages' array is smaller, kv_loan.py)."""
+    fine-tuning job borrows its top pages (`lent`: the pages' array is smaller, kv_loan.py); for any
+    batch, or (`decode`) for batches whose every request feeds one token (Decoder.for_decode)."""
 
     bucket: Bucket
     stage: int
     lora: bool = False
     lent: bool = False
+    decode: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -102,7 +104,7 @@ def key_to_json(key: ProgramKey) -> list:
     if isinstance(key, PromptLogprobsKey):
         return [type(key).__name__, key.length]
     if isinstance(key, ForwardKey):
-        return [type(key).__name__, list(key.bucket), key.stage, key.lora, key.lent]
+        return [type(key).__name__, list(key.bucket), key.stage, key.lora, key.lent, key.decode]
     return [type(key).__name__, list(key.bucket), key.stage]
 
 
@@ -118,7 +120,8 @@ def key_from_json(data: list) -> ProgramKey:
     if cls is PromptLogprobsKey:
         return PromptLogprobsKey(int(data[1]))
     if cls is ForwardKey:
-        return ForwardKey(Bucket(*(int(x) for x in data[1])), int(data[2]), bool(data[3]), bool(data[4]))
+        return ForwardKey(Bucket(*(int(x) for x in data[1])), int(data[2]), bool(data[3]), bool(data[4]),
+                          bool(data[5]))
     return cls(Bucket(*(int(x) for x in data[1])), int(data[2]))
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from orca_jax.config import AttentionBackend
-from orca_jax.kernels import add_norm as add_norm_kernel
 from orca_jax.kernels import ragged_attention as ragged
 from orca_jax.kernels import rope_write_kv as rope_write_kv_kernel
 from orca_jax.kernels.ragged_attention_jnp import ragged_attention_jnp
@@ -17,19 +17,27 @@ from orca_jax.sharding import rules
 from orca_jax.sharding.mesh import TENSOR
 
 
-def choose_kernels(backend: AttentionBackend, platform: str) -> tuple[RaggedAttentionFn, LayerKernels | None]:
-    """The ragged attention and the layer kernels (None: XLA's ops) for a backend choice on a platform."""
+class ForwardKernels(NamedTuple):
+    """What a backend choice runs in the serving forward."""
+
+    attention: RaggedAttentionFn
+    decode_attention: RaggedAttentionFn | None  # for batches of one token per request; None: `attention`
+    layer: LayerKernels | None  # None: XLA's ops
+
+
+def choose_kernels(backend: AttentionBackend, platform: str) -> ForwardKernels:
+    """The serving forward's kernels for a backend choice on a platform."""
     if backend is AttentionBackend.AUTO:
         backend = AttentionBackend.PALLAS if platform == "gpu" else AttentionBackend.JNP
     if backend is AttentionBackend.JNP:
-        return ragged_attention_jnp, None
+        return ForwardKernels(ragged_attention_jnp, None, None)
     # Off GPU the kernels can only run in interpret mode (slow, for tests).
     interpret = platform != "gpu"
     attention = functools.partial(ragged.ragged_attention, interpret=interpret)
     if backend is AttentionBackend.PALLAS_ATTENTION:
-        return attention, None
-    return attention, LayerKernels(functools.partial(add_norm_kernel.add_norm, interpret=interpret),
-                                   functools.partial(rope_write_kv_kernel.rope_write_kv, interpret=interpret))
+        return ForwardKernels(attention, None, None)
+    return ForwardKernels(attention, functools.partial(ragged.ragged_attention, interpret=interpret, single_pass=True),
+                          LayerKernels(functools.partial(rope_write_kv_kernel.rope_write_kv, interpret=interpret)))
 
 
 def shard_over_heads(attention_fn, mesh: Mesh):
@@ -44,22 +52,10 @@ def shard_over_heads(attention_fn, mesh: Mesh):
 
 
 def shard_layer_kernels(kernels: LayerKernels | None, mesh: Mesh) -> LayerKernels | None:
-    """The layer kernels on a tensor mesh: add + norm on every shard's copy of the (replicated) residual
-    stream, RoPE + page write on each shard's own KV groups and pages. A kernel XLA cannot partition
-    would otherwise be gathered onto every device."""
+    """The layer kernels on a tensor mesh: RoPE + page write on each shard's own KV groups and pages (a
+    kernel XLA cannot partition would otherwise be gathered onto every device)."""
     if kernels is None or mesh.shape[TENSOR] == 1:
         return kernels
-
-    def add_norm(x, delta, scale, bias, *, eps):
-        args = [a for a in (x, delta, scale, bias) if a is not None]
-
-        def local(*present):
-            it = iter(present)
-            full = [None if a is None else next(it) for a in (x, delta, scale, bias)]
-            return kernels.add_norm(*full, eps=eps)
-
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(),) * len(args), out_specs=(P(), P()),
-                             check_vma=False)(*args)
 
     def rope_write_kv(qkv, positions, slot_mapping, inv_freq, k_pages, v_pages):
         groups = P(None, TENSOR, None, None)  # [T, K, G + 2, D]: each shard owns whole KV groups
@@ -73,4 +69,4 @@ def shard_layer_kernels(kernels: LayerKernels | None, mesh: Mesh) -> LayerKernel
                              out_specs=outs, check_vma=False)(qkv, positions, slot_mapping, inv_freq, k_pages,
                                                                v_pages)
 
-    return LayerKernels(add_norm, rope_write_kv)
+    return LayerKernels(rope_write_kv)

@@ -129,6 +129,11 @@ class RaggedBatch:
         return BatchDims(*self.bucket, *self.sampling.table_dims)
 
     @property
+    def is_decode(self) -> bool:
+        """Whether every live request feeds one token (picks the decode forward, ForwardKey.decode)."""
+        return 0 < self.num_real_seqs == self.num_real_tokens
+
+    @property
     def has_lora(self) -> bool:
         """Whether any token uses an adapter (picks the forward program with the adapter term)."""
         return self.lora_slots is not None

@@ -80,16 +80,20 @@ class ModelRunner:
         self.device = meshes[0].devices.flat[0]
         # This process's first device: only those answer memory_stats (several processes).
         self.local_device = next(d for mesh in meshes for d in mesh.devices.flat if d.process_index == jax.process_index())
-        attention, kernels = choose_kernels(backend, self.device.platform)
+        kernels = choose_kernels(backend, self.device.platform)
         self.stages = [
             Stage(i, len(meshes), layers, mesh, self.tensor_plan,
-                  decoder.Decoder(config, shard_over_heads(attention, mesh),
+                  decoder.Decoder(config, shard_over_heads(kernels.attention, mesh),
                                   real_vocab_size=self.tensor_plan.vocab_size, kv_repeat=self.tensor_plan.kv_repeat,
-                                  kernels=shard_layer_kernels(kernels, mesh)),
+                                  kernels=shard_layer_kernels(kernels.layer, mesh),
+                                  decode_attention_fn=None if kernels.decode_attention is None
+                                  else shard_over_heads(kernels.decode_attention, mesh)),
                   lora)
             for i, (layers, mesh) in enumerate(zip(stage_layer_ranges(config.num_layers, len(meshes)), meshes))]
         # Logits and samples written in place, at one address each step: one stage only (sampler.py).
         self.stable_buffers = len(self.stages) == 1
+        # Decode batches (one token per request) run forwards of their own (ForwardKey.decode).
+        self.decode_programs = self.stages[0].model.has_decode_attention
         self.page_size = cache_config.page_size
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
         # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
@@ -234,6 +238,11 @@ class ModelRunner:
         if self.lora_config is not None:
             keys += [ForwardKey(bucket, stage.index, True) for bucket in buckets for stage in self.stages]
             keys += [LoRAUpdateKey(stage.index) for stage in self.stages]
+        if self.decode_programs:  # the buckets a batch of one token per request (at most max_num_seqs) lands in
+            ceiling = min((b.tokens for b in buckets if b.tokens >= self.max_num_seqs),
+                          default=max((b.tokens for b in buckets), default=0))
+            keys += [dataclasses.replace(key, decode=True) for key in keys
+                     if isinstance(key, ForwardKey) and key.bucket.tokens <= ceiling]
         if self._prompt_logprobs is not None:
             keys += [PromptLogprobsKey(length) for length in self._prompt_logprobs.lengths]
         return keys + self.sampler.program_keys(b.seqs for b in buckets)
@@ -269,7 +278,7 @@ class ModelRunner:
             return ProgramSource(stage.lora.lower_update, list(stage.mesh.devices.flat), ())
         num_pages = self.full_pages - self.lendable_pages if key.lent else self.full_pages
         return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs, key.lora, num_pages,
-                                               self.stable_buffers),
+                                               self.stable_buffers, key.decode),
                              list(stage.mesh.devices.flat), stage.input_specs(key.lora, num_pages))
 
     def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
@@ -289,7 +298,7 @@ class ModelRunner:
         so the device runs one while the host loads the next (on a CPU the host's part, loading the
         module, is most of it)."""
         start = time.perf_counter()
-        variants = sorted({(key.bucket, key.lora) for key in compiled
+        variants = sorted({(key.bucket, key.lora, key.decode) for key in compiled
                            if isinstance(key, ForwardKey) and key.lent == self.pool_lent})
 
         def report(started: int) -> None:  # no estimate: a run's dispatch returns before its work is done
@@ -298,9 +307,9 @@ class ModelRunner:
                                             time.perf_counter() - start))
 
         outs = []
-        for started, (bucket, lora) in enumerate(variants):
+        for started, (bucket, lora, decode) in enumerate(variants):
             report(started)
-            outs.append(self._forward(empty_batch(*bucket, lora=lora)))
+            outs.append(self._forward(empty_batch(*bucket, lora=lora), decode))
             self.release_logits(outs[-1])  # the next warm run writes the same buffer
         report(len(variants))
         jax.block_until_ready([out for out in outs if not out.is_deleted()] + [stage.kv for stage in self.stages])
@@ -335,8 +344,12 @@ class ModelRunner:
     def _new_logits_buffer(self) -> jax.Array:
         return self.sampler.constant(np.zeros((self.max_num_seqs, self.config.vocab_size), np.float32))
 
-    def _forward(self, batch: RaggedBatch) -> jax.Array:
+    def _forward(self, batch: RaggedBatch, decode: bool | None = None) -> jax.Array:
+        """`decode`: run the bucket's decode programs (None: when the batch is a decode batch and this
+        runner has them)."""
         bucket = batch.bucket
+        if decode is None:
+            decode = self.decode_programs and batch.is_decode
         if batch.has_lora and self.lora_config is None:
             raise ValueError("a batch with LoRA adapter slots, but this runner has no adapter table")
         packed = pack_forward_inputs(batch)  # i32: one host-to-device copy per stage, not nine
@@ -348,7 +361,7 @@ class ModelRunner:
             logits = (self._free_logits.pop() if self._free_logits else self._new_logits_buffer()) \
                 if self.stable_buffers and stage.last and bucket.seqs <= self.max_num_seqs else None
             inputs = stage.run(bucket, executable(StageInKey(bucket, stage.index)),
-                               executable(ForwardKey(bucket, stage.index, batch.has_lora, self.pool_lent)), packed, inputs,
+                               executable(ForwardKey(bucket, stage.index, batch.has_lora, self.pool_lent, decode)), packed, inputs,
                                batch.has_lora, logits)
         return inputs
 

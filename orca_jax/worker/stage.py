@@ -205,17 +205,19 @@ class Stage:
         return jax.ShapeDtypeStruct((max_num_seqs, self.config.vocab_size), jnp.float32, sharding=self.replicated)
 
     def lower(self, bucket: Bucket, max_num_seqs: int, lora: bool = False,
-              num_pages: int | None = None, logits_buffer: bool = True) -> jax.stages.Lowered:
+              num_pages: int | None = None, logits_buffer: bool = True, decode: bool = False) -> jax.stages.Lowered:
         """The forward program of `bucket` (with the LoRA adapter term or not) over a pool of num_pages
         (None: the current one), traced for this stage's inputs; on the last stage writing its logits
-        into a buffer it is given (`logits_buffer`) or returning them."""
+        into a buffer it is given (`logits_buffer`) or returning them; `decode`: for batches whose every
+        request feeds one token (Decoder.for_decode)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
         if self.first:
             inputs = i32(max_num_seqs)
         else:
             inputs = jax.ShapeDtypeStruct((bucket.tokens, self.config.hidden_size), jnp.dtype(self.config.dtype),
                                           sharding=self.replicated)
-        return self._forward_fn.lower(self.model, self.first, self.last, bucket, self.lora_small if lora else None,
+        model = self.model.for_decode() if decode else self.model
+        return self._forward_fn.lower(model, self.first, self.last, bucket, self.lora_small if lora else None,
                                       self.param_specs, self.kv_specs(num_pages),
                                       self.lora.specs if lora else None, i32(forward_inputs_size(*bucket)), inputs,
                                       self.logits_spec(max_num_seqs) if logits_buffer and bucket.seqs <= max_num_seqs else None)

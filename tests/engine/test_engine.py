@@ -216,17 +216,25 @@ def test_precompile_covers_every_batch_so_nothing_compiles_while_serving():
 
 
 def test_pallas_backend_gives_the_jnp_backend_tokens():
-    """The engine flag switches the attention implementation, and with it the layer kernels (add +
-    norm, RoPE + page write); the kernels run interpreted on CPU."""
+    """The engine flag switches the attention implementation, and with it the layer kernel (RoPE + page
+    write) and the decode programs (one attention pass); the kernels run interpreted on CPU."""
     from orca_jax.config import AttentionBackend
+    from orca_jax.worker.compilation import ForwardKey
     prompts = [[5, 6, 7], list(range(10, 31)), [40] * 5]
-    results = []
+    results, decode_keys = [], []
     for backend in (AttentionBackend.JNP, AttentionBackend.PALLAS, AttentionBackend.PALLAS_ATTENTION):
         engine = tiny_engine(attention=backend)
         for i, prompt in enumerate(prompts):
             engine.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True), request_id=str(i))
         results.append(drain(engine))
+        decode_keys.append({key for key in engine.runner.compilation.compiled_keys
+                            if isinstance(key, ForwardKey) and key.decode})
+        # Precompiling lists decode forwards for the buckets up to max_num_seqs' (8 tokens), only for PALLAS.
+        listed = {key.bucket.tokens for key in engine.program_keys() if isinstance(key, ForwardKey) and key.decode}
+        assert listed == ({8} if backend is AttentionBackend.PALLAS else set())
     assert results[0] == results[1] == results[2]
+    # The PALLAS engine ran its decode batches on the decode programs; the others have none.
+    assert decode_keys[1] and not decode_keys[0] and not decode_keys[2]
 
 
 def test_async_scheduling_plans_ahead_and_changes_no_token():

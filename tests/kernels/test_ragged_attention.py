@@ -43,6 +43,7 @@ class Config:
     num_slots: int = 6
     max_kv: int = 80
     kv_dtype: str | None = None  # the pages' dtype; None: dtype ("float8_e4m3fn": KVCacheDtype.FP8)
+    single_pass: bool = False  # every segment in the short tile (the decode programs' plan)
 
     @property
     def pages_per_seq(self) -> int:
@@ -138,7 +139,7 @@ def compiled_kernel(cfg: Config):
              i32((cfg.num_slots + 1,)), i32((cfg.num_slots,)),
              i32((cfg.num_slots, cfg.pages_per_seq)), i32((1,)))
     lowered = ra.ragged_attention.lower(*specs, sm_scale=cfg.sm_scale, block_sizes=cfg.block_sizes,
-                                        interpret=True)
+                                        interpret=True, single_pass=cfg.single_pass)
     return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
 
 
@@ -148,9 +149,13 @@ def compiled_reference(cfg: Config):
 
 
 @pytest.mark.parametrize("kind", ["prompts", "increments", "chunked", "mixed"])
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CONFIGS) + ["gqa3-bf16-d64-p1-small-tiles-3-splits/single-pass",
+                                                  "gqa8-bf16-d128-p16/single-pass"])
 def test_matches_reference(name, kind):
-    cfg = CONFIGS[name]
+    """Every config on every kind of batch; the single-pass plan (decode programs) must be right for
+    any batch too, long segments cut into short blocks."""
+    base, _, variant = name.partition("/")
+    cfg = dataclasses.replace(CONFIGS[base], single_pass=variant == "single-pass")
     rng = np.random.default_rng(zlib.crc32(f"{name}/{kind}".encode()))
     q_lens, kv_lens = draw_batch(kind, cfg, rng)
     kernel_args, reference_args, num_valid = make_inputs(cfg, q_lens, kv_lens, rng)
@@ -169,12 +174,12 @@ _schedule = jax.jit(ra._schedule, static_argnames=("num_tokens", "block_q", "min
                                                   "num_programs"))
 
 
-def _covered_rows(cu, kv_lens, num_seqs, num_tokens, sizes, group_pad):
-    """Every program's (first row, count, kv_end), over both passes, as plain ints."""
+def _covered_rows(cu, kv_lens, num_seqs, num_tokens, sizes, group_pad, single_pass):
+    """Every program's (first row, count, kv_end), over all passes, as plain ints."""
     spans = []
     for step in tiles.plan_passes(num_tokens=num_tokens, num_slots=len(kv_lens), num_heads=8,
                                   num_kv_heads=2, head_dim=64, max_kv=64, sizes=sizes,
-                                  group_pad=group_pad):
+                                  group_pad=group_pad, single_pass=single_pass):
         sched = np.asarray(_schedule(
             jnp.asarray(cu, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
             jnp.asarray([num_seqs], jnp.int32), num_tokens=num_tokens, block_q=step.block_q,
@@ -184,8 +189,9 @@ def _covered_rows(cu, kv_lens, num_seqs, num_tokens, sizes, group_pad):
     return spans
 
 
+@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("num_tokens,num_slots", [(64, 10), (23, 3), (90, 1), (7, 7)])
-def test_schedule_covers_every_row_once(num_tokens, num_slots):
+def test_schedule_covers_every_row_once(num_tokens, num_slots, single_pass):
     """The static program bounds suffice for any composition, adversarial ones included."""
     rng = np.random.default_rng(num_tokens * 100 + num_slots)
     sizes = BlockSizes(short=Tile(16, 16), long=Tile(32, 16))
@@ -201,7 +207,7 @@ def test_schedule_covers_every_row_once(num_tokens, num_slots):
         cu = np.concatenate([[0], np.cumsum(q_lens, dtype=int),
                              np.full(num_slots - num_seqs, sum(q_lens))])
         kv_lens = [q + int(rng.integers(0, 50)) for q in q_lens] + [0] * (num_slots - num_seqs)
-        spans = _covered_rows(cu, kv_lens, num_seqs, num_tokens, sizes, group_pad)
+        spans = _covered_rows(cu, kv_lens, num_seqs, num_tokens, sizes, group_pad, single_pass)
 
         rows = np.concatenate([np.arange(start, start + count) for start, count, _ in spans])
         np.testing.assert_array_equal(np.sort(rows), np.arange(num_tokens))  # each row once

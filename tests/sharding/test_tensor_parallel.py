@@ -114,8 +114,8 @@ def test_tensor_parallel_matches_one_device(results, model, tp):
 
 @pytest.mark.parametrize("model", ["llama-gqa", "gpt-odd-vocab"])
 def test_pallas_kernels_on_a_tensor_mesh_match_one_device(results, model):
-    """The attention, add + norm and RoPE + page-write kernels, each shard on its own heads and pages,
-    give one device's jnp tokens."""
+    """The attention and RoPE + page-write kernels, each shard on its own heads and pages, give one
+    device's jnp tokens."""
     reference = results[f"jnp/{model}/1"]
     assert len(reference["tokens"]) == 3
     for tp in (1, 2):

@@ -51,6 +51,8 @@ PY
   lat llama-1b llama-1b 1,8,32 --attention-backend pallas
 fi
 if [ "${PART:-1}" = 2 ]; then
+  lat llama-1b_rep llama-1b 1,8,32 --attention-backend pallas  # llama-1b is host-bound: a second pair, reversed
+  lat llama-1b_off_rep llama-1b 1,8,32 --attention-backend pallas-attention
   lat llama-8b_off llama-8b 1,8,32 --attention-backend pallas-attention
   lat llama-8b llama-8b 1,8,32 --attention-backend pallas
   thr llama-1b_off llama-1b --attention-backend pallas-attention

@@ -4,8 +4,9 @@
 # PART=2: `bench latency` of llama-8b and `bench throughput` (ORCA trace) of both; each with the kernels
 # and decode programs (--attention-backend pallas) and without (pallas-attention: XLA's ops around the same
 # attention, two attention passes in every bucket). FP8_CHECK=1 adds the check with FP8 KV pages.
+# PART=3: issue 46's FP8 against bf16 (latency, the ORCA trace, the long-context trace) with these kernels.
 # Everything lands in $OUT/layer_kernels_h200.tgz.
-#   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1|2 benchmarks/probes/layer_kernels_h200.sh
+#   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1|2|3 benchmarks/probes/layer_kernels_h200.sh
 set -u
 . benchmarks/probes/device_setup.sh  # the carried wheels, PYTHONPATH
 work=$OUT/w; mkdir -p "$work"
@@ -59,5 +60,18 @@ if [ "${PART:-1}" = 2 ]; then
   thr llama-1b llama-1b --attention-backend pallas
   thr llama-8b_off llama-8b --attention-backend pallas-attention
   thr llama-8b llama-8b --attention-backend pallas
+fi
+if [ "${PART:-1}" = 3 ]; then  # issue 46 with this round's kernels: FP8 against bf16, same call
+  lat llama-8b_bf16 llama-8b 1,32
+  lat llama-8b_fp8 llama-8b 1,32 -q fp8
+  thr llama-8b_bf16 llama-8b
+  thr llama-8b_fp8 llama-8b -q fp8
+  long=(--max-num-batched-tokens 8192 --no-enable-prefix-caching --dataset-name uniform --uniform-input-range 7680:7936
+        --uniform-output-range 256:256 --num-prompts 64 --max-num-seqs 64 --num-runs 1 --result-dir "$work")
+  for spec in "bf16" "fp8_kvfp8 -q fp8 --kv-cache-dtype fp8"; do
+    set -- $spec
+    timeout 150 python -m orca_jax.bench throughput --model llama-8b "${long[@]}" --compilation-cache-dir /tmp/cc_$1 \
+      --result-filename "llama-8b_long_$1.json" "${@:2}" 2>&1 | sed "s/^/long_$1 /" | quiet
+  done
 fi
 tar czf "$OUT/layer_kernels_h200.tgz" -C "$work" . && rm -rf "$work"

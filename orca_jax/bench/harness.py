@@ -174,7 +174,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
     group.add_argument("--kv-cache-memory-gib", type=float, default=None,
                        help="KV pool in GiB (default: the runner's share of free memory)")
     group.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
-                       default=AttentionBackend.AUTO.value, help="the ragged attention's implementation")
+                       default=AttentionBackend.AUTO.value, help="the forward's kernels: auto, pallas (attention, RoPE + K/V write, decode "
+                       "programs), pallas-attention (the attention kernel only), jnp")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices each layer is split over")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
     group.add_argument("--scheduling-policy", default=None if server_defaults else SchedulingPolicy.FCFS.value,

@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument("--peer-shutdown-timeout-s", type=float, default=_default(ParallelConfig, "shutdown_timeout_s"),
                      help="how long a process that finished waits at exit for the others to finish too")
     par.add_argument("--attention-backend", choices=[b.value for b in AttentionBackend],
-                     default=AttentionBackend.AUTO.value, help="auto: the Pallas kernel on GPU, jnp elsewhere")
+                     default=AttentionBackend.AUTO.value, help="auto: pallas on GPU, jnp elsewhere; pallas: the Pallas attention, RoPE + K/V "
+                          "write and decode programs; pallas-attention: the Pallas attention only; jnp: no kernels")
     par.add_argument("--compilation-cache-dir", default="auto",
                      help="JAX's persistent compilation cache, so a second start is fast: 'auto' (a per-user "
                      "directory, $ORCA_JAX_CACHE_DIR or ~/.cache/orca_jax/xla), a path, or 'none' to turn it off")

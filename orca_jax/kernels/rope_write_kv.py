@@ -1,10 +1,13 @@
 """RoPE on the fused q/k/v projection and the K/V page write, as one kernel.
 
-Why a kernel of our own: XLA runs this part of a layer as four kernels (the queries' rotation, a slice,
-and one scatter each for the keys and the values), ~2 us each at decode sizes whatever their bytes
-(benchmarks/results/h200/notes.md). One program here takes one token's KV group: its G query heads, its
-key and its value (rows of the qkv layout, projections.py), rotates the queries and the key, writes the
-key and value into their page slot, and the queries to the attention's input.
+Why a kernel of our own: XLA ran this part of a layer as three kernels after the qkv GEMM (one scatter
+each for the keys and the values, with the rotation and the GEMM's split-K reduce fused in, and a slice
+for the queries), ~2.5 us each at decode sizes whatever their bytes. With this kernel it is two: the
+split-K reduce (XLA fuses it into no custom call) and this. On an H200, llama-8b's batch-1 forward lost
+32 kernels and about 90 us of device time (benchmarks/results/h200/notes.md). One program here takes one
+token's KV group: its G query heads, its key and its value (rows of the qkv layout, projections.py),
+rotates the queries and the key, writes the key and value into their page slot, and the queries to the
+attention's input.
 
 Four layers, as in ragged_attention.py: the kernel over refs, the pallas_call wrapper, the public jitted
 `rope_write_kv` with its checks, and the plain-jnp reference (the decoder's own RoPE and write_kv).

@@ -11,7 +11,7 @@ from jax._src import compilation_cache  # reset_cache: no public way to reopen i
 from jax.experimental import serialize_executable
 
 from orca_jax.sampling_params import SamplingParams
-from orca_jax.worker.compilation import ForwardKey
+from orca_jax.worker.compilation import Bucket, ForwardKey, key_from_json, key_to_json
 from orca_jax.worker.executable_cache import ExecutableCache
 
 from tests.helpers.engines import drain, tiny_engine
@@ -151,3 +151,8 @@ def test_a_permissive_umask_still_makes_a_private_directory(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "fresh").stat().st_mode & 0o077 == 0
+
+
+def test_forward_keys_travel_as_json_with_their_decode_flag():
+    for key in (ForwardKey(Bucket(8, 8, 16), 0), ForwardKey(Bucket(8, 8, 16), 1, lora=True, decode=True)):
+        assert key_from_json(key_to_json(key)) == key

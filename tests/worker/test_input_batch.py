@@ -90,6 +90,14 @@ def test_every_batch_lands_in_a_listed_bucket():
     assert all(small.bucket(t, min(t, 4), p) in listed for t in range(1, 65) for p in range(1, 9))
 
 
+def test_a_batch_is_a_decode_batch_when_every_request_feeds_one_token():
+    """is_decode picks the bucket's decode forward (one attention pass): a prompt chunk anywhere in the
+    batch, or no request at all, keeps the general one."""
+    assert build_batch(plan(item("b", 9, [21], [2, 5, 6]), item("c", 0, [31], [4])), BUCKETS).is_decode
+    assert not build_batch(plan(item("a", 0, [11, 12], [7]), item("c", 0, [31], [4])), BUCKETS).is_decode
+    assert not empty_batch(8, 8, 4).is_decode
+
+
 def test_empty_batch_is_all_padding():
     batch = empty_batch(16, 8, 4)
     assert (batch.bucket, batch.sampling.num_top_logprobs, batch.sampling.sample_mode) \

@@ -237,6 +237,19 @@ def test_pallas_backend_gives_the_jnp_backend_tokens():
     assert decode_keys[1] and not decode_keys[0] and not decode_keys[2]
 
 
+def test_pallas_kernels_write_fp8_pages_as_the_jnp_path_does():
+    """e4m3 KV pages written by the RoPE + page-write kernel and read by the attention kernel give the
+    jnp path's tokens (both round the same float32 values to e4m3)."""
+    from orca_jax.config import AttentionBackend, KVCacheDtype
+    results = []
+    for backend in (AttentionBackend.JNP, AttentionBackend.PALLAS):
+        engine = tiny_engine(attention=backend, kv_cache_dtype=KVCacheDtype.FP8)
+        for i, prompt in enumerate([[5, 6, 7], list(range(10, 31))]):
+            engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), request_id=str(i))
+        results.append(drain(engine))
+    assert results[0] == results[1] and all(len(t) == 6 for t in results[0].values())
+
+
 def test_async_scheduling_plans_ahead_and_changes_no_token():
     """Iteration k+1 is dispatched before k's tokens reach the host (its increment tokens come from
     the device), and every request's tokens equal the synchronous engine's, stop tokens included."""

@@ -77,14 +77,16 @@ SCRIPT = textwrap.dedent("""
     for name, config in MODELS.items():
         config = dataclasses.replace(config, head_dim=16)
         loaded = LoadedModel(config, decoder.stack_layers(decoder.init_params(config, seed=3)), ByteTokenizer())
-        for tp, backend in ((1, AttentionBackend.JNP), (1, AttentionBackend.PALLAS), (2, AttentionBackend.PALLAS)):
+        # (tp, stages): a pipeline's stages each run their decode program too.
+        for (tp, pp), backend in (((1, 1), AttentionBackend.JNP), ((1, 1), AttentionBackend.PALLAS),
+                                  ((2, 1), AttentionBackend.PALLAS), ((1, 2), AttentionBackend.PALLAS)):
             engine = Engine(EngineConfig(model=name, cache=CacheConfig(page_size=4, num_pages=256),
                                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
-                                         parallel=ParallelConfig(tensor_parallel=tp), precompile=False,
+                                         parallel=ParallelConfig(tensor_parallel=tp, num_stages=pp), precompile=False,
                                          attention=backend), loaded)
-            logits = prompt_logits(engine.runner, PROMPTS[1][:8])
-            results[f"{backend.value}/{name}/{tp}"] = dict(tokens=run(engine),
-                                                           logits=logits[:, :config.vocab_size].tolist())
+            logits = prompt_logits(engine.runner, PROMPTS[1][:8]) if pp == 1 else None
+            results[f"{backend.value}/{name}/{tp}x{pp}"] = dict(
+                tokens=run(engine), logits=None if logits is None else logits[:, :config.vocab_size].tolist())
     if importlib.util.find_spec("transformers") is not None:
         # A Hugging Face Qwen2 directory: random (non-zero) q/k/v biases split with their heads.
         from tests.helpers.hf_dirs import write_hf_dir
@@ -114,14 +116,15 @@ def test_tensor_parallel_matches_one_device(results, model, tp):
 
 @pytest.mark.parametrize("model", ["llama-gqa", "gpt-odd-vocab"])
 def test_pallas_kernels_on_a_tensor_mesh_match_one_device(results, model):
-    """The attention and RoPE + page-write kernels, each shard on its own heads and pages, give one
-    device's jnp tokens."""
-    reference = results[f"jnp/{model}/1"]
+    """The attention and RoPE + page-write kernels and the decode programs, each tensor shard on its own
+    heads and pages, each pipeline stage on its layers, give one device's jnp tokens."""
+    reference = results[f"jnp/{model}/1x1"]
     assert len(reference["tokens"]) == 3
-    for tp in (1, 2):
-        got = results[f"pallas/{model}/{tp}"]
-        assert got["tokens"] == reference["tokens"], tp
-        np.testing.assert_allclose(got["logits"], reference["logits"], rtol=1e-4, atol=1e-4)
+    for layout in ("1x1", "2x1", "1x2"):
+        got = results[f"pallas/{model}/{layout}"]
+        assert got["tokens"] == reference["tokens"], layout
+        if got["logits"] is not None:
+            np.testing.assert_allclose(got["logits"], reference["logits"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("model,vocab", [("llama-gqa", 255), ("gpt-odd-vocab", 257)])

@@ -462,6 +462,8 @@ class EngineConfig:
     max_in_flight: int | None = None
     # Compile every bucket's programs when the engine starts, so nothing compiles while serving.
     precompile: bool = True
+    # Launch the programs on a thread of their own, beside the engine's planning (engine/dispatcher.py).
+    dispatch_thread: bool = True
     # JAX's persistent compilation cache: "auto" keeps jax's own setting if one is made, else a
     # per-user directory (compilation.default_cache_dir()); a path uses it; None turns it off.
     compilation_cache_dir: str | None = "auto"

@@ -82,11 +82,13 @@ def main() -> None:
     parser.add_argument("--async-scheduling", default="on")
     parser.add_argument("--quantization", default=None, help="fp8: FP8 projection weights")
     parser.add_argument("--attention-backend", default="auto", help="auto, pallas, pallas-attention, jnp")
+    parser.add_argument("--dispatch-thread", default="on", help="on: the engine launches on a thread of its own")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     name = f"{args.model}{'_' + args.quantization if args.quantization else ''}_tp{args.tp}_pp{args.pp}_b{args.batch_size}"
     name += "" if args.attention_backend == "auto" else f"_{args.attention_backend}"
+    name += "" if args.dispatch_thread == "on" else "_inline"
 
     start = time.perf_counter()
     config = EngineConfig(model=args.model, dtype="bfloat16", precompile=False, compilation_cache_dir=None,
@@ -94,7 +96,8 @@ def main() -> None:
                           cache=CacheConfig(enable_prefix_caching=False, kv_memory_gib=4.0),
                           scheduler=SchedulerConfig(max_num_seqs=max(8, args.batch_size), max_num_batched_tokens=1024,
                                                     async_scheduling=args.async_scheduling == "on"),
-                          parallel=ParallelConfig(num_stages=args.pp, tensor_parallel=args.tp))
+                          parallel=ParallelConfig(num_stages=args.pp, tensor_parallel=args.tp),
+                          dispatch_thread=args.dispatch_thread == "on")
     engine = Engine(config, random_model(args.model))
     built_s = time.perf_counter() - start
     steps = args.steps + args.profile_steps + 8
@@ -134,6 +137,7 @@ def main() -> None:
     engine.add_observer(type("Last", (), {"on_dispatch": lambda self, b, t: with_probe.append(b),
                                           "on_update": lambda self, o, s: None})())
     engine.step()
+    engine.drain()  # the replays below call the runner from this thread
     batch = with_probe[-1]
     runner = engine.runner
     row["replay_execute_ms"] = replay_ms(lambda: runner.execute(batch), 30)
@@ -148,6 +152,7 @@ def main() -> None:
     with (jax.profiler.trace(trace_dir) if args.profile_steps else contextlib.nullcontext()):
         for _ in range(args.profile_steps):
             engine.step()
+        engine.drain()
         jax.block_until_ready(runner.execute(batch))
     for root, _, files in os.walk(trace_dir):
         for f in files:

@@ -188,6 +188,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
     if lists:
         group.add_argument("--max-in-flight", type=str, default=None,
                            help="batches in flight (default: one per stage, two with async scheduling)" + many)
+    group.add_argument("--dispatch-thread", action=argparse.BooleanOptionalAction, default=True,
+                       help="launch the programs on a thread of their own, beside the engine's planning")
     group.add_argument("--compilation-cache-dir", default="auto", help="a path, 'auto' or 'none'")
     group.add_argument("--engine-seed", type=int, default=0, help="random weights' and sampling's seed")
 
@@ -269,7 +271,7 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None,
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size, tensor_parallel=args.tensor_parallel_size),
         attention=AttentionBackend(args.attention_backend), max_model_len=args.max_model_len, seed=args.engine_seed,
         quantization=None if args.quantization is None else Quantization(args.quantization),
-        kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
+        kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype), dispatch_thread=args.dispatch_thread,
         compilation_cache_dir=None if cache_dir == "none" else cache_dir, **overrides)
 
 
@@ -340,7 +342,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
               ("--scheduling-policy", None if policy is None else policy.split(",")[0]),
               ("--kv-allocation", args.kv_allocation),
               ("--compilation-cache-dir", args.compilation_cache_dir)]
-    switches = ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+    switches = ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+                "--dispatch-thread" if args.dispatch_thread else "--no-dispatch-thread"]
     return [str(x) for flag, value in values if value is not None for x in (flag, value)] + switches
 
 

@@ -76,6 +76,7 @@ def decode_seconds(engine, batch_size: int, input_len: int, steps: int) -> tuple
 def device_busy_ms(engine, batch, repeats: int = 20) -> float:
     """Forward + sampling of `batch` replayed back to back: the device's time for that iteration alone.
     Its requests have finished: it only rewrites K/V of free pages, and nothing runs meanwhile."""
+    engine.drain()  # the runner is called from this thread below
     jax.block_until_ready(engine.runner.execute(batch))
     start = time.perf_counter()
     for _ in range(repeats):

@@ -25,6 +25,7 @@ from orca_jax.core.request import Request, RequestStatus
 from orca_jax.core.sched.interface import SchedulerInterface
 from orca_jax.core.sched.output import SchedulerOutput
 from orca_jax.core.sched.scheduler import Scheduler
+from orca_jax.engine.dispatcher import Dispatcher
 from orca_jax.engine.input_processor import InputProcessor
 from orca_jax.engine.output_processor import request_output
 from orca_jax.engine.stats import EngineStats
@@ -54,9 +55,11 @@ NON_FINITE_LOGITS = ("the model's logits for this request were not finite (NaN o
 class _InFlight:
     output: SchedulerOutput
     batch: RaggedBatch
-    packed: object  # the device array the runner returned; None while its sampling waits (below)
-    # Constrained rows whose masks wait for the previous batch's tokens: the forward pass's logits
-    # on the device (None: nothing dispatched yet, with several processes), and the rows to fill.
+    # A Future of the packed device array the runner returns (dispatcher.py); None while its sampling
+    # waits (below).
+    packed: object
+    # Constrained rows whose masks wait for the previous batch's tokens: a Future of the forward pass's
+    # logits on the device (None: nothing dispatched yet, with several processes), and the rows to fill.
     logits: object = None
     mask_rows: list[int] = dataclasses.field(default_factory=list)
 
@@ -72,7 +75,9 @@ class DispatchTiming:
 
     schedule_s: float  # schedule() calls since the last dispatch (empty ones included)
     build_s: float  # build_batch
-    dispatch_s: float  # runner.execute (asynchronous, but may block when the device queue is full)
+    # runner.execute's submission (dispatcher.py; inline: the launches themselves, asynchronous, but
+    # they may block when the device queue is full)
+    dispatch_s: float
 
 
 class EngineObserver(Protocol):
@@ -122,9 +127,12 @@ class Engine:
         self.kv = KVCacheManager(self.runner.num_pages, self.runner.page_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching,
                                  lendable_pages=self.runner.lendable_pages)
-        # LoRA adapters (None: off): registered by name, swapped into the runner's device slots.
-        self.lora = None if config.lora is None else LoRAManager(config.lora, self.model_config,
-                                                                 self.runner.load_lora)
+        # The runner's launches on a thread of their own (dispatcher.py); inline with several processes.
+        self._dispatcher = Dispatcher(config.dispatch_thread and config.parallel.num_processes == 1)
+        # LoRA adapters (None: off): registered by name, swapped into the runner's device slots, in
+        # order with the dispatches.
+        self.lora = None if config.lora is None else LoRAManager(
+            config.lora, self.model_config, functools.partial(self._dispatcher.run_later, self.runner.load_lora))
         # Fine-tuning jobs (None: off): run between inference iterations, served through self.lora.
         self.buckets = BucketPolicy(max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                     max_num_seqs=config.scheduler.max_num_seqs,
@@ -160,6 +168,7 @@ class Engine:
     def precompile(self, progress: ProgressFn | None = None) -> PrecompileReport:
         """Compile every program in program_keys() now (what EngineConfig.precompile does at start)."""
         start = time.perf_counter()
+        self.drain()
         report = self.runner.precompile(self.program_keys(), progress)
         log.info("compiled %d programs in %.1fs (%.1fs compiling, %.1fs first runs)", report.num_programs,
                  time.perf_counter() - start, report.compile_seconds, report.warm_seconds)
@@ -193,6 +202,7 @@ class Engine:
             raise
         if sampling.prompt_logprobs is not None:  # once the scheduler took it: no prefill for a refused request
             try:
+                self.drain()
                 request.prompt_logprobs = self.runner.prompt_logprobs(token_ids, sampling.prompt_logprobs)
             except BaseException:
                 self.abort(request_id)
@@ -234,6 +244,11 @@ class Engine:
         """Unfinished requests, or a fine-tuning job with an iteration to run."""
         return self.has_unfinished() or (self.fine_tuning is not None and self.fine_tuning.has_work())
 
+    def drain(self) -> None:
+        """Wait until the runner has made every call the engine handed it (dispatcher.py): before
+        anything reaches the runner another way."""
+        self._dispatcher.drain()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the pages forgotten. Requests keep the pages they hold."""
         return self.kv.reset_prefix_cache()
@@ -269,6 +284,8 @@ class Engine:
         slowdown, or its TPOT SLO, allows. A job that borrowed KV pages gives them back first if a
         request the smaller pool could not admit has waited half the deferral bound (finetune/kv_loan.py).
         """
+        if self.fine_tuning is not None:  # the job reaches the runner's stage and adapter table itself
+            self.drain()
         if self.kv_loan is not None and self.kv_loan.lent:
             refused = self.scheduler.oldest_refused_arrival
             if refused is not None and time.monotonic() - refused >= self.config.fine_tuning.deferral_bound_s / 2:
@@ -305,7 +322,7 @@ class Engine:
         if flight.packed is None:  # its sampling waits for a batch planned before it, which returned first
             raise RuntimeError("the oldest batch in flight was never sampled")
         wait_start = time.perf_counter()
-        result = self.runner.fetch(flight.packed, flight.batch)
+        result = self.runner.fetch(flight.packed.result(), flight.batch)
         wait_end = time.perf_counter()
         outputs = self._process(flight, result)
         self._dispatch_waiting()
@@ -319,12 +336,12 @@ class Engine:
         rows = self.structured.rows(output.scheduled)
         if rows and not self.structured.ready(output.scheduled, rows):
             # Single process: the forward pass runs while the previous batch's tokens come back.
-            logits = self.runner.forward(batch) if self.runner.can_forward_alone else None
+            logits = self._dispatcher.submit(self.runner.forward, batch) if self.runner.can_forward_alone else None
             self._stats.structured_deferred_batches += 1
             return _InFlight(output, batch, None, logits, rows)
         if rows:
             self.structured.fill(batch.sampling.allowed_mask, output.scheduled, rows)
-        return _InFlight(output, batch, self.runner.execute(batch))
+        return _InFlight(output, batch, self._dispatcher.submit(self.runner.execute, batch))
 
     def _dispatch_waiting(self) -> None:
         """Fill the masks of the batch whose sampling waits, once they can be, and dispatch it."""
@@ -333,8 +350,11 @@ class Engine:
                 or not self.structured.ready(flight.output.scheduled, flight.mask_rows):
             return
         self.structured.fill(flight.batch.sampling.allowed_mask, flight.output.scheduled, flight.mask_rows)
-        flight.packed = self.runner.execute(flight.batch) if flight.logits is None else \
-            self.runner.sample(flight.logits, flight.batch)
+        if flight.logits is None:
+            flight.packed = self._dispatcher.submit(self.runner.execute, flight.batch)
+        else:  # its forward was submitted earlier, so it has run by the time this does
+            flight.packed = self._dispatcher.submit(
+                lambda logits, batch: self.runner.sample(logits.result(), batch), flight.logits, flight.batch)
         flight.logits = None
 
     def _process(self, flight: _InFlight, result: StepResult) -> list[RequestOutput]:

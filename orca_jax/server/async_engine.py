@@ -306,6 +306,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished() or time.monotonic() >= shutdown_deadline:
                     self._abort_all(tracked)
                     if self.engine.fine_tuning is not None:  # a restart resumes the job from here
+                        self.engine.drain()
                         self.engine.fine_tuning.suspend()
                     self.latest_stats = self.engine.stats()
                     return
@@ -325,6 +326,7 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Abort | _Call, tracked: dict[str, _Tracked], *, refuse: bool) -> None:
         if isinstance(command, _Call):
             try:
+                self.engine.drain()  # fn may reach the runner itself
                 outcome = (command.fn(self.engine), None)
             except Exception as error:  # handed to the caller, as add_request's errors are
                 outcome = (None, error)

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds of waiting that raise a request's effective priority by 1 (no starvation)")
     sched.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                        help="plan each iteration only after the previous one's tokens reach the host")
+    sched.add_argument("--dispatch-thread", action=argparse.BooleanOptionalAction,
+                       default=_default(EngineConfig, "dispatch_thread"),
+                       help="launch the programs on a thread of their own, beside the engine's planning")
 
     kv = p.add_argument_group("KV cache")
     kv.add_argument("--page-size", type=int, default=_default(CacheConfig, "page_size"), help="tokens per KV page")
@@ -421,6 +424,6 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         quantization=None if args.quantization is None else Quantization(args.quantization),
-        kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
+        kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype), dispatch_thread=args.dispatch_thread,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
         lora=lora, fine_tuning=fine_tuning, grammar_limits=grammar_limits_from_args(args))

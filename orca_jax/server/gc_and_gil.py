@@ -18,8 +18,9 @@ GIL_SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 def shorten_gil_switch_interval() -> None:
-    """A thread waiting for the GIL gets it after at most this long (process-wide)."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
+    """A thread waiting for the GIL gets it after at most this long (process-wide); a shorter interval
+    already set (the engine's dispatch thread sets one, engine/dispatcher.py) stays."""
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_SECONDS))
 
 
 def freeze_startup_heap() -> None:

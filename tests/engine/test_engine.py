@@ -351,6 +351,7 @@ def test_logits_and_samples_stay_in_one_buffer_each_from_step_to_step():
     # After the first step: on the CPU the buffers made from numpy can alias host memory, which XLA
     # copies rather than donates once.
     first = [t for out in engine.step() for t in out.new_token_ids]
+    engine.drain()  # the next batch's launches may still be on the dispatch thread
     logits, samples = runner._free_logits[-1], runner.sampler.last_samples
     addresses = logits.unsafe_buffer_pointer(), samples.unsafe_buffer_pointer()
     tokens = first + drain(engine)["r"][len(first):]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One H200 call for the dispatch thread (issue 45, engine/dispatcher.py): the engine's launches on a thread
+# of their own against inline launches, same call, each pair inline first.
+# PART=1: llama-1b (host-bound): a profile of batch-1 decode with the thread (mesh_profile.py, its replays
+#   and host split), `bench latency` at batch 1, 8, 32 twice (the pair reversed the second time: this host's
+#   speed drifts), the ORCA trace.
+# PART=2: llama-8b bf16 and FP8 (issue 46): latency at batch 1 and 32 and the ORCA trace, thread on and off;
+#   FP8 with the LM head in FP8 and in bf16 (--no-quantize-lm-head).
+# JSON and traces land in $OUT/dispatch/ as each run ends.
+#   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1|2 benchmarks/probes/dispatch_h200.sh
+set -u
+. benchmarks/probes/device_setup.sh
+work=$OUT/dispatch; mkdir -p "$work"
+. benchmarks/probes/bench_lib.sh
+nvidia-smi -L
+if [ "${PART:-1}" = 1 ]; then
+  for mode in off on; do
+    timeout 100 python benchmarks/probes/mesh_profile.py --model llama-1b -tp 1 -pp 1 --batch-size 1 \
+      --dispatch-thread "$mode" --profile-steps "$([ $mode = on ] && echo 8 || echo 0)" --out "$work" 2>&1 \
+      | grep -E "^\{|Error|Traceback" | cut -c1-700
+  done
+  summarize_traces "$work"
+  lat llama-1b_inline llama-1b 1,8,32 --no-dispatch-thread
+  lat llama-1b_thread llama-1b 1,8,32
+  lat llama-1b_thread_rep llama-1b 1,8,32
+  lat llama-1b_inline_rep llama-1b 1,8,32 --no-dispatch-thread
+  thr llama-1b_inline llama-1b --no-dispatch-thread
+  thr llama-1b_thread llama-1b
+fi
+if [ "${PART:-1}" = 2 ]; then
+  lat llama-8b_inline llama-8b 1,32 --no-dispatch-thread
+  lat llama-8b_thread llama-8b 1,32
+  thr llama-8b_inline llama-8b --no-dispatch-thread
+  thr llama-8b_thread llama-8b
+  lat llama-8b_fp8_bf16head llama-8b 1,32 -q fp8 --no-quantize-lm-head
+  lat llama-8b_fp8 llama-8b 1,32 -q fp8
+  thr llama-8b_fp8_bf16head llama-8b -q fp8 --no-quantize-lm-head
+  thr llama-8b_fp8 llama-8b -q fp8
+fi
+ls "$work"

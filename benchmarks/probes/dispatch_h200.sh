@@ -6,6 +6,9 @@
 #   speed drifts), the ORCA trace.
 # PART=2: llama-8b bf16 and FP8 (issue 46): latency at batch 1 and 32 and the ORCA trace, thread on and off;
 #   FP8 with the LM head in FP8 and in bf16 (--no-quantize-lm-head).
+# PART=3: the ORCA trace on llama-1b again, three runs each, inline / thread / thread with the GIL's switch
+#   interval at 1 ms and 5 ms instead of the dispatcher's 0.2 ms / inline again; then llama-8b bf16, thread
+#   on and off.
 # JSON and traces land in $OUT/dispatch/ as each run ends.
 #   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1|2 benchmarks/probes/dispatch_h200.sh
 set -u
@@ -36,5 +39,23 @@ if [ "${PART:-1}" = 2 ]; then
   lat llama-8b_fp8 llama-8b 1,32 -q fp8
   thr llama-8b_fp8_bf16head llama-8b -q fp8 --no-quantize-lm-head
   thr llama-8b_fp8 llama-8b -q fp8
+fi
+if [ "${PART:-1}" = 3 ]; then
+  thr_si() {  # NAME INTERVAL_S [flags]: thr with the dispatcher's switch interval replaced
+    local name=$1 si=$2; shift 2
+    timeout 120 python -c "import runpy, sys; import orca_jax.engine.dispatcher as d; d.SWITCH_INTERVAL_S = $si
+sys.argv = ['bench'] + sys.argv[1:]; runpy.run_module('orca_jax.bench', run_name='__main__')" throughput \
+      --model llama-1b "${engine[@]}" --dataset-name uniform --num-runs 3 --result-dir "$work" \
+      --result-filename "${name}_throughput.json" "$@" 2>&1 | sed "s/^/$name /" | quiet
+  }
+  thr llama-1b_inline3 llama-1b --no-dispatch-thread --num-runs 3
+  thr llama-1b_thread3 llama-1b --num-runs 3
+  thr_si llama-1b_thread3_si1ms 0.001
+  thr_si llama-1b_thread3_si5ms 0.005
+  thr llama-1b_inline3_rep llama-1b --no-dispatch-thread --num-runs 3
+  lat llama-8b_inline llama-8b 1,32 --no-dispatch-thread
+  lat llama-8b_thread llama-8b 1,32
+  thr llama-8b_inline llama-8b --no-dispatch-thread
+  thr llama-8b_thread llama-8b
 fi
 ls "$work"

@@ -19,9 +19,9 @@ class ModelFamily(enum.Enum):
 class Quantization(enum.Enum):
     """How the projection weights are stored (vLLM's --quantization)."""
 
-    # e4m3 weights with one f32 scale per output channel (models/fp8.py); embeddings, norms, biases and
-    # the LM head stay in the model's dtype. From a 16/32-bit checkpoint (quantized at load) or an FP8
-    # one (compressed-tensors, Hugging Face's "fp8": read, then per channel).
+    # e4m3 weights with one f32 scale per output channel (models/fp8.py), the untied LM head's too unless
+    # ModelConfig.quantize_lm_head is off; embeddings, norms and biases stay in the model's dtype. From a
+    # 16/32-bit checkpoint (quantized at load) or an FP8 one (compressed-tensors, Hugging Face's "fp8").
     FP8 = "fp8"
 
 
@@ -103,6 +103,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     quantization: Quantization | None = None  # None: every weight in dtype
+    quantize_lm_head: bool = True  # under a quantization, an untied LM head too (lm_head_quantized)
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
 
     def __post_init__(self):
@@ -138,11 +139,18 @@ class ModelConfig:
         return "float8_e4m3fn" if self.kv_cache_dtype is KVCacheDtype.FP8 else self.dtype
 
     @property
+    def lm_head_quantized(self) -> bool:
+        """Whether the LM head is stored quantized: untied only (a tied table is also the embedding lookup)."""
+        return self.quantization is not None and self.quantize_lm_head and not self.tie_embeddings
+
+    @property
     def num_projection_params(self) -> int:
-        """The parameters Quantization.FP8 stores in e4m3: every layer's q/k/v, o and MLP kernels."""
+        """The parameters Quantization.FP8 stores in e4m3: every layer's q/k/v, o and MLP kernels (and the
+        LM head where lm_head_quantized)."""
         h, f, d = self.hidden_size, self.ffn_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        return self.num_layers * (attn + h * f * (3 if self.family is ModelFamily.LLAMA else 2))
+        head = self.vocab_size * h if self.lm_head_quantized else 0
+        return self.num_layers * (attn + h * f * (3 if self.family is ModelFamily.LLAMA else 2)) + head
 
     @property
     def weight_bytes(self) -> int:
@@ -155,10 +163,11 @@ class ModelConfig:
 
     @property
     def num_output_channels(self) -> int:
-        """Output channels of the projections, all layers (one FP8 scale each)."""
+        """Output channels of the projections, all layers and a quantized LM head (one FP8 scale each)."""
         h, f, d = self.hidden_size, self.ffn_size, self.head_dim
-        per_layer = d * (self.num_heads + 2 * self.num_kv_heads) + h + f * (2 if self.family is ModelFamily.LLAMA else 1)
-        return self.num_layers * per_layer
+        # q|k|v, then o and down (H each), then gate|up (or GPT's up)
+        per_layer = d * (self.num_heads + 2 * self.num_kv_heads) + 2 * h + f * (2 if self.family is ModelFamily.LLAMA else 1)
+        return self.num_layers * per_layer + (self.vocab_size if self.lm_head_quantized else 0)
 
     @property
     def num_params(self) -> int:
@@ -476,6 +485,7 @@ class EngineConfig:
     # FP8 projection weights (vLLM's --quantization); None: the checkpoint's own (an FP8 checkpoint stays
     # FP8), else every weight in dtype.
     quantization: Quantization | None = None
+    quantize_lm_head: bool = True  # ModelConfig.quantize_lm_head; off: in dtype (vLLM's choice), for accuracy
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO  # FP8: e4m3 KV pages (vLLM's --kv-cache-dtype fp8)
 
     @property

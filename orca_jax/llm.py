@@ -78,6 +78,8 @@ class LLM:
     in this process (`engine`, fine-tuning, `loaded=`) is refused. shutdown() stops the replicas. The
     replicas are spawned processes, which import the caller's main module: a script builds its LLM under
     `if __name__ == "__main__":`.
+    quantization="fp8" stores the projections in e4m3 (an untied LM head too; quantize_lm_head=False
+    keeps the head in dtype, trading ~2x its read for accuracy).
     use_tqdm shows the start on a progress bar: loading, compiling (with an estimate of the time left:
     minutes on a small CPU), first runs.
     """
@@ -92,7 +94,7 @@ class LLM:
                  max_cpu_loras: int | None = None, enable_fine_tuning: bool = False,
                  fine_tuning_dir: str | None = None, enable_prompt_logprobs: bool = False,
                  max_logprobs: int | None = None, precompile: bool = True, data_parallel_size: int = 1,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None, quantize_lm_head: bool = True, kv_cache_dtype: str = "auto",
                  engine_config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  use_tqdm: bool = True):
         if data_parallel_size < 1:
@@ -125,7 +127,7 @@ class LLM:
                 parallel=ParallelConfig(num_stages=pipeline_parallel_size, tensor_parallel=tensor_parallel_size),
                 attention=AttentionBackend(attention_backend), dtype=dtype, max_model_len=max_model_len,
                 quantization=None if quantization is None else Quantization(quantization),
-                kv_cache_dtype=KVCacheDtype(kv_cache_dtype), seed=seed, sampling=SamplingConfig(enable_prompt_logprobs=enable_prompt_logprobs,
+                quantize_lm_head=quantize_lm_head, kv_cache_dtype=KVCacheDtype(kv_cache_dtype), seed=seed, sampling=SamplingConfig(enable_prompt_logprobs=enable_prompt_logprobs,
                                                    **({} if max_logprobs is None else {"max_logprobs": max_logprobs})),
                 lora=LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora or enable_fine_tuning else None,
                 fine_tuning=FineTuningConfig(directory=fine_tuning_dir) if enable_fine_tuning else None,

@@ -155,6 +155,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
                        help="default: bfloat16 with dummy weights, else the model's")
     group.add_argument("--quantization", "-q", choices=[q.value for q in Quantization], default=None,
                        help="fp8: e4m3 projection weights (models/fp8.py)")
+    group.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --quantization, an untied LM head quantized too; off: in --dtype (the A/B)")
     group.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto",
                        help="fp8: e4m3 KV pages")
     shape = served or " (default: the device's and model's, engine/defaults.py: {} on a CPU, {} on a GPU)"
@@ -271,7 +273,8 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None,
         parallel=ParallelConfig(num_stages=args.pipeline_parallel_size, tensor_parallel=args.tensor_parallel_size),
         attention=AttentionBackend(args.attention_backend), max_model_len=args.max_model_len, seed=args.engine_seed,
         quantization=None if args.quantization is None else Quantization(args.quantization),
-        kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype), dispatch_thread=args.dispatch_thread,
+        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
+        dispatch_thread=args.dispatch_thread,
         compilation_cache_dir=None if cache_dir == "none" else cache_dir, **overrides)
 
 
@@ -340,9 +343,10 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
               ("--attention-backend", args.attention_backend), ("--tensor-parallel-size", args.tensor_parallel_size),
               ("--pipeline-parallel-size", args.pipeline_parallel_size),
               ("--scheduling-policy", None if policy is None else policy.split(",")[0]),
-              ("--kv-allocation", args.kv_allocation),
-              ("--compilation-cache-dir", args.compilation_cache_dir)]
+              ("--kv-allocation", args.kv_allocation), ("--quantization", args.quantization),
+              ("--kv-cache-dtype", args.kv_cache_dtype), ("--compilation-cache-dir", args.compilation_cache_dir)]
     switches = ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+                "--quantize-lm-head" if args.quantize_lm_head else "--no-quantize-lm-head",
                 "--dispatch-thread" if args.dispatch_thread else "--no-dispatch-thread"]
     return [str(x) for flag, value in values if value is not None for x in (flag, value)] + switches
 

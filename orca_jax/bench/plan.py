@@ -171,6 +171,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--quantization", "-q", choices=[q.value for q in Quantization], default=None,
                         help="fp8: projections counted as e4m3 (with their f32 scales)")
+    parser.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --quantization, an untied LM head counted as e4m3 too")
     parser.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto")
     parser.add_argument("--max-num-seqs", type=int_list, default=[8, 16, 32, 64, 128],
                         help="batch sizes of the padding table")
@@ -183,7 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> Results:
     results = Results("plan", args, args.model, device={"device": None, "platform": "host arithmetic"})
     config = dataclasses.replace(get_preset(args.model), kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
-                                 quantization=None if args.quantization is None else Quantization(args.quantization))
+                                 quantization=None if args.quantization is None else Quantization(args.quantization),
+                                 quantize_lm_head=args.quantize_lm_head)
     plan = memory_plan(config, args.tensor_parallel_size, args.pipeline_parallel_size,
                        int(args.gpu_memory_gib * GIB), args.mem_fraction, page_size=args.page_size)
     results.section("memory_plan", {"gpu_memory_gib": args.gpu_memory_gib, **plan.as_dict()})

@@ -83,7 +83,8 @@ class ModelCosts:
         layer_params = config.num_layers * (attn + mlp)
         head = config.vocab_size * h
         layer_itemsize = 1 if config.quantization is not None else itemsize  # FP8 projections: e4m3
-        return cls(weight_bytes=layer_params * layer_itemsize + head * itemsize, matmul_params=layer_params,
+        head_itemsize = 1 if config.lm_head_quantized else itemsize
+        return cls(weight_bytes=layer_params * layer_itemsize + head * head_itemsize, matmul_params=layer_params,
                    head_params=head,
                    kv_bytes_per_token=config.kv_bytes_per_token,
                    attn_flops_per_pair=4 * config.num_layers * config.num_heads * d)

@@ -91,7 +91,8 @@ class EngineObserver(Protocol):
 def model_config_for(config: EngineConfig, loaded: LoadedModel) -> ModelConfig:
     """The loaded model's config with the engine's length cap, quantization and KV dtype applied."""
     model_config = dataclasses.replace(loaded.config, kv_cache_dtype=config.kv_cache_dtype,
-                                       quantization=config.quantization or loaded.config.quantization)
+                                       quantization=config.quantization or loaded.config.quantization,
+                                       quantize_lm_head=config.quantize_lm_head)
     if config.max_model_len is not None and config.max_model_len < model_config.max_seq_len:
         model_config = dataclasses.replace(model_config, max_seq_len=config.max_model_len)
     return model_config

@@ -10,7 +10,8 @@ Params, on device: {"embed", "pos_embed" (GPT), "final_norm", "lm_head" (untied)
 dict per layer]}. Files and checkpoints hold the same tree with the layers stacked on a leading axis
 ("stacked" layout, what loaders return); `unstack_layers` / `stack_layers` convert. Both keep the
 model layout (separate q, k, v, gate, up); the forward computes in the compute layout, those fused
-into one matmul each (projections.py), which a pipeline stage makes once where it places params.
+into one matmul each (projections.py), which a pipeline stage makes once where it places params;
+under FP8 the compute layout also stores the projections and an untied LM head as e4m3 (fp8.py).
 
 Einsum letters: T tokens, H hidden, N query heads, K kv heads, D head dim, F ffn, V vocab, S sequences.
 """
@@ -266,6 +267,9 @@ class Decoder:
         x = Norm(self.config).apply({"params": params["final_norm"]}, x)
         if self.config.tie_embeddings:
             logits = jnp.einsum("SH,VH->SV", x, params["embed"], preferred_element_type=jnp.float32)
+        elif isinstance(params["lm_head"], dict):  # stored as FP8 (fp8.quantize_lm_head): e4m3 [V, H], f32 [V]
+            head = params["lm_head"]
+            logits = fp8.linear(x, head["weight"], head["weight_scale"], out_dtype=jnp.float32)
         else:
             logits = jnp.einsum("SH,HV->SV", x, params["lm_head"], preferred_element_type=jnp.float32)
         width = logits.shape[-1]
@@ -367,8 +371,10 @@ def param_shapes(config: ModelConfig):
 
 def to_compute_layout(params, config: ModelConfig):
     """A model-layout params tree (or part of one) in the compute layout the forward takes: projections
-    fused (projections.py), then stored as FP8 under Quantization.FP8 (fp8.py)."""
-    return fp8.quantize_projections(fuse_projections(params), config.quantization)
+    fused (projections.py), then stored as FP8 under Quantization.FP8 (fp8.py), the LM head too where
+    config.lm_head_quantized."""
+    params = fp8.quantize_projections(fuse_projections(params), config.quantization)
+    return fp8.quantize_lm_head(params) if config.lm_head_quantized else params
 
 
 def compute_param_shapes(config: ModelConfig):

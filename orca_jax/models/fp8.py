@@ -7,6 +7,10 @@ Hopper (K-major); with [K, N] weights XLA's FP8 dot measured 0.15 TB/s at 16 row
 [N, K] (benchmarks/results/h200/notes.md, FP8 forms). Tensor parallelism splits the same named
 dimension as before (sharding/rules.py), and each scale travels with its channels.
 
+An untied LM head [H, V] is stored the same way, {"weight": e4m3 [V, H], "weight_scale": f32 [V]} (one
+scale per vocabulary row), unless ModelConfig.quantize_lm_head is off: on llama-8b it is 1.05 GB of bf16,
+~0.24 ms of a 2.97 ms FP8 batch-1 step on an H200. Its logits stay f32 (linear's out_dtype).
+
 How a batch multiplies them depends on its rows (MatmulForm), measured inside a 32-layer program on
 an H200 (llama-8b's MLP shapes, us per layer at 1 / 16 / 128 / 2048 rows; bf16 32.9 / 34.8 / 42.1 /
 358): converting the e4m3 weights to bf16 inside XLA's GEMM (W8A16) 25.3 / 25.7 / 45.0 / 409;
@@ -93,6 +97,17 @@ def quantize_projections(params: dict, quantization: Quantization | None) -> dic
     return dict(params, layers=[quantize_layer(layer, quantization) for layer in params["layers"]])
 
 
+def quantize_lm_head(params: dict) -> dict:
+    """A params tree (or part of one) with its LM head [H, V] stored as {"weight": e4m3 [V, H],
+    "weight_scale": f32 [V]}: one scale per vocabulary row, like any projection's output channels.
+    Callers check ModelConfig.lm_head_quantized: a tied table stays in dtype, since it is also the
+    embedding lookup (rows gathered by token id), and reading it as FP8 there would round every input.
+    Quantized after tensor_plan pads the vocabulary, so padded rows are zero with scale 1."""
+    if "lm_head" not in params or isinstance(params["lm_head"], dict):
+        return params
+    return dict(params, lm_head=quantize(params["lm_head"], num_in=1))
+
+
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [T, K] -> (e4m3 [T, K], f32 [T, 1]): one scale per row, from the row's largest magnitude."""
     xf = x.astype(jnp.float32)
@@ -100,9 +115,10 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(xf / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
 
 
-def linear(x: jax.Array, weight: jax.Array, scale: jax.Array, form: MatmulForm | None = None) -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array, scale: jax.Array, form: MatmulForm | None = None,
+           out_dtype=None) -> jax.Array:
     """x [T, in...] times an FP8 projection (weight e4m3 [out..., in...], scale f32 [out...]) ->
-    [T, out...] in x's dtype. `form` None: form_for(T)."""
+    [T, out...] in `out_dtype` (None: x's; the LM head asks for f32 logits). `form` None: form_for(T)."""
     t = x.shape[0]
     num_out = scale.ndim
     out_shape = weight.shape[:num_out]
@@ -115,4 +131,4 @@ def linear(x: jax.Array, weight: jax.Array, scale: jax.Array, form: MatmulForm |
     else:
         xq, xs = quantize_rows(x2)
         y = jax.lax.dot_general(xq, w2, contract, preferred_element_type=jnp.float32) * xs * s2
-    return y.astype(x.dtype).reshape(t, *out_shape)
+    return y.astype(out_dtype or x.dtype).reshape(t, *out_shape)

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fp8: e4m3 projection weights with per-channel scales (half the bytes of bf16); "
                        "a 16/32-bit checkpoint is quantized at load, an FP8 checkpoint is read as FP8 "
                        "without the flag")
+    model.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction,
+                       default=_default(EngineConfig, "quantize_lm_head"),
+                       help="with --quantization, store an untied LM head quantized too (a decode step reads "
+                       "fewer bytes); --no-quantize-lm-head keeps it in --dtype, as vLLM does, for accuracy")
     model.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDtype], default="auto",
                        help="fp8: e4m3 KV pages, twice the tokens in the same memory; auto: the model's dtype")
     model.add_argument("--max-model-len", type=int, default=None,
@@ -424,6 +428,7 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         quantization=None if args.quantization is None else Quantization(args.quantization),
-        kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype), dispatch_thread=args.dispatch_thread,
+        quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
+        dispatch_thread=args.dispatch_thread,
         compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir,
         lora=lora, fine_tuning=fine_tuning, grammar_limits=grammar_limits_from_args(args))

@@ -20,6 +20,8 @@ PARAM_SPECS: dict[str, P] = {
     "embed": P(TENSOR, None),  # [V, H]: vocabulary-parallel
     "pos_embed": P(None, None),  # [max_seq_len, H]
     "lm_head": P(None, TENSOR),  # [H, V]
+    "lm_head/weight": P(TENSOR, None),  # FP8 (models/fp8.py): e4m3 [V, H], vocabulary-parallel as [H, V] is
+    "lm_head/weight_scale": P(TENSOR),  # f32 [V]: each row's scale with its row
     "final_norm/scale": P(None),
     "final_norm/bias": P(None),
     "layers/attn_norm/scale": P(None),

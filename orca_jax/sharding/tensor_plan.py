@@ -29,7 +29,11 @@ from orca_jax.sharding.rules import path_name  # the names PARAM_SPECS uses
 # Parameter names (layer index left out, as in rules.PARAM_SPECS) and the axis each is padded or
 # repeated on. Negative axes, so the same table fits the device layout ([H, K, D] per layer) and the
 # stacked file layout ([L, H, K, D]).
-VOCAB_AXIS = {"embed": 0, "lm_head": -1}  # embed [V, H], lm_head [H, V]
+VOCAB_AXIS = {"embed": 0, "lm_head": -1,  # embed [V, H], lm_head [H, V]
+              "lm_head/weight": 0, "lm_head/weight_scale": 0}  # an FP8 head (models/fp8.py): [V, H], [V]
+# What padded vocabulary entries hold where it is not zero: an FP8 row's scale is 1, as fp8.quantize
+# gives an all-zero row (the head is normally quantized after padding, so both paths agree).
+VOCAB_PAD_VALUE = {"lm_head/weight_scale": 1.0}
 KV_HEAD_AXIS = {"layers/attn/k/kernel": -2, "layers/attn/v/kernel": -2,  # [H, K, D]
                  "layers/attn/k/bias": -2, "layers/attn/v/bias": -2}  # [K, D]
 
@@ -88,7 +92,7 @@ class TensorPlan:
                 if _already(name, x.shape[axis], self.model.vocab_size, self.device.vocab_size):
                     return x
                 widths = [(0, pad if a == axis else 0) for a in range(x.ndim)]
-                return xp.pad(x, widths)
+                return xp.pad(x, widths, constant_values=VOCAB_PAD_VALUE.get(name, 0))
             if name in KV_HEAD_AXIS:
                 if _already(name, x.shape[KV_HEAD_AXIS[name]], self.model.num_kv_heads,
                             self.device.num_kv_heads):

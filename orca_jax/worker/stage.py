@@ -125,9 +125,16 @@ class Stage:
     def _place_quantized(self, host) -> dict:
         """A compute-layout tree (numpy, projections fused) placed with its projections stored as FP8:
         one layer at a time in its own dtype, quantized on the devices, so the 16-bit copy never
-        exceeds a layer."""
-        rest = {name: value for name, value in host.items() if name != "layers"}
+        exceeds a layer; an untied LM head likewise where config.lm_head_quantized (each shard
+        quantizes its own vocabulary rows: the scales need no collective)."""
+        quantized = {"layers"} | ({"lm_head"} if self.config.lm_head_quantized and "lm_head" in host else set())
+        rest = {name: value for name, value in host.items() if name not in quantized}
         placed = jax.device_put(rest, {name: self.param_shardings[name] for name in rest})
+        if "lm_head" in quantized:
+            plain = rules.param_shardings({"lm_head": host["lm_head"]}, self.mesh)["lm_head"]  # [H, V]
+            quantize_head = jax.jit(functools.partial(fp8.quantize, num_in=1),
+                                    out_shardings=self.param_shardings["lm_head"])
+            placed["lm_head"] = quantize_head(jax.device_put(host["lm_head"], plain))
         layers = []
         for layer, shardings in zip(host["layers"], self.param_shardings["layers"]):
             if self._quantize_layer is None:

@@ -94,15 +94,19 @@ def test_throughput_with_its_default_flags_runs_on_tiny_llama(tmp_path):
     assert row["runs"][-1]["generated_tokens"] == trace.num_generated_tokens
 
 
-def test_the_served_engine_and_a_child_engine_are_the_in_process_engine():
+@pytest.mark.parametrize("weights", [[], ["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--no-quantize-lm-head"]],
+                         ids=["default", "fp8-head-kept"])
+def test_the_served_engine_and_a_child_engine_are_the_in_process_engine(weights):
     from orca_jax import serve
 
     args = bench.build_parser().parse_args(["throughput", *ENGINE, "--max-num-seqs", "4,16", "--async-scheduling", "off",
-                                            "--kv-allocation", "on_demand", "--dtype", "float32"])
+                                            "--kv-allocation", "on_demand", "--dtype", "float32", *weights])
     served = serve.engine_config_from_args(serve.build_parser().parse_args(serve_flags(args, 8000)))
     assert served == engine_config(args) and served.scheduler.max_num_seqs == 16
     child = bench.build_parser().parse_args(["startup", *engine_argv(args)])
     assert engine_config(child) == engine_config(args)
+    assert (engine_config(args).quantization is None) == (not weights)
+    assert engine_config(args).quantize_lm_head == (not weights)  # on unless --no-quantize-lm-head
 
 
 def test_bench_serve_launches_serve_s_own_engine_and_compares_with_that_engine():

@@ -1,7 +1,9 @@
 """The memory plan's arithmetic on a model small enough to count by hand, and GPT-3 175B on 4 x 141 GiB."""
 
 from orca_jax.bench.plan import GIB, memory_plan
-from orca_jax.config import ModelConfig, ModelFamily
+import dataclasses
+
+from orca_jax.config import ModelConfig, ModelFamily, Quantization
 from orca_jax.models.presets import get_preset
 
 # GPT, vocab 9 (padded to 10 at tp=2), hidden 4, 2 heads x 2 dims, ffn 8, 2 layers, 4 positions, bf16.
@@ -24,6 +26,19 @@ def test_tiny_model_by_hand():
     assert plan.headroom_bytes == 5000 - 284 - 4008
     assert (plan.max_kv_pages, plan.max_kv_tokens, plan.max_full_length_sequences) == (125, 500, 125)
     assert plan.fits
+
+
+def test_an_fp8_untied_head_counts_its_e4m3_rows_and_scales():
+    # Llama, vocab 9 (padded to 10 at tp=2), hidden 8, untied, bf16.
+    llama = ModelConfig(family=ModelFamily.LLAMA, vocab_size=9, hidden_size=8, num_layers=2, num_heads=2,
+                        num_kv_heads=2, head_dim=4, ffn_size=8, max_seq_len=4, dtype="bfloat16", tie_embeddings=False)
+    fp8 = dataclasses.replace(llama, quantization=Quantization.FP8)
+    kept = dataclasses.replace(fp8, quantize_lm_head=False)
+    other = lambda config: memory_plan(config, tensor_parallel=2, num_stages=1, gpu_bytes=10_000).other_bytes
+    # Embedding 10 x 8 bf16 split -> 80, final norm 8 bf16 -> 16; the head's shard: bf16 [8, 5] -> 80,
+    # or e4m3 [5, 8] -> 40 and f32 scales [5] -> 20.
+    assert other(llama) == other(kept) == 80 + 16 + 80
+    assert other(fp8) == 80 + 16 + 40 + 20
 
 
 def test_weights_past_the_usable_memory_do_not_fit():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from orca_jax.bench.roofline import ModelCosts, Peaks, iteration_bound
+from orca_jax.config import Quantization
 from orca_jax.models.presets import PRESETS
 
 PEAKS = Peaks(hbm_bytes_per_s=1e12, matmul_flops_per_s=1e15, device="test")
@@ -18,6 +21,14 @@ def test_costs_of_tiny_llama_counted_by_hand():
     assert costs.head_params == 256 * 64
     assert costs.weight_bytes == 4 * (2 * layer + 256 * 64)
     assert costs.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+
+
+def test_an_fp8_untied_head_is_read_as_e4m3():
+    config = dataclasses.replace(PRESETS["tiny-llama"], quantization=Quantization.FP8, tie_embeddings=False)
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
+    assert ModelCosts.of(config).weight_bytes == 2 * layer + 256 * 64
+    kept = dataclasses.replace(config, quantize_lm_head=False)
+    assert ModelCosts.of(kept).weight_bytes == 2 * layer + 4 * 256 * 64
 
 
 @pytest.mark.parametrize("num_devices", [2, 4, 8])

@@ -43,14 +43,17 @@ def numpy_fake_quantized(kernel: np.ndarray, num_in: int) -> np.ndarray:
     return stored.astype(np.float32) * scale
 
 
-def reference_params(params: dict) -> dict:
-    """A stacked model-layout tree with every projection replaced by its FP8 round trip (numpy)."""
+def reference_params(params: dict, head: bool = True) -> dict:
+    """A stacked model-layout tree with every projection replaced by its FP8 round trip (numpy), and
+    with `head` an untied LM head [H, V] too (one scale per vocabulary column)."""
     out = dict(params, layers={block: dict(v) for block, v in params["layers"].items()})
     for (block, name), num_in in MODEL_PROJECTIONS.items():
         if name in params["layers"][block]:
             proj = dict(params["layers"][block][name])
             proj["kernel"] = numpy_fake_quantized(proj["kernel"], num_in)
             out["layers"][block][name] = proj
+    if head and "lm_head" in params:
+        out["lm_head"] = numpy_fake_quantized(params["lm_head"][None], 1)[0]
     return out
 
 
@@ -106,23 +109,75 @@ def test_compute_param_shapes_store_projections_as_fp8():
     assert layer["attn"]["o"]["weight"].shape == (64, 4, 16)  # [H, N, D]
     assert layer["mlp"]["gate_up"]["weight_scale"].shape == (2, 96)
     assert "kernel" not in layer["mlp"]["down"]
-    assert shapes["embed"].dtype == jnp.float32 and shapes["lm_head"].dtype == jnp.float32  # kept
+    assert shapes["embed"].dtype == jnp.float32  # the embedding lookup stays in dtype
+    # The untied head, one scale per vocabulary row: e4m3 [V, H], f32 [V].
+    assert shapes["lm_head"]["weight"].dtype == jnp.float8_e4m3fn and shapes["lm_head"]["weight"].shape == (256, 64)
+    assert shapes["lm_head"]["weight_scale"].dtype == jnp.float32 and shapes["lm_head"]["weight_scale"].shape == (256,)
+    kept = decoder.compute_param_shapes(dataclasses.replace(CONFIG, quantization=Quantization.FP8, quantize_lm_head=False))
+    assert kept["lm_head"].dtype == jnp.float32 and kept["lm_head"].shape == (64, 256)  # the switch off: [H, V]
+    tied = decoder.compute_param_shapes(dataclasses.replace(CONFIG, quantization=Quantization.FP8, tie_embeddings=True))
+    assert "lm_head" not in tied and tied["embed"].dtype == jnp.float32  # a tied table is the lookup too
 
 
-@pytest.mark.parametrize("config", [CONFIG, pytest.param(GPT, marks=pytest.mark.slow)], ids=["llama", "gpt"])
-def test_fp8_engine_equals_f32_engine_on_the_round_tripped_weights(config):
+@pytest.mark.parametrize("rows", [3, fp8.W8A16_MAX_ROWS + 16], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_head_logits_equal_the_dequantized_heads_in_f32(rows, dtype):
+    """The logits read the stored e4m3 head and come back f32, as the 16-bit head's do (not rounded to
+    the model's dtype): equal to numpy's product with the same e4m3 values times their scales."""
+    config = dataclasses.replace(CONFIG, quantization=Quantization.FP8, dtype=dtype)
+    params = decoder.to_compute_layout(decoder.init_params(config, seed=2), config)
+    head = params["lm_head"]
+    model = decoder.Decoder(config, attention_fn=None)
+    x = jax.random.normal(jax.random.key(4), (rows, config.hidden_size), jnp.float32).astype(dtype)
+    logits = model.logits(params, x)
+    assert logits.dtype == jnp.float32 and logits.shape == (rows, config.vocab_size)
+    # Reference: the final norm (the decoder's own), then numpy in f64.
+    normed = decoder.Norm(config).apply({"params": params["final_norm"]}, x)
+    xs = np.asarray(normed, np.float64)
+    if rows > fp8.W8A16_MAX_ROWS:  # W8A8: each row rounded through e4m3 with its own scale too (the
+        # activations' rounding is test_linear_forms_against_dequantized_weights'; here the same rows)
+        xq, row_scale = fp8.quantize_rows(normed)
+        xs = np.asarray(xq).astype(np.float64) * np.asarray(row_scale, np.float64)
+    weight = np.asarray(head["weight"]).astype(np.float64) * np.asarray(head["weight_scale"], np.float64)[:, None]
+    np.testing.assert_allclose(np.asarray(logits), xs @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config,head", [(CONFIG, True), (CONFIG, False), pytest.param(GPT, True, marks=pytest.mark.slow)],
+                         ids=["llama", "llama-head-kept", "gpt"])
+def test_fp8_engine_equals_f32_engine_on_the_round_tripped_weights(config, head):
+    """`head`: the untied LM head quantized (the default) and the reference's head round-tripped too;
+    off (quantize_lm_head=False), the head stays as it was and the reference's head is the original."""
     params = decoder.stack_layers(decoder.init_params(config, seed=3))
     # 16-token iterations: every bucket is W8A16's (fp8.W8A16_MAX_ROWS), a few small programs.
     quantized = tiny_engine(config.family.value, loaded=LoadedModel(config, params, ByteTokenizer()),
-                            max_num_batched_tokens=16, quantization=Quantization.FP8)
-    reference = tiny_engine(config.family.value, loaded=LoadedModel(config, reference_params(params), ByteTokenizer()),
+                            max_num_batched_tokens=16, quantization=Quantization.FP8, quantize_lm_head=head)
+    reference = tiny_engine(config.family.value, loaded=LoadedModel(config, reference_params(params, head), ByteTokenizer()),
                             max_num_batched_tokens=16)
     np.testing.assert_allclose(prompt_logits(quantized.runner, PROMPTS[1][:16]),
                                prompt_logits(reference.runner, PROMPTS[1][:16]), rtol=2e-4, atol=2e-4)
     assert run(quantized) == run(reference)
-    # Half the bytes: the stored projections are e4m3.
+    stored = quantized.runner.stages[-1].params.get("lm_head")
+    assert isinstance(stored, dict) == (head and not config.tie_embeddings)
+    # Half the bytes: the stored projections (and head) are e4m3; the engine counts what it placed.
     plain = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(decoder.compute_param_shapes(config)))
     assert quantized.runner.params_bytes < 0.75 * plain
+    if config.family is ModelFamily.LLAMA:  # weight_bytes counts all but the norms' f32 scales
+        norms = (2 * config.num_layers + 1) * config.hidden_size
+        assert quantized.runner.params_bytes == quantized.runner.config.weight_bytes + 4 * norms
+
+
+def test_weight_bytes_count_the_quantized_head():
+    h, v = CONFIG.hidden_size, CONFIG.vocab_size
+    fp8_config = dataclasses.replace(CONFIG, quantization=Quantization.FP8)
+    kept = dataclasses.replace(fp8_config, quantize_lm_head=False)
+    assert fp8_config.lm_head_quantized and not kept.lm_head_quantized
+    assert fp8_config.num_projection_params == kept.num_projection_params + v * h
+    assert fp8_config.num_output_channels == kept.num_output_channels + v
+    # f32 [H, V] (4 bytes each) against e4m3 [V, H] and an f32 scale per row.
+    assert kept.weight_bytes - fp8_config.weight_bytes == 4 * v * h - (v * h + 4 * v)
+    tied = dataclasses.replace(fp8_config, tie_embeddings=True)
+    assert not tied.lm_head_quantized
+    assert tied.num_projection_params == kept.num_projection_params
 
 
 def test_random_preset_quantized_on_device_matches_host_quantization():

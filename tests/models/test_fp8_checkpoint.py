@@ -170,6 +170,19 @@ def test_per_channel_checkpoint_serves_the_tokens_of_quantizing_the_original(ori
     assert greedy(fp8_dir) == greedy(original, quantization=Quantization.FP8)
 
 
+@pytest.mark.parametrize("quantize_lm_head", [True, False])
+def test_an_fp8_checkpoint_s_16_bit_head_is_quantized_at_load_unless_kept(original, tmp_path, quantize_lm_head):
+    """Published FP8 checkpoints keep lm_head in 16 bits ("ignore": ["lm_head"]); served, it is stored as
+    e4m3 like the projections (quantize_lm_head), or kept in the model's dtype."""
+    fp8_dir = str(tmp_path / "channel")
+    to_fp8_format(original, fp8_dir, "channel")
+    head = tiny_engine(fp8_dir, dtype="float32", quantize_lm_head=quantize_lm_head).runner.stages[-1].params["lm_head"]
+    if quantize_lm_head:
+        assert head["weight"].dtype == np.dtype("float8_e4m3fn") and head["weight_scale"].dtype == np.float32
+    else:
+        assert head.dtype == np.float32 and head.ndim == 2  # [H, V], as read
+
+
 def test_per_channel_checkpoint_comes_back_to_its_own_values(original, tmp_path):
     """A per-channel checkpoint re-quantized per channel keeps the e4m3 values it stored."""
     import jax.numpy as jnp

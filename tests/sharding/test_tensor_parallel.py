@@ -60,18 +60,27 @@ SCRIPT = textwrap.dedent("""
                 shard_info(engine.runner), tokens=run(engine), logits=logits[:, :real].tolist(),
                 width=logits.shape[1], padding_all_neg_inf=bool(np.all(logits[:, real:] == -np.inf)),
                 pages_used=engine.stats().kv_pages_used)
-    # FP8 weights and FP8 KV pages: each scale split with its channels (row-parallel ones whole).
+    # FP8 weights and FP8 KV pages: each scale split with its channels (row-parallel ones whole), the
+    # untied head's e4m3 rows and scales over the vocabulary (255: padded at tp 2 and 4), on the last stage.
     config = MODELS["llama-gqa"]
     loaded = LoadedModel(config, decoder.stack_layers(decoder.init_params(config, seed=3)), ByteTokenizer())
-    for tp in (1, 2, 4):
+    for tp, pp in ((1, 1), (2, 1), (4, 1), (1, 2)):
         engine = Engine(EngineConfig(model="fp8", cache=CacheConfig(page_size=4, num_pages=256),
                                      scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8),
-                                     parallel=ParallelConfig(tensor_parallel=tp), precompile=False,
+                                     parallel=ParallelConfig(tensor_parallel=tp, num_stages=pp), precompile=False,
                                      quantization=Quantization.FP8, kv_cache_dtype=KVCacheDtype.FP8), loaded)
-        logits = prompt_logits(engine.runner, PROMPTS[1][:8])
+        logits = prompt_logits(engine.runner, PROMPTS[1][:8]) if pp == 1 else None
         scales = engine.runner.stages[0].params["layers"][0]["mlp"]["gate_up"]["weight_scale"]  # [2, F]
-        results[f"fp8/{tp}"] = dict(tokens=run(engine), logits=logits[:, :config.vocab_size].tolist(),
-                                    scale_columns_per_shard=sorted({x.data.shape[1] for x in scales.addressable_shards}))
+        head = engine.runner.stages[-1].params["lm_head"]  # e4m3 [V, H], f32 [V]
+        padded = slice(config.vocab_size, None)
+        results[f"fp8/{tp}" + ("" if pp == 1 else f"x{pp}")] = dict(
+            tokens=run(engine), logits=None if logits is None else logits[:, :config.vocab_size].tolist(),
+            scale_columns_per_shard=sorted({x.data.shape[1] for x in scales.addressable_shards}),
+            head_rows_per_shard=sorted({x.data.shape[0] for x in head["weight"].addressable_shards}),
+            head_scale_rows_per_shard=sorted({x.data.shape[0] for x in head["weight_scale"].addressable_shards}),
+            head_dtype=str(head["weight"].dtype), head_rows=head["weight"].shape[0],
+            padded_rows_zero_scale_one=bool(np.all(np.asarray(head["weight"]).astype(np.float32)[padded] == 0)
+                                            and np.all(np.asarray(head["weight_scale"])[padded] == 1)))
     # The Pallas kernels (interpret mode), each run per tensor shard through shard_map, against one
     # device's jnp path (the attention kernel wants head_dim >= 16).
     for name, config in MODELS.items():
@@ -150,6 +159,18 @@ def test_fp8_weights_and_kv_match_one_device(results, tp):
     assert many["tokens"] == one["tokens"] and len(one["tokens"]) == 3
     np.testing.assert_allclose(many["logits"], one["logits"], rtol=1e-4, atol=1e-4)
     assert many["scale_columns_per_shard"] == [128 // tp]  # gate|up's scales split over ffn columns
+
+
+@pytest.mark.parametrize("layout", ["1", "2", "4", "1x2"])
+def test_fp8_head_splits_its_rows_and_scales_over_the_padded_vocabulary(results, layout):
+    """The untied head in e4m3 [V, H] with f32 [V] scales: split on V alike, the vocabulary (255) padded
+    to the tensor size with zero rows of scale 1 (masked as before), on a pipeline's last stage too."""
+    got, tp = results[f"fp8/{layout}"], int(layout[0])
+    padded = -(-255 // tp) * tp
+    assert got["head_dtype"] == "float8_e4m3fn" and got["head_rows"] == padded
+    assert got["head_rows_per_shard"] == got["head_scale_rows_per_shard"] == [padded // tp]
+    assert got["padded_rows_zero_scale_one"]
+    assert got["tokens"] == results["fp8/1"]["tokens"]  # one device's tokens at (2,1), (4,1) and (1,2)
 
 
 def test_qwen2_directory_biases_split_with_their_heads(results):

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from orca_jax.config import ModelConfig, ModelFamily
+from orca_jax.config import ModelConfig, ModelFamily, Quantization
 from orca_jax.kernels.ragged_attention import ragged_attention_reference
-from orca_jax.models import decoder, presets
+from orca_jax.models import decoder, fp8, presets
 from orca_jax.sharding import rules
 from orca_jax.sharding.mesh import TENSOR
 from orca_jax.sharding.tensor_plan import plan_for
@@ -35,7 +35,9 @@ def test_every_sharded_dimension_divides(name, tp, vocab, kv_heads):
     assert plan.vocab_size == presets.get_preset(name).vocab_size
     # Shapes only (eval_shape) of one layer (all are alike): gpt3-101b is never allocated.
     one_layer = dataclasses.replace(plan.device, num_layers=1)
-    shapes = [decoder.param_shapes(one_layer), decoder.compute_param_shapes(one_layer)]  # both layouts
+    fp8 = dataclasses.replace(one_layer, quantization=Quantization.FP8)  # e4m3 projections and untied head
+    shapes = [decoder.param_shapes(one_layer), decoder.compute_param_shapes(one_layer),  # both layouts
+              decoder.compute_param_shapes(fp8)]
     for path, shape in jax.tree_util.tree_leaves_with_path(shapes):
         spec = rules.PARAM_SPECS[rules.path_name(path)]
         for size, axis in zip(shape.shape, spec):
@@ -51,6 +53,18 @@ def test_what_cannot_be_split_is_refused_with_the_sizes():
     # Not a refusal: 6 heads, 3 KV heads at tp=2 replicate to lcm(3, 2) = 6 KV heads.
     six = dataclasses.replace(GQA, num_heads=6, num_kv_heads=3)
     assert plan_for(six, 2).device.num_kv_heads == 6
+
+
+def test_an_fp8_head_pads_zero_rows_of_scale_one_and_cuts_them_again():
+    """A head already stored as FP8 (e4m3 [V, H], f32 [V]) pads as quantizing the padded head would."""
+    plan = plan_for(GQA, 4)  # 255 -> 256
+    head = {"lm_head": fp8.quantize(jnp.asarray(_numpy_params(GQA)["lm_head"]), num_in=1)}
+    padded = plan.adapt_params(jax.tree_util.tree_map(np.asarray, head))["lm_head"]
+    assert padded["weight"].shape == (256, 32) and padded["weight_scale"].shape == (256,)
+    assert np.all(padded["weight"][255].astype(np.float32) == 0) and padded["weight_scale"][255] == 1.0
+    np.testing.assert_array_equal(padded["weight_scale"][:255], np.asarray(head["lm_head"]["weight_scale"]))
+    cut = plan.model_params({"lm_head": padded})["lm_head"]
+    assert cut["weight"].shape == (255, 32) and cut["weight_scale"].shape == (255,)
 
 
 def test_one_shard_changes_nothing():

@@ -10,11 +10,11 @@
 #   interval at 1 ms and 5 ms instead of the dispatcher's 0.2 ms / inline again; then llama-8b bf16, thread
 #   on and off.
 # PART=4: llama-1b latency and the trace with the dispatcher's 0.5 ms against 0.2 ms and inline.
-# JSON and traces land in $OUT/dispatch/ as each run ends.
+# JSON and traces land in $OUT/dispatch_PART.tgz (a call brings back 8 files at most).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1|2 benchmarks/probes/dispatch_h200.sh
 set -u
 . benchmarks/probes/device_setup.sh
-work=$OUT/dispatch; mkdir -p "$work"
+work=/tmp/dispatch_${PART:-1}; mkdir -p "$work"
 . benchmarks/probes/bench_lib.sh
 nvidia-smi -L
 if [ "${PART:-1}" = 1 ]; then
@@ -70,3 +70,4 @@ if [ "${PART:-1}" = 4 ]; then  # the dispatcher's interval at 0.5 ms (its defaul
   thr llama-1b_inline3_rep llama-1b --no-dispatch-thread --num-runs 3
 fi
 ls "$work"
+tar czf "$OUT/dispatch_${PART:-1}.tgz" -C "$work" .

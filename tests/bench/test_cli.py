@@ -94,8 +94,9 @@ def test_throughput_with_its_default_flags_runs_on_tiny_llama(tmp_path):
     assert row["runs"][-1]["generated_tokens"] == trace.num_generated_tokens
 
 
-@pytest.mark.parametrize("weights", [[], ["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--no-quantize-lm-head"]],
-                         ids=["default", "fp8-head-kept"])
+@pytest.mark.parametrize("weights", [[], ["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--no-quantize-lm-head",
+                                          "--no-dispatch-thread"]],
+                         ids=["default", "fp8-head-kept-inline"])
 def test_the_served_engine_and_a_child_engine_are_the_in_process_engine(weights):
     from orca_jax import serve
 
@@ -107,6 +108,7 @@ def test_the_served_engine_and_a_child_engine_are_the_in_process_engine(weights)
     assert engine_config(child) == engine_config(args)
     assert (engine_config(args).quantization is None) == (not weights)
     assert engine_config(args).quantize_lm_head == (not weights)  # on unless --no-quantize-lm-head
+    assert engine_config(args).dispatch_thread == (not weights)  # on unless --no-dispatch-thread
 
 
 def test_bench_serve_launches_serve_s_own_engine_and_compares_with_that_engine():

@@ -214,18 +214,20 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy, sampling: Sampling
     max_kv = max(start + n for start, n in zip(starts, q_lens))
     t_pad, s_pad, p_pad = buckets.bucket(num_tokens, num_seqs, -(-max_kv // page_size))
 
-    # Every row's pages and tokens in one flat list each, copied into the arrays at once: a numpy row
-    # assignment per request cost ~1.2 us, the whole table this way ~0.4 us a row.
-    flat_pages: list[int] = []
-    tokens: list[int] = []
-    for s in scheduled:
-        flat_pages += s.page_ids
-        tokens += s.token_ids
-    num_pages = np.fromiter([len(s.page_ids) for s in scheduled], np.int64, num_seqs)  # [num_seqs]
-    page_rows = np.repeat(np.arange(num_seqs), num_pages)  # [total pages]: the row of each page
-    page_cols = np.arange(len(flat_pages)) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
     page_table = np.zeros((s_pad, p_pad), np.int32)
-    page_table[page_rows, page_cols] = flat_pages
+    tokens: list[int] = []
+    if num_seqs < 16:  # a row at a time (~1.2 us a row; the flat copy below costs ~4 us however few)
+        for i, s in enumerate(scheduled):
+            tokens += s.token_ids
+            page_table[i, :len(s.page_ids)] = s.page_ids
+    else:  # every row's pages in one flat list, copied into the table's leading columns at once (~0.4 us a row)
+        flat_pages: list[int] = []
+        for s in scheduled:
+            flat_pages += s.page_ids
+            tokens += s.token_ids
+        num_pages = np.fromiter([len(s.page_ids) for s in scheduled], np.int32, num_seqs)  # [num_seqs]
+        # A boolean mask assigns in row-major order: row by row, each row's pages in order.
+        page_table[:num_seqs][np.arange(p_pad) < num_pages[:, None]] = np.array(flat_pages, np.int32)
 
     q_lens_np = np.asarray(q_lens, np.int32)  # [num_seqs]
     ends = np.asarray(starts, np.int32) + q_lens_np  # kv length of each request after this step

@@ -6,7 +6,7 @@ this only collects what they left, from the request and its detokenizer.
 from __future__ import annotations
 
 from orca_jax.core.request import Request
-from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.outputs import OutputIdsPrefix, RequestOutput, TokenLogprob
 
 
 def request_output(request: Request, num_new: int) -> RequestOutput:
@@ -28,9 +28,10 @@ def request_output(request: Request, num_new: int) -> RequestOutput:
     if prompt_logprobs is not None:  # the first output's only
         request.prompt_logprobs = None
     scheduled_time = request.scheduled_time
-    # Positional, in RequestOutput's field order: built per request per iteration, and by keyword it costs more.
+    # Positional, in RequestOutput's field order: built per request per iteration, and by keyword it costs
+    # more. The totals are the request's own list up to now (it only grows), copied only if read.
     return RequestOutput(
-        request.request_id, ids[len(ids) - num_new:], detok.take_new_text(), list(ids), detok.text,
-        len(request.prompt_token_ids), finished, status.value if finished else None, new_logprobs,
+        request.request_id, ids[len(ids) - num_new:], detok.take_new_text(), OutputIdsPrefix(ids, len(ids)),
+        detok.text, len(request.prompt_token_ids), finished, status.value if finished else None, new_logprobs,
         None if scheduled_time is None else scheduled_time - request.arrival_time, request.num_cached_tokens,
         request.stop_reason if finished else None, prompt_logprobs, request.error)

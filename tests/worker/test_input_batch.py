@@ -119,3 +119,20 @@ def test_forward_inputs_pack_into_one_vector_and_back():
     sourced = dataclasses.replace(batch, token_sources=np.arange(t, dtype=np.int32) - 1)
     np.testing.assert_array_equal(unpack_forward_inputs(pack_forward_inputs(sourced), t, s, p)["token_sources"],
                                   sourced.token_sources)
+
+
+def test_a_wide_batch_fills_its_page_table_in_one_copy_as_row_by_row():
+    """From 16 rows up the table is filled from one flat list: ragged rows land where a row-by-row
+    fill puts them, the rest stays 0."""
+    rng = np.random.default_rng(0)
+    buckets = BucketPolicy(max_num_batched_tokens=64, max_num_seqs=32, max_pages=16, ladder=tuple(range(8, 65, 8)))
+    for num_seqs in (15, 16, 23):
+        counts = rng.integers(1, 9, num_seqs)
+        items = [item(f"r{i}", int(n) * PAGE - 1, [i + 1], rng.integers(1, 500, int(n)).tolist())
+                 for i, n in enumerate(counts)]
+        batch = build_batch(plan(*items), buckets)
+        expected = np.zeros_like(batch.page_table)
+        for i, it in enumerate(items):
+            expected[i, :len(it.page_ids)] = it.page_ids
+        assert np.array_equal(batch.page_table, expected)
+        assert batch.token_ids[:num_seqs].tolist() == list(range(1, num_seqs + 1))

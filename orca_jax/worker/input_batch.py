@@ -234,9 +234,13 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy, sampling: Sampling
     cu_q_lens = np.full(s_pad + 1, num_tokens, np.int32)
     cu_q_lens[0] = 0
     cu_q_lens[1:num_seqs + 1] = np.cumsum(q_lens_np)
-    seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens_np)  # [num_tokens]
-    rows = np.arange(num_tokens, dtype=np.int32)
-    real_positions = ends[seq_of_row] - q_lens_np[seq_of_row] + (rows - cu_q_lens[seq_of_row])
+    if num_tokens == num_seqs:  # one token a row (a decode batch): token i is row i's, at its start
+        seq_of_row = np.arange(num_seqs, dtype=np.int32)  # [num_tokens]
+        real_positions = ends - 1
+    else:
+        seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens_np)  # [num_tokens]
+        rows = np.arange(num_tokens, dtype=np.int32)
+        real_positions = ends[seq_of_row] - q_lens_np[seq_of_row] + (rows - cu_q_lens[seq_of_row])
 
     token_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -250,11 +254,10 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy, sampling: Sampling
     logits_indices = np.zeros(s_pad, np.int32)
     logits_indices[:num_seqs] = cu_q_lens[1:num_seqs + 1] - 1
     token_sources = None  # async scheduling: tokens still on device, taken from the last samples
-    sources = [(i, item.token_source) for i, item in enumerate(scheduled) if item.token_source >= 0]
-    if sources:
+    fed_from_device = [i for i, item in enumerate(scheduled) if item.token_source >= 0]
+    if fed_from_device:  # each such row's one token, at its first row, in one assignment
         token_sources = np.full(t_pad, -1, np.int32)
-        for i, source in sources:
-            token_sources[cu_q_lens[i]] = source
+        token_sources[cu_q_lens[fed_from_device]] = [scheduled[i].token_source for i in fed_from_device]
 
     lora_slots = None
     if any(item.lora_slot for item in scheduled):

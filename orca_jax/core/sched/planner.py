@@ -29,11 +29,16 @@ class PlanningView(NamedTuple):
         return self.start < self.num_prompt_tokens
 
 
+# A NamedTuple's own __new__ is a Python call around tuple.__new__; with every field given in order,
+# tuple.__new__ makes the same tuple (0.16 us against 0.36 for a plan row): one of each per row per iteration.
+_new_tuple = tuple.__new__
+
+
 def own_view(request: Request) -> PlanningView:
     """A request planned from its own state (in no unreturned batch)."""
     # Request.num_initiation_tokens inlined: this runs per request per iteration.
-    return PlanningView(request.num_computed_tokens, len(request.output_token_ids), -1,
-                        max(len(request.prompt_token_ids), request.recompute_len))
+    return _new_tuple(PlanningView, (request.num_computed_tokens, len(request.output_token_ids), -1,
+                                     max(len(request.prompt_token_ids), request.recompute_len)))
 
 
 def take_cached(request: Request, view: PlanningView, kv: KVCacheManager, max_tokens: int) -> PlanningView:
@@ -71,6 +76,5 @@ def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
         tokens = (request.output_token_ids[start - len(request.prompt_token_ids)],)
     else:
         tokens = tuple(request.token_ids_at(start, end - start))
-    # Positional: a NamedTuple built by keyword costs more, and one is built per row per iteration.
-    return ScheduledRequest(request, start, tokens, tuple(pages[:-(-end // kv.page_size)]), request.seed,
-                            request.sampling, step, token_source, request.lora_slot)
+    return _new_tuple(ScheduledRequest, (request, start, tokens, tuple(pages[:-(-end // kv.page_size)]),
+                                         request.seed, request.sampling, step, token_source, request.lora_slot))

@@ -41,6 +41,12 @@ def own_view(request: Request) -> PlanningView:
                                      max(len(request.prompt_token_ids), request.recompute_len)))
 
 
+def view_of(start: int, step: int, token_source: int, num_prompt_tokens: int) -> PlanningView:
+    """PlanningView(start, step, token_source, num_prompt_tokens), built as own_view builds it: a
+    scheduler with async scheduling makes one per request in flight per iteration."""
+    return _new_tuple(PlanningView, (start, step, token_source, num_prompt_tokens))
+
+
 def take_cached(request: Request, view: PlanningView, kv: KVCacheManager, max_tokens: int) -> PlanningView:
     """A request in its prompt whose pages end where it would compute next (in no batch in flight)
     takes the cached pages that follow, published since it was admitted, up to max_tokens in all;

@@ -16,7 +16,7 @@ from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request, RequestStatus, stop_status
 from orca_jax.core.sched.interface import AdapterAdmission, QueueFullError
 from orca_jax.core.sched.output import SchedulerOutput
-from orca_jax.core.sched.planner import PlanningView, own_view, plan_request, take_cached
+from orca_jax.core.sched.planner import PlanningView, own_view, plan_request, take_cached, view_of
 from orca_jax.core.sched.policies import Policy, make_policy
 
 
@@ -381,11 +381,13 @@ class Scheduler:
             return None
         _, row, num_fed = rows[0]
         start = request.num_computed_tokens + num_fed
-        samples = start >= request.num_tokens  # that batch feeds the last known token
-        step = len(request.output_token_ids) + samples
+        num_prompt, num_outputs = len(request.prompt_token_ids), len(request.output_token_ids)
+        samples = start >= num_prompt + num_outputs  # that batch feeds the last known token
+        step = num_outputs + samples
         if samples and step >= request.sampling.max_tokens:
             return None
-        return PlanningView(start, step, row if samples else -1, request.num_initiation_tokens)
+        # (Request.num_tokens and num_initiation_tokens inlined: per request in flight per iteration)
+        return view_of(start, step, row if samples else -1, max(num_prompt, request.recompute_len))
 
     # ---- Algorithm 1: after the engine ran a batch ---------------------------------------------
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],

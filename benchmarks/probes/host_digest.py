@@ -2,7 +2,8 @@
 forward inputs, the sampling inputs, the requests each update finishes, every RequestOutput (ids, text
 deltas, stop reasons). 300 requests (prompts 8-500 tokens, half sharing a prefix; outputs 1-100; a
 third with stop strings; greedy and sampled, min_tokens), tokens drawn so that EOS, stop strings and
-split UTF-8 characters occur; prefix caching off/on x RESERVE/ON_DEMAND x async scheduling off/on.
+split UTF-8 characters occur; a 400-page pool, so ON_DEMAND preempts; prefix caching off/on x
+RESERVE/ON_DEMAND x async scheduling off/on.
 
 A change meant to make the host faster without changing behaviour prints the same digests before and
 after (issue 45: run it on both commits and diff):
@@ -27,7 +28,7 @@ def run(caching, alloc, async_sched, seed=0, n=300):
     h = hashlib.sha256()
     rng = random.Random(seed)
     tok = ByteTokenizer(eos_token_ids=(2,), bos_token_id=1)
-    kv = KVCacheManager(1 + 2048, 16, enable_prefix_caching=caching)
+    kv = KVCacheManager(1 + 400, 16, enable_prefix_caching=caching)  # small: ON_DEMAND preempts
     buckets = BucketPolicy(max_num_batched_tokens=2048, max_num_seqs=128, max_pages=64)
     sched = Scheduler(SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=2048, async_scheduling=async_sched,
                                       kv_allocation=alloc), kv, 1024, 2 if async_sched else 1,
@@ -65,7 +66,7 @@ def run(caching, alloc, async_sched, seed=0, n=300):
                 o = request_output(r, max(num_new, 0))
                 h.update(repr((o.request_id, o.new_token_ids, o.new_text, o.output_token_ids, o.text, o.finished,
                                o.finish_reason, o.stop_reason, o.num_cached_tokens)).encode())
-    return h.hexdigest()[:16]
+    return f"{h.hexdigest()[:16]} ({sched.num_preemptions} preemptions)"
 
 for caching in (False, True):
     for alloc in (KVAllocation.RESERVE, KVAllocation.ON_DEMAND):

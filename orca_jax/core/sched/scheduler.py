@@ -162,10 +162,18 @@ class Scheduler:
         can_admit = True
         refused = float("inf")
         ahead = self._pipeline_stages == 1 or all(r in self._in_flight_rows for r in self._requests.values())
-        rows_of = self._in_flight_rows  # a request in no unreturned batch plans from its own state (most)
-        views = {r: view for r in self._requests.values()
-                 if (view := own_view(r) if r not in rows_of else self._planning_view(r, ahead)) is not None}
+        rows_of = self._in_flight_rows
         max_num_seqs, waiting = self.config.max_num_seqs, RequestStatus.WAITING  # locals: read per row
+        # A waiting request (in no batch) gets its view when admitted, below; until then it only takes its
+        # place in the order. A request in no unreturned batch plans from its own state (most).
+        views: dict[Request, PlanningView | None] = {}
+        for r in self._requests.values():
+            if r.status is waiting:
+                views[r] = None
+            elif r not in rows_of:
+                views[r] = own_view(r)
+            elif (view := self._planning_view(r, ahead)) is not None:
+                views[r] = view
         for request in self.policy.order(list(views), now):
             if len(batch) >= max_num_seqs:
                 break

@@ -37,6 +37,19 @@ class RequestError:
     caused_by_request: bool = False
 
 
+class OutputIdsPrefix:
+    """The first `length` ids of a request's output list, which only grows: a RequestOutput's
+    `output_token_ids` as the engine gives them, copied into a list only when first read. Copying
+    the whole list for every request at every iteration costs O(output length) a step (2.5 us a
+    request at 1,000 tokens), and most callers read only the iteration's new tokens."""
+
+    __slots__ = ("ids", "length")
+
+    def __init__(self, ids: list[int], length: int):
+        self.ids = ids  # appended to, never changed below `length`, while anyone holds this
+        self.length = length
+
+
 @dataclasses.dataclass(slots=True)
 class RequestOutput:
     """The news of one request from one iteration: the delta, and the totals so far."""
@@ -44,7 +57,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]  # tokens produced this iteration (usually one)
     new_text: str  # detokenized delta; held back while a stop string may still be forming
-    output_token_ids: list[int]  # all generated tokens so far
+    # All generated tokens so far (given as a list, or as an OutputIdsPrefix that becomes one on first read).
+    output_token_ids: list[int]
     text: str  # all generated text so far
     num_prompt_tokens: int
     finished: bool = False
@@ -58,3 +72,27 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs' answer, on the request's first output only (None on the rest).
     prompt_logprobs: PromptLogprobs | None = None
     error: RequestError | None = None  # with finish_reason "error": why the engine ended the request
+
+
+_IDS_SLOT = RequestOutput.__dict__["output_token_ids"]  # the dataclass's own slot, behind the property below
+
+
+def _output_token_ids(output: RequestOutput) -> list[int]:
+    value = _IDS_SLOT.__get__(output, RequestOutput)
+    if type(value) is OutputIdsPrefix:  # first read: the list it stands for, kept
+        value = value.ids[:value.length]
+        _IDS_SLOT.__set__(output, value)
+    return value
+
+
+# Every read (attribute, ==, repr, pickling, dataclasses.replace) sees a list; the field stays a dataclass field.
+RequestOutput.output_token_ids = property(_output_token_ids, _IDS_SLOT.__set__,
+                                          doc="All generated tokens so far.")
+
+
+def output_ids_tail(output: RequestOutput, start: int) -> tuple[int, list[int]]:
+    """(len(output.output_token_ids), output.output_token_ids[start:]) without copying the rest."""
+    value = _IDS_SLOT.__get__(output, RequestOutput)
+    if type(value) is OutputIdsPrefix:
+        return value.length, value.ids[start:value.length]
+    return len(value), value[start:]

@@ -376,28 +376,32 @@ class StreamDecoder:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._pending = b""  # bytes of an unfinished UTF-8 character
+        # Bound once: push runs per output token of every request.
+        self._is_special = tokenizer.is_special if skip_special_tokens else None
+        self._token_bytes = tokenizer.token_bytes
 
     def push(self, token_id: int) -> str:
-        if self.skip_special_tokens and self.tokenizer.is_special(token_id):
+        if self._is_special is not None and self._is_special(token_id):
             return ""
-        data = self.tokenizer.token_bytes(token_id)
+        data = self._token_bytes(token_id)
         if not self._pending:  # the common case, once per token of every request: whole characters
             try:
                 return data.decode("utf-8")
             except UnicodeDecodeError:
                 pass
-        self._pending += data
-        # A UTF-8 character is at most 4 bytes: decode everything except a possibly cut tail.
-        for cut in range(min(3, len(self._pending)) + 1):
-            head = self._pending[:len(self._pending) - cut]
-            try:
-                text = head.decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            self._pending = self._pending[len(head):]
+        pending = self._pending + data
+        try:
+            text, self._pending = pending.decode("utf-8"), b""
             return text
-        text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
-        return text
+        except UnicodeDecodeError as error:
+            # Everything before the first bad byte decodes and nothing longer does: emit that when
+            # at most the last 3 bytes (a UTF-8 character's unfinished head) wait, else give up on them.
+            valid = error.start
+        if valid >= len(pending) - 3:
+            self._pending = pending[valid:]
+            return pending[:valid].decode("utf-8")
+        self._pending = b""
+        return pending.decode("utf-8", errors="replace")
 
     def flush(self) -> str:
         text, self._pending = self._pending.decode("utf-8", errors="replace"), b""

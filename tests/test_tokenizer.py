@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 
 import pytest
 
@@ -132,6 +133,50 @@ def test_byte_tokenizer_round_trip_and_template():
     assert prompt == "<|user|>\nhi\n<|assistant|>\n"
     decoder = StreamDecoder(tok)
     assert "".join(decoder.push(i) for i in "😀x".encode("utf-8")) == "😀x"
+
+
+class _Bytes:
+    """Token ids that are their own bytes, for feeding a stream decoder arbitrary pieces."""
+
+    eos_token_ids, bos_token_id = (), None
+
+    def is_special(self, token_id) -> bool:
+        return False
+
+    def token_bytes(self, token_id: bytes) -> bytes:
+        return token_id
+
+
+def _reference_push(pending: bytes, data: bytes) -> tuple[str, bytes]:
+    """The stream decoder's rule spelled out: whole characters at once; else the longest decodable
+    head leaving at most 3 bytes pending; else everything, bad bytes replaced. (text, new pending)"""
+    if not pending:
+        try:
+            return data.decode("utf-8"), b""
+        except UnicodeDecodeError:
+            pass
+    pending += data
+    for cut in range(min(3, len(pending)) + 1):
+        try:
+            return pending[:len(pending) - cut].decode("utf-8"), pending[len(pending) - cut:]
+        except UnicodeDecodeError:
+            continue
+    return pending.decode("utf-8", errors="replace"), b""
+
+
+def test_stream_decoder_follows_its_rule_on_any_bytes():
+    """The decoder finds the decodable head from the decode error's position: the same text, the same
+    pending bytes, as trying every cut, on random pieces of valid, cut and invalid UTF-8."""
+    rng = random.Random(0)
+    pieces = [bytes([b]) for b in range(256)] + [c.encode() for c in "é€😀中a"] + \
+        [b"\xe2\x82", b"\xf0\x9f", b"\x98\x80", b"\x82\xac", b"\xf0", b"\x9f\x98"]
+    for _ in range(3000):
+        decoder, pending = StreamDecoder(_Bytes()), b""
+        for _ in range(rng.randint(1, 12)):
+            data = b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 3)))
+            text, pending = _reference_push(pending, data)
+            assert decoder.push(data) == text
+        assert decoder.flush() == pending.decode("utf-8", errors="replace")
 
 
 def test_hf_dir_tokenizer(tmp_path):

@@ -178,14 +178,16 @@ def stop_status(request: Request) -> RequestStatus | None:
     only once it ends after it; the sampler bans EOS and stop tokens until then anyway).
     """
     ids = request.output_token_ids
+    num_ids = len(ids)
     sampling = request.sampling
+    min_tokens = sampling.min_tokens
     token = ids[-1]
-    hit_stop_token = len(ids) >= sampling.min_tokens and (
+    hit_stop_token = num_ids >= min_tokens and (
         token in request.stop_token_set or (not sampling.ignore_eos and token in request.eos_token_ids))
     hit_stop_string = False
-    if request.detokenizer is not None:
-        hit_stop_string = request.detokenizer.add(ids[:-1] if hit_stop_token else ids,
-                                                  find_stop=len(ids) > sampling.min_tokens)
+    detokenizer = request.detokenizer
+    if detokenizer is not None:
+        hit_stop_string = detokenizer.add(ids[:-1] if hit_stop_token else ids, num_ids > min_tokens)
     grammar_complete = False
     if request.grammar is not None and not hit_stop_token:
         if not request.grammar.accept(token):
@@ -205,7 +207,7 @@ def stop_status(request: Request) -> RequestStatus | None:
         return RequestStatus.FINISHED_STOPPED
     if grammar_complete:
         return RequestStatus.FINISHED_STOPPED
-    if len(ids) >= sampling.max_tokens:
+    if num_ids >= sampling.max_tokens:
         return RequestStatus.FINISHED_LENGTH
     if hit_stop_string:
         request.stop_reason = request.detokenizer.stop_string

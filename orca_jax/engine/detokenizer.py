@@ -35,6 +35,12 @@ class IncrementalDetokenizer:
         new = self._stream.push(token_ids[done]) if count == done + 1 else \
             "".join(self._stream.push(t) for t in token_ids[done:])
         self._num_decoded_tokens = count
+        if self._automaton is None:  # no stop strings (most requests): nothing is held back, new is the delta
+            if new:
+                self.text += new
+                self._new_text += new
+                self.num_emitted_chars = len(self.text)
+            return False
         stopped = self._append(new, find_stop)
         self._new_text += self._emit(final=stopped)
         return stopped

@@ -6,7 +6,7 @@ this only collects what they left, from the request and its detokenizer.
 from __future__ import annotations
 
 from orca_jax.core.request import Request
-from orca_jax.outputs import RequestOutput, TokenLogprob
+from orca_jax.outputs import OutputIdsPrefix, RequestOutput, TokenLogprob
 
 
 def request_output(request: Request, num_new: int) -> RequestOutput:
@@ -24,12 +24,14 @@ def request_output(request: Request, num_new: int) -> RequestOutput:
         new_logprobs = [TokenLogprob(t, lp, top) for t, lp, top in zip(
             ids[-num_new:], request.output_logprobs[-num_new:],
             request.output_top_logprobs[-num_new:])]
-    prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None  # the first output's only
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is not None:  # the first output's only
+        request.prompt_logprobs = None
     scheduled_time = request.scheduled_time
+    # Positional, in RequestOutput's field order: built per request per iteration, and by keyword it costs
+    # more. The totals are the request's own list up to now (it only grows), copied only if read.
     return RequestOutput(
-        request_id=request.request_id, new_token_ids=ids[len(ids) - num_new:], new_text=detok.take_new_text(),
-        output_token_ids=list(ids), text=detok.text, num_prompt_tokens=len(request.prompt_token_ids),
-        finished=finished, finish_reason=status.value if finished else None, new_logprobs=new_logprobs,
-        queue_seconds=None if scheduled_time is None else scheduled_time - request.arrival_time,
-        num_cached_tokens=request.num_cached_tokens, stop_reason=request.stop_reason if finished else None,
-        prompt_logprobs=prompt_logprobs, error=request.error)
+        request.request_id, ids[len(ids) - num_new:], detok.take_new_text(), OutputIdsPrefix(ids, len(ids)),
+        detok.text, len(request.prompt_token_ids), finished, status.value if finished else None, new_logprobs,
+        None if scheduled_time is None else scheduled_time - request.arrival_time, request.num_cached_tokens,
+        request.stop_reason if finished else None, prompt_logprobs, request.error)

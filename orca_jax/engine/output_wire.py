@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from orca_jax.outputs import RequestOutput
+from orca_jax.outputs import OutputIdsPrefix, RequestOutput, output_ids_tail
 
 # A row: (request_id, new_token_ids, new_text, ids_kept, ids_tail, text_kept, text_tail, *REST) with
 # ids_tail None when it is new_token_ids (the usual case: one token, sent once), then REST's fields.
@@ -32,15 +32,15 @@ class OutputEncoder:
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, characters) sent
 
     def encode(self, output: RequestOutput) -> Row:
-        request_id, ids, text = output.request_id, output.output_token_ids, output.text
+        request_id, text = output.request_id, output.text
         num_ids, num_chars = self._sent.get(request_id, (0, 0))
-        ids_kept = min(num_ids, len(ids))
-        ids_tail = ids[ids_kept:]
+        num_total, ids_tail = output_ids_tail(output, num_ids)  # not the whole list: only what is new
+        ids_kept = min(num_ids, num_total)
         if output.finished:  # its text may have been cut and then added to (the last step's flush): whole
             self._sent.pop(request_id, None)
             text_kept = 0
         else:  # before the last step text only grows
-            self._sent[request_id] = (len(ids), len(text))
+            self._sent[request_id] = (num_total, len(text))
             text_kept = min(num_chars, len(text))
         return (request_id, output.new_token_ids, output.new_text, ids_kept,
                 None if ids_tail == output.new_token_ids else ids_tail, text_kept, text[text_kept:],
@@ -68,11 +68,11 @@ class Received:
     def decode(self, row: Row) -> RequestOutput:
         request_id, new_ids, new_text, ids_kept, ids_tail, text_kept, text_tail, *rest = row
         ids, text = self.ids, self.text
-        if ids_kept != len(ids):  # a stop string cut the last step's tokens
-            del ids[ids_kept:]
+        if ids_kept != len(ids):  # a stop string cut the last step's tokens: a new list, so earlier outputs'
+            self.ids = ids = ids[:ids_kept]  # prefixes of the old one stay as they were
         ids += new_ids if ids_tail is None else ids_tail
         self.text = text = (text if text_kept == len(text) else text[:text_kept]) + text_tail
-        return RequestOutput(request_id, new_ids, new_text, ids[:], text, *rest)
+        return RequestOutput(request_id, new_ids, new_text, OutputIdsPrefix(ids, len(ids)), text, *rest)
 
 
 def request_id_of(row: Row) -> str:

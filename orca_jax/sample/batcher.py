@@ -140,9 +140,10 @@ class SamplingBatcher:
                 continue  # a discarded sample is drawn greedily: never asks for a slower program
             kept[i] = True
             sp = item.sampling
-            if not sp.greedy:
+            if sp.temperature != 0.0:  # not sp.greedy (inlined: per row)
                 sampled.append(i)
-            wants_top = wants_top or bool(sp.logprobs)
+            if sp.logprobs:
+                wants_top = True
             rules = item.request.logits_rules
             if rules is not None and rules.applies_at(item.step):
                 ruled.append(i)

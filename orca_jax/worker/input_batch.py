@@ -210,24 +210,37 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy, sampling: Sampling
     num_tokens = plan.num_tokens
     num_seqs = len(scheduled)
     starts = [s.start for s in scheduled]
-    q_lens = [s.num_new_tokens for s in scheduled]
+    q_lens = [len(s.token_ids) for s in scheduled]
     max_kv = max(start + n for start, n in zip(starts, q_lens))
     t_pad, s_pad, p_pad = buckets.bucket(num_tokens, num_seqs, -(-max_kv // page_size))
 
     page_table = np.zeros((s_pad, p_pad), np.int32)
     tokens: list[int] = []
-    for i, item in enumerate(scheduled):
-        tokens += item.token_ids
-        page_table[i, :len(item.page_ids)] = item.page_ids
+    if num_seqs < 16:  # a row at a time (~1.2 us a row; the flat copy below costs ~4 us however few)
+        for i, s in enumerate(scheduled):
+            tokens += s.token_ids
+            page_table[i, :len(s.page_ids)] = s.page_ids
+    else:  # every row's pages in one flat list, copied into the table's leading columns at once (~0.4 us a row)
+        flat_pages: list[int] = []
+        for s in scheduled:
+            flat_pages += s.page_ids
+            tokens += s.token_ids
+        num_pages = np.fromiter([len(s.page_ids) for s in scheduled], np.int32, num_seqs)  # [num_seqs]
+        # A boolean mask assigns in row-major order: row by row, each row's pages in order.
+        page_table[:num_seqs][np.arange(p_pad) < num_pages[:, None]] = np.array(flat_pages, np.int32)
 
     q_lens_np = np.asarray(q_lens, np.int32)  # [num_seqs]
     ends = np.asarray(starts, np.int32) + q_lens_np  # kv length of each request after this step
     cu_q_lens = np.full(s_pad + 1, num_tokens, np.int32)
     cu_q_lens[0] = 0
     cu_q_lens[1:num_seqs + 1] = np.cumsum(q_lens_np)
-    seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens_np)  # [num_tokens]
-    rows = np.arange(num_tokens, dtype=np.int32)
-    real_positions = ends[seq_of_row] - q_lens_np[seq_of_row] + (rows - cu_q_lens[seq_of_row])
+    if num_tokens == num_seqs:  # one token a row (a decode batch): token i is row i's, at its start
+        seq_of_row = np.arange(num_seqs, dtype=np.int32)  # [num_tokens]
+        real_positions = ends - 1
+    else:
+        seq_of_row = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens_np)  # [num_tokens]
+        rows = np.arange(num_tokens, dtype=np.int32)
+        real_positions = ends[seq_of_row] - q_lens_np[seq_of_row] + (rows - cu_q_lens[seq_of_row])
 
     token_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -241,11 +254,10 @@ def build_batch(plan: SchedulerOutput, buckets: BucketPolicy, sampling: Sampling
     logits_indices = np.zeros(s_pad, np.int32)
     logits_indices[:num_seqs] = cu_q_lens[1:num_seqs + 1] - 1
     token_sources = None  # async scheduling: tokens still on device, taken from the last samples
-    sources = [(i, item.token_source) for i, item in enumerate(scheduled) if item.token_source >= 0]
-    if sources:
+    fed_from_device = [i for i, item in enumerate(scheduled) if item.token_source >= 0]
+    if fed_from_device:  # each such row's one token, at its first row, in one assignment
         token_sources = np.full(t_pad, -1, np.int32)
-        for i, source in sources:
-            token_sources[cu_q_lens[i]] = source
+        token_sources[cu_q_lens[fed_from_device]] = [scheduled[i].token_source for i in fed_from_device]
 
     lora_slots = None
     if any(item.lora_slot for item in scheduled):

@@ -7,7 +7,8 @@ import pytest
 from orca_jax.config import SchedulingPolicy
 from orca_jax.core.request import RequestStatus
 from orca_jax.core.sched.interface import QueueFullError
-from orca_jax.core.sched.output import SchedulerOutput
+from orca_jax.core.sched.output import ScheduledRequest, SchedulerOutput
+from orca_jax.core.sched.planner import PlanningView, own_view
 
 from tests.helpers.scheduler import EOS, create_scheduler, make_request
 
@@ -442,3 +443,16 @@ def test_long_prefill_threshold_caps_each_prompt_chunk():
     sched.add_request(make_request("short", prompt_len=2, max_tokens=2))
     output = sched.schedule()
     assert [s.num_new_tokens for s in output.scheduled] == [8, 2]  # the budget had room for 20 + 2
+
+
+def test_plan_rows_and_views_carry_every_field():
+    """The planner builds its NamedTuples without their __new__ (positionally, per row): each has all
+    its fields, named as a keyword-built one would name them."""
+    sched, kv, _ = create_scheduler()
+    sched.add_request(make_request("a", prompt_len=5, max_tokens=3))
+    row = sched.schedule().scheduled[0]
+    assert len(row) == len(ScheduledRequest._fields) and row._asdict() == ScheduledRequest(
+        request=row.request, start=0, token_ids=(10, 11, 12, 13, 14), page_ids=tuple(kv.page_ids("a")[:2]),
+        seed=0, sampling=row.request.sampling, step=0)._asdict()
+    view = own_view(row.request)
+    assert len(view) == len(PlanningView._fields) and view == PlanningView(0, 0, -1, 5)

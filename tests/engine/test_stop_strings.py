@@ -71,6 +71,24 @@ def test_text_is_held_back_only_while_it_could_begin_a_stop_string():
     assert (detok.take_new_text(), detok.text, detok.stop_string) == ("", "abc stx 1 ", "😀!")
 
 
+def test_without_stop_strings_text_and_deltas_are_those_of_a_stop_string_never_met():
+    """A request with no stop strings skips the automaton and holds nothing back: its deltas and text,
+    one token or several at a time and after the flush, are what a never-met stop string's give once
+    nothing is held back (byte by byte, so characters arrive in pieces)."""
+    data = list("héllo 😀 wörld, stop".encode()) + [200, 201]  # two bytes no UTF-8 character ends with
+    plain, never = IncrementalDetokenizer(TOKENIZER), IncrementalDetokenizer(TOKENIZER, ("\x00never",))
+    plain_text = never_text = ""
+    for end in (1, 2, 3, 4, 7, 8, 9, 12, len(data)):
+        assert not plain.add(data[:end]) and not never.add(data[:end])
+        plain_text += plain.take_new_text()
+        never_text += never.take_new_text()
+        assert plain.text == never.text and plain_text == never_text == plain.text
+    plain.flush()
+    never.flush()
+    assert plain_text + plain.take_new_text() == never_text + never.take_new_text() == plain.text == never.text
+    assert plain.text.endswith("stop\ufffd\ufffd")
+
+
 def test_a_stop_string_ending_below_min_tokens_is_passed_over():
     """As vLLM: a stop string counts only once it ends after the min_tokens-th output."""
     detok = IncrementalDetokenizer(TOKENIZER, ("ab",), include_stop_str=True)

@@ -119,3 +119,34 @@ def test_forward_inputs_pack_into_one_vector_and_back():
     sourced = dataclasses.replace(batch, token_sources=np.arange(t, dtype=np.int32) - 1)
     np.testing.assert_array_equal(unpack_forward_inputs(pack_forward_inputs(sourced), t, s, p)["token_sources"],
                                   sourced.token_sources)
+
+
+def test_a_wide_batch_fills_its_page_table_in_one_copy_as_row_by_row():
+    """From 16 rows up the table is filled from one flat list: ragged rows land where a row-by-row
+    fill puts them, the rest stays 0."""
+    rng = np.random.default_rng(0)
+    buckets = BucketPolicy(max_num_batched_tokens=64, max_num_seqs=32, max_pages=16, ladder=tuple(range(8, 65, 8)))
+    for num_seqs in (15, 16, 23):
+        counts = rng.integers(1, 9, num_seqs)
+        items = [item(f"r{i}", int(n) * PAGE - 1, [i + 1], rng.integers(1, 500, int(n)).tolist())
+                 for i, n in enumerate(counts)]
+        batch = build_batch(plan(*items), buckets)
+        expected = np.zeros_like(batch.page_table)
+        for i, it in enumerate(items):
+            expected[i, :len(it.page_ids)] = it.page_ids
+        assert np.array_equal(batch.page_table, expected)
+        assert batch.token_ids[:num_seqs].tolist() == list(range(1, num_seqs + 1))
+
+
+def test_a_decode_batch_one_token_a_row():
+    """Every row feeds one token (the decode batches' own path): token i is row i's, at its start;
+    rows fed from the device's last samples name their source at their token."""
+    a = item("a", 9, [21], [2, 5, 6])
+    b = item("b", 0, [0], [4])._replace(token_source=3)
+    c = item("c", 4, [0], [7, 3])._replace(token_source=0)
+    batch = build_batch(plan(a, b, c), BUCKETS)
+    assert batch.token_ids.tolist()[:3] == [21, 0, 0] and batch.positions.tolist()[:3] == [9, 0, 4]
+    assert batch.slot_mapping.tolist()[:3] == [25, 16, 12]  # page 6 slot 1, page 4 slot 0, page 3 slot 0
+    assert batch.cu_q_lens.tolist()[:4] == [0, 1, 2, 3] and batch.logits_indices.tolist()[:3] == [0, 1, 2]
+    assert batch.kv_lens.tolist()[:3] == [10, 1, 5]
+    assert batch.token_sources.tolist() == [-1, 3, 0, -1, -1, -1, -1, -1]

@@ -270,14 +270,15 @@ class KVCacheManager:
         return 0 if table is None else len(table) + self._pending[request_id]
 
     # ---- allocation -----------------------------------------------------------------------------
-    def allocate_up_to(self, request_id: str, num_tokens: int) -> None:
-        """Make request_id hold enough pages for num_tokens tokens, within its reservation."""
+    def allocate_up_to(self, request_id: str, num_tokens: int) -> list[int]:
+        """Make request_id hold enough pages for num_tokens tokens, within its reservation; returns its
+        pages (page_ids: the allocator's own list, read-only), so a planner needs one lookup a row."""
         table = self._page_tables.get(request_id)
         if table is None:
             raise KVCacheError(f"request {request_id!r} has no reservation")
         num_needed = -(-num_tokens // self.page_size)
         if len(table) >= num_needed:
-            return  # the common case, per decoding request per iteration: its last page has room
+            return table  # the common case, per decoding request per iteration: its last page has room
         if num_needed > self.num_reserved_for(request_id):
             raise KVCacheError(f"request {request_id!r} needs {num_needed} pages for {num_tokens} "
                                f"tokens but reserved {self.num_reserved_for(request_id)}")
@@ -291,6 +292,7 @@ class KVCacheManager:
             self._pending[request_id] -= 1
             self._num_pending -= 1
             table.append(page)
+        return table
 
     def _take_free_page(self) -> int:
         """The rest of the pool's free pages first, then the lendable ones (while not lent), then the

@@ -39,7 +39,10 @@ class ScheduledRequest(NamedTuple):
 
 def keeps_sample(item: ScheduledRequest) -> bool:
     """Whether the row's sample becomes an output token (not a mid-prompt chunk's, discarded)."""
-    return item.token_source >= 0 or item.start + item.num_new_tokens >= item.request.num_tokens
+    # num_new_tokens and Request.num_tokens inlined: this runs per row per iteration.
+    request = item.request
+    return item.token_source >= 0 or \
+        item.start + len(item.token_ids) >= len(request.prompt_token_ids) + len(request.output_token_ids)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,7 +59,7 @@ class SchedulerOutput:
     num_tokens: int = dataclasses.field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "num_tokens", sum(len(s.token_ids) for s in self.scheduled))
+        object.__setattr__(self, "num_tokens", sum([len(s.token_ids) for s in self.scheduled]))
 
     @property
     def num_requests(self) -> int:

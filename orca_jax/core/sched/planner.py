@@ -29,10 +29,22 @@ class PlanningView(NamedTuple):
         return self.start < self.num_prompt_tokens
 
 
+# A NamedTuple's own __new__ is a Python call around tuple.__new__; with every field given in order,
+# tuple.__new__ makes the same tuple (0.16 us against 0.36 for a plan row): one of each per row per iteration.
+_new_tuple = tuple.__new__
+
+
 def own_view(request: Request) -> PlanningView:
     """A request planned from its own state (in no unreturned batch)."""
-    return PlanningView(request.num_computed_tokens, len(request.output_token_ids), -1,
-                        request.num_initiation_tokens)
+    # Request.num_initiation_tokens inlined: this runs per request per iteration.
+    return _new_tuple(PlanningView, (request.num_computed_tokens, len(request.output_token_ids), -1,
+                                     max(len(request.prompt_token_ids), request.recompute_len)))
+
+
+def view_of(start: int, step: int, token_source: int, num_prompt_tokens: int) -> PlanningView:
+    """PlanningView(start, step, token_source, num_prompt_tokens), built as own_view builds it: a
+    scheduler with async scheduling makes one per request in flight per iteration."""
+    return _new_tuple(PlanningView, (start, step, token_source, num_prompt_tokens))
 
 
 def take_cached(request: Request, view: PlanningView, kv: KVCacheManager, max_tokens: int) -> PlanningView:
@@ -54,18 +66,21 @@ def plan_request(request: Request, num_new_tokens: int, kv: KVCacheManager,
                  view: PlanningView | None = None) -> ScheduledRequest:
     """Allocate KV pages for a request's next num_new_tokens and return its share of the plan."""
     view = view or own_view(request)
-    end = view.start + num_new_tokens
+    start, step, token_source, num_prompt_tokens = view
+    end = start + num_new_tokens
     # A request with the same prompt planned earlier in this batch may have published pages this
     # chunk would compute: take them, keeping the chunk's end (its budget share) and its last token.
-    start = view.start
-    if start < view.num_prompt_tokens:  # in its prompt (take_cached's own first test, skipped per decoding row)
-        start = take_cached(request, view, kv, min(end, view.num_prompt_tokens) - 1).start
-    kv.allocate_up_to(request.request_id, end)
+    if start < num_prompt_tokens:  # in its prompt (take_cached's own first test, skipped per decoding row)
+        start = take_cached(request, view, kv, min(end, num_prompt_tokens) - 1).start
+    pages = kv.allocate_up_to(request.request_id, end)
     # Pages this batch completes are shareable from now on: a later request reading them runs in a
     # later batch, or in this one, whose forward writes every new token's K/V before any layer attends.
     kv.publish(request, end)
-    tokens = (0,) if view.token_source >= 0 else tuple(request.token_ids_at(start, end - start))
-    return ScheduledRequest(
-        request=request, start=start, token_ids=tokens,
-        page_ids=tuple(kv.page_ids(request.request_id)[:kv.num_pages_for(end)]), seed=request.seed,
-        sampling=request.sampling, step=view.step, token_source=view.token_source, lora_slot=request.lora_slot)
+    if token_source >= 0:
+        tokens = (0,)
+    elif end - start == 1 and start >= len(request.prompt_token_ids):  # a decoding row: its last output
+        tokens = (request.output_token_ids[start - len(request.prompt_token_ids)],)
+    else:
+        tokens = tuple(request.token_ids_at(start, end - start))
+    return _new_tuple(ScheduledRequest, (request, start, tokens, tuple(pages[:-(-end // kv.page_size)]),
+                                         request.seed, request.sampling, step, token_source, request.lora_slot))

@@ -16,7 +16,7 @@ from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.core.request import Request, RequestStatus, stop_status
 from orca_jax.core.sched.interface import AdapterAdmission, QueueFullError
 from orca_jax.core.sched.output import SchedulerOutput
-from orca_jax.core.sched.planner import PlanningView, own_view, plan_request, take_cached
+from orca_jax.core.sched.planner import PlanningView, own_view, plan_request, take_cached, view_of
 from orca_jax.core.sched.policies import Policy, make_policy
 
 
@@ -162,8 +162,18 @@ class Scheduler:
         can_admit = True
         refused = float("inf")
         ahead = self._pipeline_stages == 1 or all(r in self._in_flight_rows for r in self._requests.values())
-        views = {r: view for r in self._requests.values() if (view := self._planning_view(r, ahead)) is not None}
+        rows_of = self._in_flight_rows
         max_num_seqs, waiting = self.config.max_num_seqs, RequestStatus.WAITING  # locals: read per row
+        # A waiting request (in no batch) gets its view when admitted, below; until then it only takes its
+        # place in the order. A request in no unreturned batch plans from its own state (most).
+        views: dict[Request, PlanningView | None] = {}
+        for r in self._requests.values():
+            if r.status is waiting:
+                views[r] = None
+            elif r not in rows_of:
+                views[r] = own_view(r)
+            elif (view := self._planning_view(r, ahead)) is not None:
+                views[r] = view
         for request in self.policy.order(list(views), now):
             if len(batch) >= max_num_seqs:
                 break
@@ -182,20 +192,21 @@ class Scheduler:
 
         # Prompts first take what was published since their admission (earlier batches' pages), so
         # the token budget goes to what is left to compute.
+        num_increments = 0
         for request in batch:
             view = views[request]
-            if view.in_initiation:  # (a decoding request has nothing to take: skip the call, per row)
-                views[request] = take_cached(request, view, self.kv, view.num_prompt_tokens - 1)
+            if view.start < view.num_prompt_tokens:  # (a decoding request has nothing to take: skip the call)
+                view = views[request] = take_cached(request, view, self.kv, view.num_prompt_tokens - 1)
+            num_increments += view.start >= view.num_prompt_tokens
         # Increments first: SchedulerConfig guarantees max_num_batched_tokens >= max_num_seqs.
-        budget = self.config.max_num_batched_tokens
-        budget -= sum(1 for r in batch if not views[r].in_initiation)
+        budget = self.config.max_num_batched_tokens - num_increments
         # The cap shares an iteration among requests; a prompt alone in its batch starves nobody.
         chunk_cap = self.config.long_prefill_token_threshold if len(batch) > 1 else None
         chunk_cap = chunk_cap or budget
         planned: list[tuple[Request, int]] = []
         for request in batch:
             view = views[request]
-            if view.in_initiation:
+            if view.start < view.num_prompt_tokens:  # (PlanningView.in_initiation, inlined: per row)
                 num_new = min(view.num_prompt_tokens - view.start, budget, chunk_cap)
                 budget -= num_new
                 if num_new == 0:
@@ -214,8 +225,13 @@ class Scheduler:
         output = SchedulerOutput(tuple(scheduled), self._next_iteration, self.kv.page_size, dropped)
         self._next_iteration += 1
         self._in_flight_iterations.add(output.iteration)
+        iteration = output.iteration
         for row, s in enumerate(scheduled):
-            self._in_flight_rows.setdefault(s.request, []).append((output.iteration, row, s.num_new_tokens))
+            rows = rows_of.get(s.request)
+            if rows is None:
+                rows_of[s.request] = [(iteration, row, len(s.token_ids))]
+            else:
+                rows.append((iteration, row, len(s.token_ids)))
         return output
 
     def _shorten_to_target(self, planned: list[tuple[Request, int]],
@@ -373,11 +389,13 @@ class Scheduler:
             return None
         _, row, num_fed = rows[0]
         start = request.num_computed_tokens + num_fed
-        samples = start >= request.num_tokens  # that batch feeds the last known token
-        step = len(request.output_token_ids) + samples
+        num_prompt, num_outputs = len(request.prompt_token_ids), len(request.output_token_ids)
+        samples = start >= num_prompt + num_outputs  # that batch feeds the last known token
+        step = num_outputs + samples
         if samples and step >= request.sampling.max_tokens:
             return None
-        return PlanningView(start, step, row if samples else -1, request.num_initiation_tokens)
+        # (Request.num_tokens and num_initiation_tokens inlined: per request in flight per iteration)
+        return view_of(start, step, row if samples else -1, max(num_prompt, request.recompute_len))
 
     # ---- Algorithm 1: after the engine ran a batch ---------------------------------------------
     def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[int],
@@ -400,19 +418,21 @@ class Scheduler:
         self._in_flight_iterations.remove(output.iteration)
         now = self._clock()
         finished: list[Request] = []
+        rows_of, iteration = self._in_flight_rows, output.iteration  # locals: read per row
         for i, s in enumerate(output.scheduled):
             request = s.request
-            rows = self._in_flight_rows.get(request)
-            if not rows or rows[0][0] != output.iteration:
+            rows = rows_of.get(request)
+            if not rows or rows[0][0] != iteration:
                 continue  # preempted while in flight: this row's token is stale, it recomputes
-            rows.pop(0)  # batches return in the order they were planned
-            if not rows:
-                del self._in_flight_rows[request]
+            if len(rows) == 1:  # batches return in the order they were planned
+                del rows_of[request]
+            else:
+                rows.pop(0)
             if request.status.finished:
                 continue  # aborted or finished from outside while in flight: drop its token
-            request.num_computed_tokens += s.num_new_tokens
+            request.num_computed_tokens += len(s.token_ids)
             request.num_iterations += 1
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < len(request.prompt_token_ids) + len(request.output_token_ids):
                 continue  # mid-prompt chunk: the model sampled from a prefix, not the prompt's end
             token = int(sampled_token_ids[i])
             request.output_token_ids.append(token)

@@ -10,6 +10,8 @@
 #   interval at 1 ms and 5 ms instead of the dispatcher's 0.2 ms / inline again; then llama-8b bf16, thread
 #   on and off.
 # PART=4: llama-1b latency and the trace with the dispatcher's 0.5 ms against 0.2 ms and inline.
+# PART=5: the final figures: llama-1b latency and trace, thread against inline, twice; llama-8b FP8's trace
+#   with the head in e4m3 and in bf16, twice; the engine's host split at 1/32/256 sequences (host_profile.py).
 # JSON and traces land in $OUT/dispatch_PART.tgz (a call brings back 8 files at most).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1|2 benchmarks/probes/dispatch_h200.sh
 set -u
@@ -68,6 +70,22 @@ if [ "${PART:-1}" = 4 ]; then  # the dispatcher's interval at 0.5 ms (its defaul
   thr llama-1b_thread3_si05ms llama-1b --num-runs 3
   si_bench llama-1b_thread3_si02ms 0.0002 throughput llama-1b "${trace[@]}"
   thr llama-1b_inline3_rep llama-1b --no-dispatch-thread --num-runs 3
+fi
+if [ "${PART:-1}" = 5 ]; then
+  lat llama-1b_inline llama-1b 1,8,32 --no-dispatch-thread
+  lat llama-1b_thread llama-1b 1,8,32
+  lat llama-1b_thread_rep llama-1b 1,8,32
+  lat llama-1b_inline_rep llama-1b 1,8,32 --no-dispatch-thread
+  thr llama-1b_inline3 llama-1b --no-dispatch-thread --num-runs 3
+  thr llama-1b_thread3 llama-1b --num-runs 3
+  thr llama-1b_thread3_rep llama-1b --num-runs 3
+  thr llama-1b_inline3_rep llama-1b --no-dispatch-thread --num-runs 3
+  thr llama-8b_fp8_bf16head llama-8b -q fp8 --no-quantize-lm-head --num-runs 2
+  thr llama-8b_fp8 llama-8b -q fp8 --num-runs 2
+  thr llama-8b_fp8_rep llama-8b -q fp8 --num-runs 2
+  thr llama-8b_fp8_bf16head_rep llama-8b -q fp8 --no-quantize-lm-head --num-runs 2
+  timeout 120 python benchmarks/probes/host_profile.py --model llama-1b --precompile --json "$work/host_profile_llama-1b.json" \
+    2>&1 | grep -E "^\{|seqs|step|Error|Traceback" | cut -c1-300 | head -20
 fi
 ls "$work"
 tar czf "$OUT/dispatch_${PART:-1}.tgz" -C "$work" .

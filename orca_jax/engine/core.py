@@ -285,9 +285,10 @@ class Engine:
         slowdown, or its TPOT SLO, allows. A job that borrowed KV pages gives them back first if a
         request the smaller pool could not admit has waited half the deferral bound (finetune/kv_loan.py).
         """
-        if self.fine_tuning is not None:  # the job reaches the runner's stage and adapter table itself
-            self.drain()
-        if self.kv_loan is not None and self.kv_loan.lent:
+        lent = self.kv_loan is not None and self.kv_loan.lent
+        if self.fine_tuning is not None and (lent or self.fine_tuning.has_work()):
+            self.drain()  # the job (or the pages it gives back) reaches the runner's stage itself
+        if lent:
             refused = self.scheduler.oldest_refused_arrival
             if refused is not None and time.monotonic() - refused >= self.config.fine_tuning.deferral_bound_s / 2:
                 self.fine_tuning.yield_memory()

@@ -419,9 +419,11 @@ def test_decode_steps_call_the_forward_with_every_buffer_where_it_was():
     engine.add_request(list(range(5, 25)), SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3))
     engine.step()  # the prompt; the first decode steps after it still make their buffers
     engine.step()
+    engine.drain()  # the batch in flight has its programs (launched on the dispatch thread) before the swap
     compilation.executable = recording  # noqa: a test's seam: what each program is given and gives back
     for _ in range(6):
         engine.step()
+    engine.drain()  # the sixth step's batch launched
     forwards = calls["ForwardKey"]
     assert len(forwards) == 6
     assert all(call[:2] == forwards[0][:2] for call in forwards)

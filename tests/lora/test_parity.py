@@ -72,6 +72,7 @@ def test_logits_equal_peft(built, kind):
     base, adapters, _, engine = built(kind)
     assert not engine.lora.slots.resident  # slot 4 is written here behind the engine's back
     ids = np.random.default_rng(0).integers(3, 250, size=24).tolist()
+    engine.drain()  # the runner is called from here below
     for name, (path, theirs) in adapters.items():
         engine.runner.load_lora(4, load_adapter(path, name, engine.model_config, MAX_RANK))
         expected = hf_logits(theirs, ids)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One nvidia-h200-x2 call (issues 45 and 46, sixth session): tensor parallelism at the code of now, and where a
+# host-bound llama-1b step goes at 32 and 256 sequences.
+# PART=1 (before any change):
+#   llama-8b (1, 1) against (2, 1): `bench latency` at batch 1, 8, 32 and the ORCA trace, same machine;
+#   a profile of (2, 1) batch-1 decode (mesh_profile.py: the step, the replay, a jax trace);
+#   llama-1b on one GPU at 32 and 256 sequences: mesh_profile.py with a trace (the dispatch thread's and the
+#   engine thread's host timelines beside the device's).
+# Each run is skipped once fewer than its seconds are left of the call's DEADLINE (default 560 s).
+# JSON and traces land in $OUT/round6_PART.tgz (a call brings back 8 files at most).
+#   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1 benchmarks/probes/round6_h200x2.sh
+set -u
+. benchmarks/probes/device_setup.sh
+work=/tmp/round6_${PART:-1}; mkdir -p "$work"
+. benchmarks/probes/bench_lib.sh
+nvidia-smi -L
+deadline=${DEADLINE:-560}
+fits() { [ $((deadline - SECONDS)) -ge "$1" ] || { echo "skipped ($1 s needed, $((deadline - SECONDS)) left): $2"; return 1; }; }
+profile() {  # NAME-free: mesh_profile.py's JSON and trace land in $work under its own name
+  timeout 110 python benchmarks/probes/mesh_profile.py "$@" --out "$work" 2>&1 | grep -E "^\{|Error|Traceback" | cut -c1-600
+}
+if [ "${PART:-1}" = 1 ]; then
+  fits 150 lat_tp1 && LAT_TIMEOUT=150 lat llama-8b_tp1_pp1 llama-8b 1,8,32
+  fits 150 lat_tp2 && LAT_TIMEOUT=150 lat llama-8b_tp2_pp1 llama-8b 1,8,32 -tp 2
+  fits 120 thr_tp1 && THR_TIMEOUT=120 thr llama-8b_tp1_pp1 llama-8b
+  fits 120 thr_tp2 && THR_TIMEOUT=120 thr llama-8b_tp2_pp1 llama-8b -tp 2
+  fits 100 prof_tp2 && profile --model llama-8b -tp 2 -pp 1 --batch-size 1 --steps 30 --profile-steps 6
+  fits 80 prof_1b_32 && profile --model llama-1b --batch-size 32 --steps 30 --profile-steps 6
+  fits 80 prof_1b_256 && profile --model llama-1b --batch-size 256 --input-len 128 --steps 30 --profile-steps 4
+fi
+ls "$work"
+[ -n "$(ls "$work"/*.trace.json.gz 2>/dev/null)" ] && summarize_traces "$work" 2>&1 | head -80
+tar czf "$OUT/round6_${PART:-1}.tgz" -C "$work" .
+echo "done in $SECONDS s"

@@ -354,6 +354,10 @@ class SamplingConfig:
     # building the automaton, at intake on the engine's thread, costs ~1-2 us per character.
     max_stop_strings: int = 256
     max_stop_chars: int = 4096
+    # A decode batch sampled plainly (no penalties, grammar, bias or top logprobs) samples inside its
+    # forward's program, one launch fewer an iteration (worker/stage.py); two more programs per decode
+    # bucket. Off: the sampling programs run after the forward, as for every other batch.
+    fuse_decode_sampling: bool = True
 
     def __post_init__(self):
         if self.max_logprobs < 0:

@@ -6,6 +6,10 @@
 #   a profile of (2, 1) batch-1 decode (mesh_profile.py: the step, the replay, a jax trace);
 #   llama-1b on one GPU at 32 and 256 sequences: mesh_profile.py with a trace (the dispatch thread's and the
 #   engine thread's host timelines beside the device's).
+# PART=2 (sampling inside the decode forward, ForwardKey.sampled; XLA's SKIP_PROFILED update mode):
+#   llama-1b `bench latency` at batch 1, 8, 32, fused against --no-fuse-decode-sampling, twice (the pair
+#   reversed); the ORCA trace the same way; llama-8b batch 1 and 32 both ways; (2, 1) batch 1 and 32 both
+#   ways; llama-1b with --xla_gpu_command_buffer_update_mode=SKIP_PROFILED against the engine's SKIP_TEMP.
 # Each run is skipped once fewer than its seconds are left of the call's DEADLINE (default 560 s).
 # JSON and traces land in $OUT/round6_PART.tgz (a call brings back 8 files at most).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1 benchmarks/probes/round6_h200x2.sh
@@ -27,6 +31,22 @@ if [ "${PART:-1}" = 1 ]; then
   fits 100 prof_tp2 && profile --model llama-8b -tp 2 -pp 1 --batch-size 1 --steps 30 --profile-steps 6
   fits 80 prof_1b_32 && profile --model llama-1b --batch-size 32 --steps 30 --profile-steps 6
   fits 80 prof_1b_256 && profile --model llama-1b --batch-size 256 --input-len 128 --steps 30 --profile-steps 4
+fi
+if [ "${PART:-1}" = 2 ]; then
+  nofuse=--no-fuse-decode-sampling
+  fits 60 l1 && lat llama-1b_fused llama-1b 1,8,32
+  fits 60 l2 && lat llama-1b_apart llama-1b 1,8,32 $nofuse
+  fits 60 l3 && lat llama-1b_apart_rep llama-1b 1,8,32 $nofuse
+  fits 60 l4 && lat llama-1b_fused_rep llama-1b 1,8,32
+  fits 70 t1 && thr llama-1b_apart llama-1b $nofuse --num-runs 2
+  fits 70 t2 && thr llama-1b_fused llama-1b --num-runs 2
+  fits 70 t3 && thr llama-1b_fused_rep llama-1b --num-runs 2
+  fits 70 t4 && thr llama-1b_apart_rep llama-1b $nofuse --num-runs 2
+  fits 60 p1 && XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED lat llama-1b_skip_profiled llama-1b 1,8,32
+  fits 90 e1 && lat llama-8b_apart llama-8b 1,32 $nofuse
+  fits 90 e2 && lat llama-8b_fused llama-8b 1,32
+  fits 100 e3 && lat llama-8b_tp2_apart llama-8b 1,32 -tp 2 $nofuse
+  fits 100 e4 && lat llama-8b_tp2_fused llama-8b 1,32 -tp 2
 fi
 ls "$work"
 [ -n "$(ls "$work"/*.trace.json.gz 2>/dev/null)" ] && summarize_traces "$work" 2>&1 | head -80

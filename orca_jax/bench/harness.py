@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from orca_jax.config import (KVCacheDtype, Quantization, AttentionBackend, CacheConfig, EngineConfig, KVAllocation, ParallelConfig,
-                             SchedulerConfig, SchedulingPolicy)
+                             SamplingConfig, SchedulerConfig, SchedulingPolicy)
 from orca_jax.bench.datasets import int_list, requested_lengths
 from orca_jax.core.kv.manager import KVCacheManager
 from orca_jax.engine.defaults import SERVER_SCHEDULING
@@ -192,6 +192,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model: str = "llama
                            help="batches in flight (default: one per stage, two with async scheduling)" + many)
     group.add_argument("--dispatch-thread", action=argparse.BooleanOptionalAction, default=True,
                        help="launch the programs on a thread of their own, beside the engine's planning")
+    group.add_argument("--fuse-decode-sampling", action=argparse.BooleanOptionalAction, default=True,
+                       help="plainly sampled decode batches sample inside their forward's program")
     group.add_argument("--compilation-cache-dir", default="auto", help="a path, 'auto' or 'none'")
     group.add_argument("--engine-seed", type=int, default=0, help="random weights' and sampling's seed")
 
@@ -274,7 +276,7 @@ def engine_config(args: argparse.Namespace, *, max_num_seqs: int | None = None,
         attention=AttentionBackend(args.attention_backend), max_model_len=args.max_model_len, seed=args.engine_seed,
         quantization=None if args.quantization is None else Quantization(args.quantization),
         quantize_lm_head=args.quantize_lm_head, kv_cache_dtype=KVCacheDtype(args.kv_cache_dtype),
-        dispatch_thread=args.dispatch_thread,
+        dispatch_thread=args.dispatch_thread, sampling=SamplingConfig(fuse_decode_sampling=args.fuse_decode_sampling),
         compilation_cache_dir=None if cache_dir == "none" else cache_dir, **overrides)
 
 
@@ -347,7 +349,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
               ("--kv-cache-dtype", args.kv_cache_dtype), ("--compilation-cache-dir", args.compilation_cache_dir)]
     switches = ["--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
                 "--quantize-lm-head" if args.quantize_lm_head else "--no-quantize-lm-head",
-                "--dispatch-thread" if args.dispatch_thread else "--no-dispatch-thread"]
+                "--dispatch-thread" if args.dispatch_thread else "--no-dispatch-thread",
+                "--fuse-decode-sampling" if args.fuse_decode_sampling else "--no-fuse-decode-sampling"]
     return [str(x) for flag, value in values if value is not None for x in (flag, value)] + switches
 
 

@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--dispatch-thread", action=argparse.BooleanOptionalAction,
                        default=_default(EngineConfig, "dispatch_thread"),
                        help="launch the programs on a thread of their own, beside the engine's planning")
+    sched.add_argument("--fuse-decode-sampling", action=argparse.BooleanOptionalAction,
+                       default=_default(SamplingConfig, "fuse_decode_sampling"),
+                       help="plainly sampled decode batches sample inside their forward's program (one launch fewer)")
 
     kv = p.add_argument_group("KV cache")
     kv.add_argument("--page-size", type=int, default=_default(CacheConfig, "page_size"), help="tokens per KV page")
@@ -424,7 +427,8 @@ def engine_config_from_args(args: argparse.Namespace, defaults: BatchDefaults | 
                                 control_port=args.control_port, peer_timeout_s=args.peer_timeout_s,
                                 shutdown_timeout_s=args.peer_shutdown_timeout_s),
         sampling=SamplingConfig(max_logprobs=args.max_logprobs, enable_prompt_logprobs=args.enable_prompt_logprobs,
-                                max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars),
+                                max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                                fuse_decode_sampling=args.fuse_decode_sampling),
         attention=AttentionBackend(args.attention_backend),
         dtype=None if args.dtype == "auto" else args.dtype, max_model_len=args.max_model_len, seed=args.seed,
         quantization=None if args.quantization is None else Quantization(args.quantization),

@@ -57,13 +57,17 @@ class ForwardKey:
     """A stage's ragged forward pass over one bucket; with the LoRA adapter term or without (static:
     a batch without adapted tokens skips that work); over the whole KV pool, or the pool while a
     fine-tuning job borrows its top pages (`lent`: the pages' array is smaller, kv_loan.py); for any
-    batch, or (`decode`) for batches whose every request feeds one token (Decoder.for_decode)."""
+    batch, or (`decode`) for batches whose every request feeds one token (Decoder.for_decode); a decode
+    forward may also sample its logits (`sampled`, worker/stage.py)."""
 
     bucket: Bucket
     stage: int
     lora: bool = False
     lent: bool = False
     decode: bool = False
+    # -1: the forward hands its logits to the sampling programs; else the SampleMode (GREEDY or SAMPLE)
+    # of the plain sampling (no logits processing, no top logprobs) it runs itself.
+    sampled: int = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -104,7 +108,7 @@ def key_to_json(key: ProgramKey) -> list:
     if isinstance(key, PromptLogprobsKey):
         return [type(key).__name__, key.length]
     if isinstance(key, ForwardKey):
-        return [type(key).__name__, list(key.bucket), key.stage, key.lora, key.lent, key.decode]
+        return [type(key).__name__, list(key.bucket), key.stage, key.lora, key.lent, key.decode, key.sampled]
     return [type(key).__name__, list(key.bucket), key.stage]
 
 
@@ -121,7 +125,7 @@ def key_from_json(data: list) -> ProgramKey:
         return PromptLogprobsKey(int(data[1]))
     if cls is ForwardKey:
         return ForwardKey(Bucket(*(int(x) for x in data[1])), int(data[2]), bool(data[3]), bool(data[4]),
-                          bool(data[5]))
+                          bool(data[5]), int(data[6]))
     return cls(Bucket(*(int(x) for x in data[1])), int(data[2]))
 
 

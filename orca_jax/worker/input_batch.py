@@ -17,6 +17,7 @@ import numpy as np
 from orca_jax.core.sched.output import SchedulerOutput
 from orca_jax.sample.batcher import SamplingBatcher
 from orca_jax.sample.inputs import SamplingInputs
+from orca_jax.sample.ops.sampling import pack_sampling_arrays
 from orca_jax.worker.compilation import Bucket
 
 
@@ -172,28 +173,40 @@ FORWARD_ARRAYS = (
 )
 
 
+# After them the packed vector carries the sampling parameters, i32[SAMPLING_PARAMS_ROWS, S]
+# (sample/ops/sampling.py's pack_sampling_arrays), which a decode forward that samples reads (the sampled
+# ForwardKey, worker/stage.py): staged with the rest, they cost no copy and no graph update of their own.
+SAMPLING_PARAMS_ROWS = 6
+
+
 def forward_inputs_size(t: int, s: int, p: int) -> int:
     """Length of the packed forward inputs of bucket (T, S, P)."""
-    return sum(int(np.prod(shape_of(BatchDims(t, s, p)))) for _, shape_of, _ in FORWARD_ARRAYS)
+    return sum(int(np.prod(shape_of(BatchDims(t, s, p)))) for _, shape_of, _ in FORWARD_ARRAYS) \
+        + SAMPLING_PARAMS_ROWS * s
 
 
 def pack_forward_inputs(batch: RaggedBatch) -> np.ndarray:
-    """i32[forward_inputs_size]: the forward's inputs in one vector; token_sources -1 (none) and
-    lora_slots 0 (none) when the batch has none."""
+    """i32[forward_inputs_size]: the forward's inputs in one vector, then the sampling parameters;
+    token_sources -1 (none) and lora_slots 0 (none) when the batch has none."""
     t = batch.token_ids.shape[0]
     absent = {"token_sources": np.full(t, -1, np.int32), "lora_slots": np.zeros(t, np.int32)}
+    sampling = batch.sampling
+    params = pack_sampling_arrays(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+                                  sampling.seed, sampling.step)  # i32[6, S]
     return np.concatenate([np.asarray(value if (value := getattr(batch, name)) is not None else absent[name],
-                                      np.int32).ravel() for name, _, _ in FORWARD_ARRAYS])
+                                      np.int32).ravel() for name, _, _ in FORWARD_ARRAYS] + [params.ravel()])
 
 
 def unpack_forward_inputs(vector, t: int, s: int, p: int) -> dict:
-    """The inverse of pack_forward_inputs, on numpy or (inside a program) jax arrays: name -> array."""
+    """The inverse of pack_forward_inputs, on numpy or (inside a program) jax arrays: name -> array,
+    the sampling parameters as "sampling_params" i32[SAMPLING_PARAMS_ROWS, S]."""
     out, offset = {}, 0
     for name, shape_of, _ in FORWARD_ARRAYS:
         shape = shape_of(BatchDims(t, s, p))
         size = int(np.prod(shape))
         out[name] = vector[offset:offset + size].reshape(shape)
         offset += size
+    out["sampling_params"] = vector[offset:offset + SAMPLING_PARAMS_ROWS * s].reshape(SAMPLING_PARAMS_ROWS, s)
     return out
 
 

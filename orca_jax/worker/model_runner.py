@@ -26,6 +26,7 @@ from orca_jax.models import decoder
 from orca_jax.models.attention import LayerKV
 from orca_jax.outputs import PromptLogprobs
 from orca_jax.sample.ops.penalties import tables_bytes
+from orca_jax.sample.mode import SampleMode
 from orca_jax.sample.sampler import PenaltyFillKey, SampleKey, Sampler
 from orca_jax.sharding import tensor_plan
 from orca_jax.sharding.mesh import TENSOR, check_parallel_fits, make_stage_meshes, stage_layer_ranges
@@ -55,6 +56,10 @@ class StepResult:
         packed = packed[:num_seqs]
         return cls(token_ids=packed[:, 0], logprobs=packed[:, 1].view(np.float32),
                    top_ids=packed[:, 2:2 + k], top_logprobs=packed[:, 2 + k:].view(np.float32))
+
+
+# The sampling modes a decode forward may run itself (ForwardKey.sampled); the searches stay apart.
+SAMPLED_MODES = (SampleMode.GREEDY, SampleMode.SAMPLE)
 
 
 class ModelRunner:
@@ -94,6 +99,8 @@ class ModelRunner:
         self.stable_buffers = len(self.stages) == 1
         # Decode batches (one token per request) run forwards of their own (ForwardKey.decode).
         self.decode_programs = self.stages[0].model.has_decode_attention
+        # ... which with one stage also sample plain batches themselves (ForwardKey.sampled, stage.py).
+        self.sampled_decode = self.decode_programs and self.stable_buffers and sampling.fuse_decode_sampling
         self.page_size = cache_config.page_size
         # Every stage keeps the same pages (one page table): size the pool by the fullest device, from
         # the weights' shapes, before any is placed (their bytes are still to come out of free memory).
@@ -243,6 +250,10 @@ class ModelRunner:
                           default=max((b.tokens for b in buckets), default=0))
             keys += [dataclasses.replace(key, decode=True) for key in keys
                      if isinstance(key, ForwardKey) and key.bucket.tokens <= ceiling]
+        if self.sampled_decode:
+            keys += [dataclasses.replace(key, sampled=int(mode)) for key in keys
+                     if isinstance(key, ForwardKey) and key.decode and not key.lora and key.bucket.seqs <= self.max_num_seqs
+                     for mode in SAMPLED_MODES]
         if self._prompt_logprobs is not None:
             keys += [PromptLogprobsKey(length) for length in self._prompt_logprobs.lengths]
         return keys + self.sampler.program_keys(b.seqs for b in buckets)
@@ -278,7 +289,7 @@ class ModelRunner:
             return ProgramSource(stage.lora.lower_update, list(stage.mesh.devices.flat), ())
         num_pages = self.full_pages - self.lendable_pages if key.lent else self.full_pages
         return ProgramSource(functools.partial(stage.lower, key.bucket, self.max_num_seqs, key.lora, num_pages,
-                                               self.stable_buffers, key.decode),
+                                               self.stable_buffers, key.decode, key.sampled),
                              list(stage.mesh.devices.flat), stage.input_specs(key.lora, num_pages))
 
     def precompile(self, keys: Iterable[ProgramKey], progress: ProgressFn | None = None,
@@ -387,7 +398,26 @@ class ModelRunner:
         """Dispatch one iteration (asynchronous); returns the packed device result."""
         if self.mirror is not None:
             self.mirror.execute(batch)
+        if self.samples_in_forward(batch):
+            return self._execute_sampled(batch)
         return self.sample(self._forward(batch), batch)
+
+    def samples_in_forward(self, batch: RaggedBatch) -> bool:
+        """Whether `batch` runs a decode forward that samples its logits itself (ForwardKey.sampled):
+        one stage, a decode batch without adapters, plain sampling without top logprobs."""
+        sampling = batch.sampling
+        return (self.sampled_decode and batch.is_decode and not batch.has_lora
+                and batch.bucket.seqs <= self.max_num_seqs and not sampling.logits_processed
+                and sampling.num_top_logprobs == 0 and sampling.sample_mode in SAMPLED_MODES)
+
+    def _execute_sampled(self, batch: RaggedBatch) -> jax.Array:
+        bucket, stage, executable = batch.bucket, self.stages[0], self.compilation.executable
+        key = ForwardKey(bucket, 0, False, self.pool_lent, True, int(batch.sampling.sample_mode))
+        # The previous samples: read where the batch feeds tokens back, then overwritten (donated).
+        packed, samples = stage.run_sampled(bucket, executable(StageInKey(bucket, 0)), executable(key),
+                                            pack_forward_inputs(batch), self.sampler.last_samples)
+        self.sampler.last_samples = self._next_tokens = samples
+        return packed
 
     def prompt_logprobs(self, token_ids: list[int], num_top: int) -> PromptLogprobs:
         """The logprobs of a prompt's tokens with the top `num_top` at each position (prompt_logprobs.py):

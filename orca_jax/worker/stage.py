@@ -18,7 +18,14 @@ argument: staged into the same buffer they measured worse (5.2 ms). Every bucket
 at T = 8 and 32 (llama-1b, llama-8b) staged and direct decode iterations measured the same.
 
 For the same reason the last stage writes its logits into a buffer it is given (donated, so it stays
-at one address; the runner keeps it, model_runner.py) instead of a fresh output. With tensor
+at one address; the runner keeps it, model_runner.py) instead of a fresh output.
+
+One stage can also sample inside its decode forward (ForwardKey.sampled: plain sampling, no logits
+processing, no top logprobs, the common case): the sampling parameters come staged with the forward's
+inputs, the samples are written over the previous ones (donated), and the logits never leave the
+program. An iteration is then two launches (stage-in, forward) instead of three: a sampling program's
+own call cost the dispatching thread ~0.24 ms on an H200 for ~0.02 ms of device work
+(benchmarks/results/h200/notes.md). With tensor
 parallelism and the all-reduces recorded in the graph (worker/xla_setup.py), an address that moves
 also re-records every collective, with a rendezvous of the devices.
 """
@@ -39,6 +46,8 @@ from orca_jax.lora.table import StageLoRATable
 from orca_jax.models import decoder, fp8
 from orca_jax.models.attention import AttentionMetadata, LayerKV
 from orca_jax.models.projections import fuse_projections
+from orca_jax.sample.mode import SampleMode
+from orca_jax.sample.sampler import sample_plain
 from orca_jax.sharding import rules
 from orca_jax.sharding.mesh import TENSOR
 from orca_jax.sharding.tensor_plan import TensorPlan
@@ -89,6 +98,9 @@ class Stage:
         self.kv = None  # made by allocate_kv, once the pool size is known (from the weights' shapes and free memory)
         # The pages go out with the sharding they came in with; else the second call would recompile.
         self._forward_fn = forward_program(out_shardings=(self.replicated, self.kv_shardings))
+        self._sampled_fn = sampled_forward_program(out_shardings=(self.replicated, self.replicated, self.kv_shardings))
+        # The searches' passes unrolled on GPU, as the sampling programs do (sample/sampler.py).
+        self._unroll = mesh.devices.flat[0].platform == "gpu"
         self._stage_in_fn = stage_in_program(out_shardings=self.replicated)
         # i32[forward_inputs_size(T, S, P)] per bucket: the forward's packed inputs, staged by run();
         # each run donates it to the stage-in program, which writes it in place.
@@ -212,12 +224,20 @@ class Stage:
         return jax.ShapeDtypeStruct((max_num_seqs, self.config.vocab_size), jnp.float32, sharding=self.replicated)
 
     def lower(self, bucket: Bucket, max_num_seqs: int, lora: bool = False,
-              num_pages: int | None = None, logits_buffer: bool = True, decode: bool = False) -> jax.stages.Lowered:
+              num_pages: int | None = None, logits_buffer: bool = True, decode: bool = False,
+              sampled: int = -1) -> jax.stages.Lowered:
         """The forward program of `bucket` (with the LoRA adapter term or not) over a pool of num_pages
         (None: the current one), traced for this stage's inputs; on the last stage writing its logits
         into a buffer it is given (`logits_buffer`) or returning them; `decode`: for batches whose every
-        request feeds one token (Decoder.for_decode)."""
+        request feeds one token (Decoder.for_decode); `sampled` (a SampleMode; -1: none): the only
+        stage's decode forward sampling its logits itself (run_sampled)."""
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.replicated)
+        if sampled >= 0:
+            if not (self.first and self.last and decode and not lora):
+                raise ValueError("only the one stage's decode forward without adapters samples its logits")
+            return self._sampled_fn.lower(self.model.for_decode(), bucket, SampleMode(sampled), max_num_seqs,
+                                          self._unroll, self.param_specs, self.kv_specs(num_pages),
+                                          i32(forward_inputs_size(*bucket)), i32(max_num_seqs))
         if self.first:
             inputs = i32(max_num_seqs)
         else:
@@ -256,6 +276,18 @@ class Stage:
         out, self.kv = forward(self.params, self.kv, self.lora.table if lora else None, staged, inputs, logits)
         return out
 
+    def run_sampled(self, bucket: Bucket, stage_in: jax.stages.Compiled, forward: jax.stages.Compiled,
+                    packed: np.ndarray, samples: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Dispatch the only stage's decode forward that samples (asynchronous): the packed result
+        i32[S, 2] and the samples i32[max_num_seqs], written over `samples` (the previous ones, which
+        the forward reads its fed-back tokens from; donated)."""
+        staged = self._staged.get(bucket)
+        if staged is None:
+            staged = self._zeros(packed.shape[0])
+        self._staged[bucket] = staged = stage_in(staged, packed)
+        result, samples, self.kv = forward(self.params, self.kv, staged, samples)
+        return result, samples
+
     def _zeros(self, size: int) -> jax.Array:
         """i32[size] zeros on this stage's devices, made shard by shard: a device_put of one host array
         onto devices of every process checks that each passed the same (a collective mid-serving)."""
@@ -278,6 +310,14 @@ def forward_program(out_shardings=None):
     if out_shardings is None:
         return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 10))
     return jax.jit(_stage_forward, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 10),
+                   out_shardings=out_shardings)
+
+
+def sampled_forward_program(out_shardings=None):
+    """The jitted decode forward of the only stage that samples its logits: (model, bucket, mode,
+    max_num_seqs, unroll) static, the KV pages and the previous samples donated; call or lower it as
+    (model, bucket, mode, max_num_seqs, unroll, params, kv, packed inputs, samples)."""
+    return jax.jit(_stage_forward_sampled, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 8),
                    out_shardings=out_shardings)
 
 
@@ -323,6 +363,17 @@ def _stage_forward(model: decoder.Decoder, first: bool, last: bool, bucket: Buck
             return logits, kv
         return jax.lax.dynamic_update_slice(logits_buffer, logits, (0, 0)), kv
     return x, kv
+
+
+def _stage_forward_sampled(model: decoder.Decoder, bucket: Bucket, mode: SampleMode, max_num_seqs: int, unroll: bool,
+                           params, kv, packed, samples):
+    """(packed result i32[S, 2], samples i32[max_num_seqs], kv): the forward's logits f32[S, V] sampled
+    as sample_plain would (without top logprobs) with the parameters staged after the forward's inputs;
+    `samples` (the previous iteration's) is where fed-back tokens are read, then the buffer written."""
+    logits, kv = _stage_forward(model, True, True, bucket, None, params, kv, None, packed, samples, None)
+    sampling_params = unpack_forward_inputs(packed, *bucket)["sampling_params"]  # i32[6, S]
+    result, samples = sample_plain(logits, sampling_params, samples, mode, 0, max_num_seqs, unroll)
+    return result, samples, kv
 
 
 class Handoff:

@@ -10,6 +10,8 @@
 #   llama-1b `bench latency` at batch 1, 8, 32, fused against --no-fuse-decode-sampling, twice (the pair
 #   reversed); the ORCA trace the same way; llama-8b batch 1 and 32 both ways; (2, 1) batch 1 and 32 both
 #   ways; llama-1b with --xla_gpu_command_buffer_update_mode=SKIP_PROFILED against the engine's SKIP_TEMP.
+# PART=3: the ORCA trace at (1, 1) and (2, 1) with sampling in the decode forward, and (2, 1) without;
+#   a profile of (2, 1) batch-1 decode with it; llama-1b batch 1 and 32 once more both ways.
 # Each run is skipped once fewer than its seconds are left of the call's DEADLINE (default 560 s).
 # JSON and traces land in $OUT/round6_PART.tgz (a call brings back 8 files at most).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1 benchmarks/probes/round6_h200x2.sh
@@ -47,6 +49,15 @@ if [ "${PART:-1}" = 2 ]; then
   fits 90 e2 && lat llama-8b_fused llama-8b 1,32
   fits 100 e3 && lat llama-8b_tp2_apart llama-8b 1,32 -tp 2 $nofuse
   fits 100 e4 && lat llama-8b_tp2_fused llama-8b 1,32 -tp 2
+fi
+if [ "${PART:-1}" = 3 ]; then
+  nofuse=--no-fuse-decode-sampling
+  fits 100 t1 && thr llama-8b_tp1_fused llama-8b
+  fits 100 t2 && thr llama-8b_tp2_fused llama-8b -tp 2
+  fits 100 t3 && thr llama-8b_tp2_apart llama-8b -tp 2 $nofuse
+  fits 90 p1 && profile --model llama-8b -tp 2 -pp 1 --batch-size 1 --steps 30 --profile-steps 6
+  fits 50 l1 && lat llama-1b_apart llama-1b 1,32 $nofuse
+  fits 50 l2 && lat llama-1b_fused llama-1b 1,32
 fi
 ls "$work"
 [ -n "$(ls "$work"/*.trace.json.gz 2>/dev/null)" ] && summarize_traces "$work" 2>&1 | head -80

@@ -12,6 +12,8 @@
 #   ways; llama-1b with --xla_gpu_command_buffer_update_mode=SKIP_PROFILED against the engine's SKIP_TEMP.
 # PART=3: the ORCA trace at (1, 1) and (2, 1) with sampling in the decode forward, and (2, 1) without;
 #   a profile of (2, 1) batch-1 decode with it; llama-1b batch 1 and 32 once more both ways.
+# PART=4: the ORCA trace at (2, 1) with sampling in the forward and without, twice (the pair reversed),
+#   then at (1, 1) both ways.
 # Each run is skipped once fewer than its seconds are left of the call's DEADLINE (default 560 s).
 # JSON and traces land in $OUT/round6_PART.tgz (a call brings back 8 files at most).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1 benchmarks/probes/round6_h200x2.sh
@@ -58,6 +60,15 @@ if [ "${PART:-1}" = 3 ]; then
   fits 90 p1 && profile --model llama-8b -tp 2 -pp 1 --batch-size 1 --steps 30 --profile-steps 6
   fits 50 l1 && lat llama-1b_apart llama-1b 1,32 $nofuse
   fits 50 l2 && lat llama-1b_fused llama-1b 1,32
+fi
+if [ "${PART:-1}" = 4 ]; then
+  nofuse=--no-fuse-decode-sampling
+  fits 70 t1 && thr llama-8b_tp2_apart llama-8b -tp 2 $nofuse --num-runs 2
+  fits 70 t2 && thr llama-8b_tp2_fused llama-8b -tp 2 --num-runs 2
+  fits 70 t3 && thr llama-8b_tp2_fused_rep llama-8b -tp 2 --num-runs 2
+  fits 70 t4 && thr llama-8b_tp2_apart_rep llama-8b -tp 2 $nofuse --num-runs 2
+  fits 70 t5 && thr llama-8b_tp1_fused llama-8b --num-runs 2
+  fits 70 t6 && thr llama-8b_tp1_apart llama-8b $nofuse --num-runs 2
 fi
 ls "$work"
 [ -n "$(ls "$work"/*.trace.json.gz 2>/dev/null)" ] && summarize_traces "$work" 2>&1 | head -80

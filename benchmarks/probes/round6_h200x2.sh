@@ -14,6 +14,8 @@
 #   a profile of (2, 1) batch-1 decode with it; llama-1b batch 1 and 32 once more both ways.
 # PART=4: the ORCA trace at (2, 1) with sampling in the forward and without, twice (the pair reversed),
 #   then at (1, 1) both ways.
+# PART=5 (issue 46): llama-8b batch 1 and 32 in bf16 and FP8 (sampling in the forward and not), and FP8
+#   at (2, 1).
 # Each run is skipped once fewer than its seconds are left of the call's DEADLINE (default 560 s).
 # JSON and traces land in $OUT/round6_PART.tgz (a call brings back 8 files at most).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1 benchmarks/probes/round6_h200x2.sh
@@ -69,6 +71,13 @@ if [ "${PART:-1}" = 4 ]; then
   fits 70 t4 && thr llama-8b_tp2_apart_rep llama-8b -tp 2 $nofuse --num-runs 2
   fits 70 t5 && thr llama-8b_tp1_fused llama-8b --num-runs 2
   fits 70 t6 && thr llama-8b_tp1_apart llama-8b $nofuse --num-runs 2
+fi
+if [ "${PART:-1}" = 5 ]; then
+  fits 60 b1 && lat llama-8b_bf16 llama-8b 1,32
+  fits 60 f1 && lat llama-8b_fp8 llama-8b 1,32 -q fp8
+  fits 60 f2 && lat llama-8b_fp8_apart llama-8b 1,32 -q fp8 --no-fuse-decode-sampling
+  fits 80 f3 && lat llama-8b_fp8_tp2 llama-8b 1,32 -q fp8 -tp 2
+  fits 60 b2 && lat llama-8b_bf16_rep llama-8b 1,32
 fi
 ls "$work"
 [ -n "$(ls "$work"/*.trace.json.gz 2>/dev/null)" ] && summarize_traces "$work" 2>&1 | head -80

@@ -16,6 +16,8 @@
 #   then at (1, 1) both ways.
 # PART=5 (issue 46): llama-8b batch 1 and 32 in bf16 and FP8 (sampling in the forward and not), and FP8
 #   at (2, 1).
+# PART=6: FP8 at (2, 1) ran at 18 ms a step in PART=5: batch 1 with the head in bf16, without sampling in
+#   the forward, and a profile.
 # Each run is skipped once fewer than its seconds are left of the call's DEADLINE (default 560 s).
 # JSON and traces land in $OUT/round6_PART.tgz (a call brings back 8 files at most).
 #   OUT=DIR ORCA_JAX_COMMIT=SHA PART=1 benchmarks/probes/round6_h200x2.sh
@@ -78,6 +80,11 @@ if [ "${PART:-1}" = 5 ]; then
   fits 60 f2 && lat llama-8b_fp8_apart llama-8b 1,32 -q fp8 --no-fuse-decode-sampling
   fits 80 f3 && lat llama-8b_fp8_tp2 llama-8b 1,32 -q fp8 -tp 2
   fits 60 b2 && lat llama-8b_bf16_rep llama-8b 1,32
+fi
+if [ "${PART:-1}" = 6 ]; then
+  fits 70 h1 && lat llama-8b_fp8_tp2_bf16head llama-8b 1 -q fp8 -tp 2 --no-quantize-lm-head
+  fits 70 h2 && lat llama-8b_fp8_tp2_apart llama-8b 1 -q fp8 -tp 2 --no-fuse-decode-sampling
+  fits 90 p1 && profile --model llama-8b -tp 2 -pp 1 --batch-size 1 --steps 12 --profile-steps 3 --quantization fp8
 fi
 ls "$work"
 [ -n "$(ls "$work"/*.trace.json.gz 2>/dev/null)" ] && summarize_traces "$work" 2>&1 | head -80

@@ -118,17 +118,21 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def linear(x: jax.Array, weight: jax.Array, scale: jax.Array, form: MatmulForm | None = None,
            out_dtype=None) -> jax.Array:
     """x [T, in...] times an FP8 projection (weight e4m3 [out..., in...], scale f32 [out...]) ->
-    [T, out...] in `out_dtype` (None: x's; the LM head asks for f32 logits). `form` None: form_for(T)."""
+    [T, out...] in `out_dtype` (None: x's; the LM head asks for f32 logits). `form` None: form_for(T).
+
+    Only the input axes are merged (into K); the output axes stay as they are. Under tensor parallelism
+    gate_up's output axes are [2, F] with F split across the devices, and a merged [2F] is no split of
+    its own: XLA then gathered and transposed that weight on every step (llama-8b FP8 at (2, 1) on two
+    H200s: 18 ms a decode step against 2.8 ms on one; benchmarks/results/h200x2/notes.md)."""
     t = x.shape[0]
     num_out = scale.ndim
-    out_shape = weight.shape[:num_out]
     x2 = x.reshape(t, -1)  # [T, K]
-    w2 = weight.reshape(-1, x2.shape[1])  # [N, K]
-    s2 = scale.reshape(-1)  # [N]
-    contract = (((1,), (1,)), ((), ()))
+    w = weight.reshape(*weight.shape[:num_out], x2.shape[1])  # [out..., K]
+    contract = (((1,), (num_out,)), ((), ()))
     if (form or form_for(t)) is MatmulForm.W8A16:
-        y = jax.lax.dot_general(x2, w2.astype(x.dtype), contract, preferred_element_type=jnp.float32) * s2
+        y = jax.lax.dot_general(x2, w.astype(x.dtype), contract, preferred_element_type=jnp.float32) * scale
     else:
-        xq, xs = quantize_rows(x2)
-        y = jax.lax.dot_general(xq, w2, contract, preferred_element_type=jnp.float32) * xs * s2
-    return y.astype(out_dtype or x.dtype).reshape(t, *out_shape)
+        xq, xs = quantize_rows(x2)  # xs [T, 1]
+        y = jax.lax.dot_general(xq, w, contract, preferred_element_type=jnp.float32) \
+            * xs.reshape(t, *([1] * num_out)) * scale
+    return y.astype(out_dtype or x.dtype)  # [T, out...]

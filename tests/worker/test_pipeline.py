@@ -154,7 +154,7 @@ def test_two_processes_joined_by_jax_distributed_give_one_device_tokens(results,
     assert leader["max_in_flight"] == pp
     assert worker["worker_iterations"] == leader["iterations"]
     assert worker["programs"] == leader["programs"]  # one bucket (T = 8): one forward per stage
-    assert [p for p in leader["programs"] if p[0] == "ForwardKey"] == [["ForwardKey", [8, 2, 32], s, False, False, False] for s in range(pp)]
+    assert [p for p in leader["programs"] if p[0] == "ForwardKey"] == [["ForwardKey", [8, 2, 32], s, False, False, False, -1] for s in range(pp)]
 
 
 def test_serve_flags_name_the_processes():

@@ -1,6 +1,6 @@
 # Sourced by the device probes after device_setup.sh: the bench wrappers they share. Each writes its JSON
 # under $work (set it first) and prints only the lines that matter, prefixed with the run's name.
-#   lat NAME MODEL BATCHES [flags]   `bench latency` (async scheduling, 30 timed decode steps, context 512)
+#   lat NAME MODEL BATCHES [flags]   `bench latency` (async scheduling, 3 windows of 30 timed decode steps, context 512)
 #   thr NAME MODEL [flags]           `bench throughput` on the ORCA trace (512 requests, one run)
 #   summarize_traces DIR             mesh_trace_summary.py over DIR's traces, printed kernel class by class
 engine=(--max-num-seqs 256 --max-num-batched-tokens 8192 --no-enable-prefix-caching --compilation-cache-dir /tmp/cc)
@@ -8,7 +8,7 @@ quiet() { grep -E " batch|tok/s|tokens/s|Error|error|Traceback" | grep -v "^W0" 
 lat() {
   local name=$1 m=$2 bs=$3; shift 3
   timeout "${LAT_TIMEOUT:-150}" python -m orca_jax.bench latency --model "$m" "${engine[@]}" --batch-size "$bs" \
-    --async-scheduling on --num-iters 1 --num-iters-warmup 1 --decode-steps 30 --output-len 16 --result-dir "$work" \
+    --async-scheduling on --num-iters 1 --num-iters-warmup 1 --decode-steps 30 --decode-repeats 3 --output-len 16 --result-dir "$work" \
     --result-filename "${name}_latency.json" "$@" 2>&1 | sed "s/^/$name /" | quiet
 }
 thr() {

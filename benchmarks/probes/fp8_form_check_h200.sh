@@ -6,6 +6,6 @@ set -u
 . benchmarks/probes/device_setup.sh
 work=/tmp/fp8_form; mkdir -p "$work"
 . benchmarks/probes/bench_lib.sh
-LAT_TIMEOUT=100 lat llama-8b_fp8 llama-8b 1,32 -q fp8
-LAT_TIMEOUT=80 lat llama-8b_bf16 llama-8b 1,32
+LAT_TIMEOUT=240 lat llama-8b_fp8 llama-8b 1,32 -q fp8
+LAT_TIMEOUT=150 lat llama-8b_bf16 llama-8b 1,32
 tar czf "$OUT/fp8_form.tgz" -C "$work" .

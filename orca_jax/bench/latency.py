@@ -6,7 +6,8 @@ Per batch size B (and async scheduling on or off):
   run --num-iters times after --num-iters-warmup;
 - decode: B requests of --input-len prompt tokens, given outputs to spare, stepped until each has its
   first token; then the median wall time of --decode-steps iterations in which all B feed one token
-  each (context about --input-len), against the weight-read bound (every weight read once per
+  each (context about --input-len; --decode-repeats windows of fresh requests, each window's median and
+  the quartiles of every step reported too), against the weight-read bound (every weight read once per
   iteration, each stage's share per device, stages in turn, at the copy bandwidth measured in this
   run); the requests are dropped after;
 - the GPU's idle fraction: that decode's last batch replayed back to back on the device (forward and
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--decode-steps", type=int, default=20,
                         help="timed decode steps per batch size (every request one more token each)")
+    parser.add_argument("--decode-repeats", type=int, default=1,
+                        help="timed decode windows per batch size (fresh requests each); the row reports the "
+                             "median of every step and each window's median (a host-bound step moves between windows)")
     add_result_arguments(parser)
 
 
@@ -90,11 +94,18 @@ def measure(engine, batch_size: int, args: argparse.Namespace, costs, peaks) -> 
     for _ in range(args.num_iters_warmup):
         run_trace(engine, trace, realtime=False)
     runs = [run_trace(engine, trace, realtime=False) for _ in range(args.num_iters)]
-    decode, batch = decode_seconds(engine, batch_size, args.input_len, args.decode_steps)
+    windows = []  # each window's step seconds
+    for _ in range(max(1, args.decode_repeats)):
+        window, batch = decode_seconds(engine, batch_size, args.input_len, args.decode_steps)
+        windows.append(window)
+    decode = [seconds for window in windows for seconds in window]
+    quartiles = statistics.quantiles(decode, n=4) if len(decode) > 1 else decode * 3
     row = {"batch_size": batch_size, "input_len": args.input_len, "output_len": args.output_len,
            "batch_latency_s": statistics.median(r.wall_s for r in runs), "batch_latencies_s": [r.wall_s for r in runs],
            "roofline": roofline.run_bound(costs, peaks, runs[-1].records, runs[-1].wall_s),
-           "decode_iterations": len(decode), "ms_per_iteration": 1e3 * statistics.median(decode)}
+           "decode_iterations": len(decode), "ms_per_iteration": 1e3 * statistics.median(decode),
+           "ms_per_iteration_quartiles": [1e3 * q for q in quartiles],
+           "ms_per_iteration_windows": [1e3 * statistics.median(window) for window in windows]}
     if batch is not None and batch.num_real_seqs == batch_size:
         row["device_busy_ms"] = device_busy_ms(engine, batch)
         row["idle_fraction"] = 1 - row["device_busy_ms"] / row["ms_per_iteration"]
@@ -115,9 +126,12 @@ def run(args: argparse.Namespace) -> Results:
             row["fraction_of_bound"] = weight_bound_ms / row["ms_per_iteration"]
             rows.append(row)
             results.section("rows", rows)
+            low, _, high = row["ms_per_iteration_quartiles"]
+            windows = "" if len(row["ms_per_iteration_windows"]) < 2 else \
+                ", windows " + " / ".join(f"{ms:.2f}" for ms in row["ms_per_iteration_windows"])
             print(f"batch {batch_size}, async {on_off(overlap)}: {row['ms_per_iteration']:.2f} ms per "
-                  f"decode iteration (weight-read bound {weight_bound_ms:.2f} ms), batch "
-                  f"{row['batch_latency_s']:.3f} s, idle {row.get('idle_fraction', float('nan')):.2f}", flush=True)
+                  f"decode iteration (quartiles {low:.2f}-{high:.2f}{windows}; weight-read bound {weight_bound_ms:.2f} ms), "
+                  f"batch {row['batch_latency_s']:.3f} s, idle {row.get('idle_fraction', float('nan')):.2f}", flush=True)
     return results
 
 

@@ -185,8 +185,8 @@ def test_throughput_orca_and_request_level_on_the_paper_trace_and_tcb(tmp_path):
 
 def test_latency_against_the_weight_read_bound(tmp_path):
     bench.main(["latency", *ENGINE, "--dtype", "float32", "--batch-size", "1,4", "--input-len", "24",
-                "--output-len", "6", "--num-iters", "2", "--decode-steps", "5", "--async-scheduling", "on,off",
-                "--result-dir", str(tmp_path)])
+                "--output-len", "6", "--num-iters", "2", "--decode-steps", "5", "--decode-repeats", "2",
+                "--async-scheduling", "on,off", "--result-dir", str(tmp_path)])
     result = _result(tmp_path, "tiny-llama_latency.json")
     engine = result["engine"]
     config = get_preset("tiny-llama")  # fp32; num_params leaves out the norms' scales
@@ -194,7 +194,10 @@ def test_latency_against_the_weight_read_bound(tmp_path):
     assert engine["weight_bound_ms"] == pytest.approx(1e3 * engine["params_bytes"] / (engine["peaks"]["hbm_GB_s"] * 1e9))
     assert [(r["async_scheduling"], r["batch_size"]) for r in result["rows"]] == [(True, 1), (True, 4), (False, 1), (False, 4)]
     for row in result["rows"]:
-        assert row["decode_iterations"] == 5 and row["ms_per_iteration"] > 0
+        assert row["decode_iterations"] == 10 and row["ms_per_iteration"] > 0  # two windows of 5 steps
+        low, median, high = row["ms_per_iteration_quartiles"]
+        assert low <= median <= high and median == pytest.approx(row["ms_per_iteration"])
+        assert len(row["ms_per_iteration_windows"]) == 2 and min(row["ms_per_iteration_windows"]) <= high
         assert row["fraction_of_bound"] == pytest.approx(row["weight_bound_ms"] / row["ms_per_iteration"])
         assert 1e3 * row["batch_latency_s"] > row["ms_per_iteration"] and row["device_busy_ms"] > 0
 

@@ -322,6 +322,16 @@ class ModelRunner:
             report(started)
             outs.append(self._forward(empty_batch(*bucket, lora=lora), decode))
             self.release_logits(outs[-1])  # the next warm run writes the same buffer
+        # Decode forwards that sample run once too, on a samples buffer of their own (the engine's last
+        # samples may still be read by a batch in flight): their first run records their CUDA graph.
+        scratch = self.sampler.constant(np.zeros(self.max_num_seqs, np.int32))
+        for key in sorted(key for key in compiled if isinstance(key, ForwardKey) and key.sampled >= 0
+                          and key.lent == self.pool_lent):
+            batch = empty_batch(*key.bucket)
+            batch = dataclasses.replace(batch, sampling=dataclasses.replace(batch.sampling, sample_mode=SampleMode(key.sampled)))
+            packed, scratch = self.stages[0].run_sampled(key.bucket, self.compilation.executable(StageInKey(key.bucket, 0)),
+                                                         self.compilation.executable(key), pack_forward_inputs(batch), scratch)
+            outs.append(packed)
         report(len(variants))
         jax.block_until_ready([out for out in outs if not out.is_deleted()] + [stage.kv for stage in self.stages])
 

@@ -89,3 +89,20 @@ def test_sampled_decode_steps_launch_two_programs_with_every_buffer_where_it_was
     assert all(call[1] == forwards[0][1] and call[2][1:] == forwards[0][2][1:] for call in forwards)
     # The samples' buffer is read and written in place: an argument's address is an output's.
     assert set(forwards[0][2][1:]) <= set(forwards[0][1])
+
+
+def test_precompiled_sampled_forwards_are_run_once_and_change_no_token():
+    """Precompiling runs each sampled decode forward once on padding, on a samples buffer of its own
+    (its CUDA graph is recorded before serving): the tokens are those of an engine that compiled on
+    demand, and nothing compiles while serving."""
+    def run(precompile: bool):
+        engine = tiny_engine(attention=AttentionBackend.PALLAS, max_num_batched_tokens=16, precompile=precompile)
+        compiled = set(engine.runner.compilation.compiled_keys)
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(prompt[:12], _sampling(i), request_id=str(i))
+        return drain(engine), compiled, set(engine.runner.compilation.compiled_keys)
+
+    warm, before, after = run(True)
+    assert any(isinstance(key, ForwardKey) and key.sampled >= 0 for key in before) and after == before
+    cold, _, _ = run(False)
+    assert warm == cold

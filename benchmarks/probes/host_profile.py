@@ -7,7 +7,10 @@ one decodes, then times `--iterations` steps. Per step (µs, medians over steps)
   packing, host-to-device copies and program launches);
 - wait: blocked on the device's tokens (EngineStats.device_wait_seconds_total);
 - output: the rest of step() (logprobs lists, non-finite check, RequestOutputs, detokenizer);
-- step: the whole of step(); host = step - wait.
+- step: the whole of step(); host = step - wait;
+- launch: the runner's calls themselves (execute, or forward and sample), on whichever thread made them:
+  with the dispatch thread (engine/dispatcher.py) `dispatch` is only the submission, and the launches
+  run beside the engine thread's phases (summed per step, from the step's start to the next's).
 Then, on the plans of the timed steps, replayed with no device (`parts`, µs per call): build_batch's
 forward arrays apart from the sampling inputs (SamplingBatcher.rows), pack_forward_inputs, and the
 RequestOutputs of a batch (output_processor.request_output per row). `--cprofile N` adds each case's
@@ -29,6 +32,7 @@ import json
 import platform
 import pstats
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -42,7 +46,7 @@ from orca_jax.worker.input_batch import build_batch, pack_forward_inputs
 
 # ours: schedule + build + update + output, the Python loop apart from the launches and the device;
 # gc: the cyclic garbage collector's pauses inside the step (already counted in the phase they hit)
-PHASES = ("schedule", "build", "dispatch", "update", "output", "ours", "gc", "wait", "host", "step")
+PHASES = ("schedule", "build", "dispatch", "update", "output", "ours", "gc", "wait", "host", "step", "launch")
 
 
 class GCPauses:
@@ -61,6 +65,43 @@ class GCPauses:
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
         return seconds
+
+
+class LaunchTimer:
+    """Seconds spent inside the runner's dispatching calls, whichever thread makes them."""
+
+    def __init__(self, runner):
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._depth = threading.local()  # execute calls sample itself: only the outermost call is timed
+        self._runner = runner
+        self._originals = {name: getattr(runner, name) for name in ("execute", "forward", "sample")}
+        for name, original in self._originals.items():
+            setattr(runner, name, self._timed(original))
+
+    def _timed(self, call):
+        depth = self._depth
+
+        def timed(*args):
+            if getattr(depth, "n", 0):
+                return call(*args)
+            depth.n, start = 1, time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                depth.n = 0
+                with self._lock:
+                    self.seconds += time.perf_counter() - start
+        return timed
+
+    def take(self) -> float:
+        with self._lock:
+            seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def remove(self) -> None:
+        for name in self._originals:
+            delattr(self._runner, name)  # the class's methods again
 
 
 class Split:
@@ -114,6 +155,7 @@ def run_case(engine: Engine, name: str, num_seqs: int, args, mixed: bool) -> dic
     # Warm up past every prompt (the decode cases' steady state), then args.warmup more steps.
     warmup = args.warmup + -(-num_seqs * args.prompt_len // args.max_num_batched_tokens)
     rows, profiler, pauses = [], cProfile.Profile() if args.cprofile else None, GCPauses()
+    launches = LaunchTimer(engine.runner)
     for i in range(warmup + args.iterations):
         timed = i >= warmup
         if mixed and i % args.mixed_every == 0:
@@ -121,6 +163,7 @@ def run_case(engine: Engine, name: str, num_seqs: int, args, mixed: bool) -> dic
         wait_before = engine.stats().device_wait_seconds_total
         split.take()
         pauses.take()
+        launches.take()
         if timed and profiler:
             profiler.enable()
         start = time.perf_counter()
@@ -131,7 +174,7 @@ def run_case(engine: Engine, name: str, num_seqs: int, args, mixed: bool) -> dic
         if not outputs and not engine.has_unfinished():
             raise RuntimeError(f"{name}: the engine ran dry; raise max_tokens")
         row = split.take() | {"wait": engine.stats().device_wait_seconds_total - wait_before, "step": step,
-                              "gc": pauses.take()}
+                              "gc": pauses.take(), "launch": launches.take()}
         row["host"] = step - row["wait"]
         row["ours"] = step - row["wait"] - row["dispatch"]
         row["output"] = step - sum(row[k] for k in ("schedule", "build", "dispatch", "update", "wait"))
@@ -141,6 +184,7 @@ def run_case(engine: Engine, name: str, num_seqs: int, args, mixed: bool) -> dic
             split.plans, split.batches = [], []
     engine.remove_observer(split)
     gc.callbacks.remove(pauses)
+    launches.remove()
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished():

@@ -269,10 +269,7 @@ class Stage:
         [T, H] activations, already moved here (`Handoff`). `lora`: `forward` has the adapter term
         (it then reads this stage's LoRA table).
         """
-        staged = self._staged.get(bucket)
-        if staged is None:
-            staged = self._zeros(packed.shape[0])
-        self._staged[bucket] = staged = stage_in(staged, packed)  # the old buffer is donated: same address
+        staged = self._stage(bucket, stage_in, packed)
         out, self.kv = forward(self.params, self.kv, self.lora.table if lora else None, staged, inputs, logits)
         return out
 
@@ -281,12 +278,16 @@ class Stage:
         """Dispatch the only stage's decode forward that samples (asynchronous): the packed result
         i32[S, 2] and the samples i32[max_num_seqs], written over `samples` (the previous ones, which
         the forward reads its fed-back tokens from; donated)."""
+        result, samples, self.kv = forward(self.params, self.kv, self._stage(bucket, stage_in, packed), samples)
+        return result, samples
+
+    def _stage(self, bucket: Bucket, stage_in: jax.stages.Compiled, packed: np.ndarray) -> jax.Array:
+        """`packed` copied into the bucket's staged buffer (donated to `stage_in`: same address)."""
         staged = self._staged.get(bucket)
         if staged is None:
             staged = self._zeros(packed.shape[0])
         self._staged[bucket] = staged = stage_in(staged, packed)
-        result, samples, self.kv = forward(self.params, self.kv, staged, samples)
-        return result, samples
+        return staged
 
     def _zeros(self, size: int) -> jax.Array:
         """i32[size] zeros on this stage's devices, made shard by shard: a device_put of one host array

@@ -186,8 +186,9 @@ def test_throughput_orca_and_request_level_on_the_paper_trace_and_tcb(tmp_path):
 def test_latency_against_the_weight_read_bound(tmp_path):
     bench.main(["latency", *ENGINE, "--dtype", "float32", "--batch-size", "1,4", "--input-len", "24",
                 "--output-len", "6", "--num-iters", "2", "--decode-steps", "5", "--decode-repeats", "2",
-                "--async-scheduling", "on,off", "--result-dir", str(tmp_path)])
+                "--async-scheduling", "on,off", "--no-fuse-decode-sampling", "--result-dir", str(tmp_path)])
     result = _result(tmp_path, "tiny-llama_latency.json")
+    assert result["args"]["fuse_decode_sampling"] is False
     engine = result["engine"]
     config = get_preset("tiny-llama")  # fp32; num_params leaves out the norms' scales
     assert engine["params_bytes"] == 4 * (config.num_params + (2 * config.num_layers + 1) * config.hidden_size)
